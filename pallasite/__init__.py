@@ -1,0 +1,1 @@
+"""pallasite: a JAX/Pallas inference stack for decoder-only LLMs."""

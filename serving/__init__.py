@@ -1,0 +1,1 @@
+"""The serving system: KV pages, scheduler, sampler, engine and the gRPC service."""

@@ -1,0 +1,1 @@
+"""User-facing tools: plan explorer, benchmarks, converters."""

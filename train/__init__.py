@@ -1,0 +1,1 @@
+"""Training on the same model and mesh: data, step, checkpoints and export."""
