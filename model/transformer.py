@@ -1,0 +1,116 @@
+"""The decoder and its two pure entry points.
+
+Params are a plain pytree: {embed, layers_0 … layers_{L-1}, final_norm, lm_head (untied only)}.
+Layers are unrolled rather than scanned so that each layer's weights and KV pages are separate
+buffers: the paged step then updates each layer's pages in place with no slicing copies.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .attention import Attention, Batch
+from .config import ModelConfig
+from .layers import MLP, MoE, RMSNorm, param
+
+
+class Block(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch=None):
+        c = self.config
+        h, layer_cache = Attention(c, self.dtype, name="attn")(
+            RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="attn_norm")(x),
+            positions, segment_ids, layer_cache, batch)
+        x = x + h
+        ffn = MoE(c, self.dtype, name="moe") if c.is_moe else MLP(c, self.dtype, name="mlp")
+        x = x + ffn(RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="mlp_norm")(x))
+        return x, layer_cache
+
+
+class Decoder(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed = param(self, "embed", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
+        self.layers = [Block(c, self.dtype, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
+                                 self.dtype)
+
+    def logits(self, x):
+        x = self.final_norm(x)
+        w = self.embed.T if self.config.tie_word_embeddings else self.lm_head
+        return (x @ w).astype(jnp.float32)
+
+    def __call__(self, tokens, positions, segment_ids=None, kv_cache=None, batch=None):
+        x = self.embed[tokens]
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, positions, segment_ids,
+                                   None if kv_cache is None else kv_cache[i], batch)
+            new_cache.append(layer_cache)
+        if kv_cache is None:
+            return self.logits(x), None
+        return self.logits(x[batch.logits_indices]), new_cache
+
+
+def _dtype_of(params):
+    return params["embed"].dtype
+
+
+def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32):
+    """Random params (normal(0.02), norms at one) as a plain pytree of arrays."""
+    return nn.unbox(_init(config, dtype, jax.random.key(seed)))
+
+
+def _init(config, dtype, key):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Decoder(config, dtype).init(key, tokens, tokens)["params"]
+
+
+def param_shapes(config: ModelConfig, dtype=jnp.float32):
+    """Shapes and dtypes of every parameter, without allocating any (`jax.ShapeDtypeStruct`s)."""
+    return nn.unbox(jax.eval_shape(lambda: _init(config, dtype, jax.random.key(0))))
+
+
+def param_logical_axes(config: ModelConfig):
+    """A pytree like the params holding each parameter's logical axis names (a PartitionSpec)."""
+    boxed = jax.eval_shape(lambda: _init(config, jnp.float32, jax.random.key(0)))
+    return nn.get_partition_spec(boxed)
+
+
+def forward_logits(params, config: ModelConfig, token_ids, positions=None, segment_ids=None):
+    """No-cache causal forward. token_ids [B, T] -> float32 logits [B, T, vocab]. With packed
+    documents, pass their `segment_ids` [B, T] and per-document `positions` [B, T]."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[-1]), token_ids.shape)
+    logits, _ = Decoder(config, _dtype_of(params)).apply(
+        {"params": params}, token_ids, positions, segment_ids)
+    return logits
+
+
+def forward(params, config: ModelConfig, tokens, positions, kv_cache, batch: Batch):
+    """Cached forward over a ragged batch. tokens/positions [T] (flat, padded), kv_cache from
+    `init_kv_cache`, batch: `Batch`. Returns (float32 logits [N, vocab] at
+    batch.logits_indices, updated kv_cache). Jit it with `config` static and `kv_cache` donated."""
+    logits, kv_cache = Decoder(config, _dtype_of(params)).apply(
+        {"params": params}, tokens, positions, None, kv_cache, batch)
+    return logits, kv_cache
+
+
+def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int):
+    return (config.num_kv_heads, num_pages, page_size, config.head_dim)
+
+
+def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16):
+    """A list per layer of (k_pages, v_pages), each [kv_heads, num_pages, page_size, head_dim]."""
+    shape = kv_cache_shape(config, num_pages, page_size)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
