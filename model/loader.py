@@ -156,9 +156,12 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
     handles, params = {}, {}
     for param_path, (names, build) in sources.items():
         arrays = [_read(n, files, handles) for n in names]
-        value = build(*arrays) if build else arrays[0]
         want = _get(expected, param_path)
-        if value.shape != want.shape:
+        try:
+            value = build(*arrays) if build else arrays[0]
+        except ValueError:  # a reshape that cannot fit: reported as the shape error below
+            value = None
+        if value is None or value.shape != want.shape:
             raise CheckpointError(
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
