@@ -1,0 +1,121 @@
+"""Probe the GPU machine: library versions, copy ceiling, and batch-1 decode of a Llama-3-8B-shaped
+model through `pallasite.model.forward` (random bf16 weights) against its weight-read roofline.
+
+    python tools/probe_gpu.py [--layers 32] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def versions():
+    out = {}
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "grpc", "google.protobuf",
+                 "tokenizers", "safetensors", "transformers", "torch", "triton", "numpy"):
+        try:
+            out[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as e:  # report, don't stop: this is a probe
+            out[name] = f"missing ({type(e).__name__})"
+    out["devices"] = [d.device_kind for d in jax.devices()]
+    return out
+
+
+def copy_bandwidth(gb=4):
+    """Bytes read + written per second by a device-to-device copy (torch if present, else jnp)."""
+    n = int(gb * 2**30) // 2
+    try:
+        import torch
+        a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        del a, b
+        torch.cuda.empty_cache()
+        return 2 * n * 2 / float(np.median(times)), "torch copy_"
+    except Exception:
+        x = jnp.ones((n,), jnp.bfloat16)
+        f = jax.jit(lambda x: x + 1)
+        f(x).block_until_ready()
+        t = []
+        for _ in range(20):
+            s = time.perf_counter(); f(x).block_until_ready(); t.append(time.perf_counter() - s)
+        return 2 * n * 2 / float(np.median(t)), "jnp elementwise"
+
+
+def decode_probe(layers, ctx=512, page_size=16, steps=50):
+    from pallasite.model import Batch, config_from_dict, forward, init_kv_cache, init_params
+    config = config_from_dict(dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rope_theta=500000.0))
+    params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    num_pages = ctx // page_size + 8
+    kv = init_kv_cache(config, num_pages, page_size, jnp.bfloat16)
+    step = jax.jit(lambda p, t, pos, kv, b: forward(p, config, t, pos, kv, b), donate_argnums=3)
+    batch = Batch(jnp.array([0, 1], jnp.int32), jnp.array([ctx], jnp.int32),
+                  jnp.arange(num_pages, dtype=jnp.int32)[None, : ctx // page_size],
+                  jnp.array([ctx - 1], jnp.int32), jnp.array([0], jnp.int32))
+    tok, pos = jnp.array([7], jnp.int32), jnp.array([ctx - 1], jnp.int32)
+    t0 = time.perf_counter()
+    logits, kv = step(params, tok, pos, kv, batch)
+    logits.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    for _ in range(5):
+        logits, kv = step(params, tok, pos, kv, batch)
+    logits.block_until_ready()
+    times = []
+    for _ in range(steps):
+        s = time.perf_counter()
+        logits, kv = step(params, tok, pos, kv, batch)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - s)
+    # Pipelined: dispatch many steps back to back, sync once (what a decode loop sees).
+    s = time.perf_counter()
+    for _ in range(steps):
+        logits, kv = step(params, tok, pos, kv, batch)
+    logits.block_until_ready()
+    pipelined = (time.perf_counter() - s) / steps
+    kv_bytes = 2 * layers * config.num_kv_heads * ctx * config.head_dim * 2
+    return dict(layers=layers, weight_gb=weight_bytes / 1e9, compile_s=compile_s,
+                step_ms_synced=1e3 * float(np.median(times)), step_ms_pipelined=1e3 * pipelined,
+                bytes_per_step=weight_bytes + kv_bytes)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    info = {"versions": versions()}
+    print(json.dumps(info["versions"]), flush=True)
+    bw, how = copy_bandwidth()
+    info["copy_tbps"], info["copy_how"] = bw / 1e12, how
+    print(f"copy ceiling {bw / 1e12:.2f} TB/s ({how})", flush=True)
+    d = decode_probe(args.layers)
+    roof_ms = 1e3 * d["bytes_per_step"] / bw
+    d.update(roofline_ms=roof_ms, frac_synced=roof_ms / d["step_ms_synced"],
+             frac_pipelined=roof_ms / d["step_ms_pipelined"])
+    info["decode"] = d
+    with open(os.path.join(args.out, "probe.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    print(json.dumps(d, indent=1))
+
+
+if __name__ == "__main__":
+    main()
