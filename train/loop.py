@@ -1,0 +1,128 @@
+"""The training loop: steps, evaluation, checkpoints, a progress line and a JSONL metrics log."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import jax
+
+from .data import Batches, Dataset, eval_batches
+from .step import Trainer
+
+
+@dataclasses.dataclass
+class LoopSettings:
+    steps: int
+    batch_size: int
+    accum: int = 1
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 20
+    log_every: int = 10
+    time_budget: float | None = None  # seconds; stop (and checkpoint) once spent
+    quiet: bool = False
+
+
+class Progress:
+    """One line: step, bar, loss, tokens/s, ETA. Redrawn in place on a terminal, otherwise
+    printed every `log_every` steps."""
+
+    def __init__(self, total: int, start: int, quiet: bool = False):
+        self.total, self.start, self.quiet = total, start, quiet
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def line(self, step: int, loss: float, tok_s: float) -> str:
+        done = (step - self.start) / max(time.perf_counter() - self.t0, 1e-9)
+        eta = (self.total - step) / done if done > 0 else math.inf
+        filled = int(20 * step / self.total)
+        return (f"step {step}/{self.total} [{'#' * filled}{'.' * (20 - filled)}] loss {loss:.4f}"
+                f" | {tok_s / 1e3:.1f}k tok/s | ETA {_duration(eta)}")
+
+    def show(self, step: int, loss: float, tok_s: float):
+        if self.quiet:
+            return
+        text = self.line(step, loss, tok_s)
+        print(("\r" + text) if self.tty else text, end="" if self.tty else "\n", file=sys.stderr,
+              flush=True)
+
+    def note(self, text: str):
+        if not self.quiet:
+            print(("\n" if self.tty else "") + text, file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+def evaluate(trainer: Trainer, params, dataset: Dataset, batch_size: int, max_batches: int) -> dict:
+    """Mean held-out loss and perplexity over (up to) max_batches batches."""
+    total, count = 0.0, 0.0
+    for batch in eval_batches(dataset.eval, batch_size, max_batches):
+        s, c = trainer.eval(params, trainer.put_batch(batch, accum=False))
+        total, count = total + float(s), count + float(c)
+    loss = total / max(count, 1.0)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+
+
+def run_loop(trainer: Trainer, state, dataset: Dataset, settings: LoopSettings, checkpoints=None,
+             meta: dict | None = None, metrics_file=None, on_eval=None):
+    """Train from state["step"] to settings.steps (or until the time budget is spent).
+    Returns the final state; the last step is always checkpointed."""
+    s = settings
+    batches = Batches(dataset.train, s.batch_size, s.accum, s.seed)
+    step = int(state["step"])
+    progress = Progress(s.steps, step, s.quiet)
+    log = open(metrics_file, "a") if metrics_file else None
+    t_start, t_log, tokens = time.perf_counter(), time.perf_counter(), 0.0
+    pending = []  # device metrics not yet read back (reading every step would stall the GPU)
+    while step < s.steps:
+        state, metrics = trainer.step(state, trainer.put_batch(batches(step)))
+        step += 1
+        pending.append(metrics)
+        stop = s.time_budget is not None and time.perf_counter() - t_start > s.time_budget
+        if step % s.log_every == 0 or step == s.steps or stop:
+            host = jax.device_get(pending)
+            pending = []
+            now = time.perf_counter()
+            tokens = sum(float(m["tokens"]) for m in host)
+            tok_s = tokens / max(now - t_log, 1e-9)
+            t_log = now
+            last = host[-1]
+            progress.show(step, float(last["loss"]), tok_s)
+            _write(log, {"step": step, "loss": float(last["loss"]), "lr": float(last["lr"]),
+                         "grad_norm": float(last["grad_norm"]), "tokens_per_s": tok_s,
+                         "epoch": batches.epoch(step), "elapsed_s": now - t_start})
+        if s.eval_every and (step % s.eval_every == 0 or step == s.steps or stop):
+            result = {"step": step, **evaluate(trainer, state["params"], dataset, s.batch_size,
+                                               s.eval_batches)}
+            progress.note(f"eval at step {step}: loss {result['eval_loss']:.4f}, "
+                          f"perplexity {result['eval_ppl']:.2f}")
+            _write(log, result)
+            if on_eval:
+                on_eval(step, state, result)
+        if checkpoints is not None:
+            checkpoints.save(step, state, {**(meta or {}), "data_step": step},
+                             force=step == s.steps or stop)
+        if stop:
+            progress.note(f"time budget of {s.time_budget:.0f}s spent at step {step}")
+            break
+    progress.note("")
+    if checkpoints is not None:
+        checkpoints.wait()
+    if log:
+        log.close()
+    return state
+
+
+def _write(log, record: dict):
+    if log:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
