@@ -1,0 +1,143 @@
+"""The KV page pool: free list, per-sequence page tables, reference counts and a prefix cache.
+
+Every page is in exactly one of three states:
+  free    on the free list, content meaningless;
+  used    referenced by one or more sequences' page tables (ref count > 0);
+  cached  unreferenced but holding a full page of some prefix, findable by its key and evicted
+          least-recently-used when the pool needs room.
+A full page's key is a hash chain: the digest of (the previous page's key, this page's tokens), the
+chain starting from the model's key, so one digest names a whole prefix. Only full pages are ever
+shared, and sequences only write past their shared prefix, so shared pages are never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def page_digest(parent: bytes, tokens) -> bytes:
+    return hashlib.blake2b(parent + array("i", tokens).tobytes(), digest_size=16).digest()
+
+
+class KVPages:
+    def __init__(self, num_pages: int, page_size: int, model_key: str = ""):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.root = hashlib.blake2b(model_key.encode(), digest_size=16).digest()
+        self.free_list = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.refs = [0] * num_pages
+        self.tables: dict[object, list[int]] = {}
+        self.digests: dict[object, list[bytes]] = {}  # keys of each sequence's full, cached pages
+        self.cache: dict[bytes, int] = {}  # key -> page
+        self.key_of: dict[int, bytes] = {}  # page -> key, for every page in `cache`
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, oldest first
+
+    # -- queries -------------------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def num_available(self) -> int:
+        """Pages an allocation can take: free ones plus evictable cached ones."""
+        return len(self.free_list) + len(self.lru)
+
+    def table(self, seq) -> list[int]:
+        return self.tables[seq]
+
+    def stats(self) -> dict:
+        used = self.num_pages - len(self.free_list) - len(self.lru)
+        return dict(pages_total=self.num_pages, pages_free=len(self.free_list),
+                    pages_used=used, pages_cached=len(self.lru))
+
+    # -- sequence lifecycle --------------------------------------------------------------------
+    def share_prefix(self, seq, tokens) -> int:
+        """Start `seq`'s table with the cached pages matching the longest run of full pages of
+        `tokens`; returns how many tokens they hold. Callers pass all but the last known token so
+        at least one token is left to compute."""
+        assert seq not in self.tables, f"sequence {seq!r} already has pages"
+        table, keys, parent = [], [], self.root
+        for i in range(len(tokens) // self.page_size):
+            key = page_digest(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+            page = self.cache.get(key)
+            if page is None:
+                break
+            table.append(page)
+            keys.append(key)
+            parent = key
+        for page in table:
+            self._ref(page)
+        self.tables[seq], self.digests[seq] = table, keys
+        return len(table) * self.page_size
+
+    def grow(self, seq, num_tokens: int) -> bool:
+        """Make `seq`'s table cover `num_tokens` tokens. All or nothing: False if the pool cannot."""
+        table = self.tables.setdefault(seq, [])
+        self.digests.setdefault(seq, [])
+        need = self.pages_for(num_tokens) - len(table)
+        if need <= 0:
+            return True
+        if need > self.num_available():
+            return False
+        for _ in range(need):
+            page = self.free_list.pop() if self.free_list else self._evict()
+            self.refs[page] = 1
+            table.append(page)
+        return True
+
+    def cache_full_pages(self, seq, tokens):
+        """Enter `seq`'s full pages into the prefix cache. `tokens` are the sequence's tokens
+        whose K/V are written (or queued to be written ahead of any reader) in its pages."""
+        table, keys = self.tables[seq], self.digests[seq]
+        parent = keys[-1] if keys else self.root
+        for i in range(len(keys), min(len(tokens) // self.page_size, len(table))):
+            key = page_digest(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+            page = table[i]
+            if key not in self.cache and page not in self.key_of:
+                self.cache[key], self.key_of[page] = page, key
+            keys.append(key)
+            parent = key
+
+    def free(self, seq):
+        """Drop `seq`'s references. Unreferenced cached pages join the LRU tail-first, so a
+        prefix's later pages are evicted before its earlier ones (which keep the rest findable)."""
+        table = self.tables.pop(seq, [])
+        self.digests.pop(seq, None)
+        for page in reversed(table):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self.lru[page] = None
+                else:
+                    self.free_list.append(page)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _ref(self, page: int):
+        if self.refs[page] == 0:
+            self.lru.pop(page)
+        self.refs[page] += 1
+
+    def _evict(self) -> int:
+        page, _ = self.lru.popitem(last=False)
+        del self.cache[self.key_of.pop(page)]
+        return page
+
+    def check(self):
+        """Assert every invariant of the pool (used by tests)."""
+        counts = [0] * self.num_pages
+        for seq, table in self.tables.items():
+            assert len(set(table)) == len(table), f"{seq!r} holds a page twice"
+            for page in table:
+                counts[page] += 1
+        assert counts == self.refs, "ref counts differ from the page tables"
+        free = set(self.free_list)
+        assert len(free) == len(self.free_list), "a page is on the free list twice"
+        assert all(self.refs[p] == 0 and p not in self.key_of for p in free), "bad free page"
+        assert set(self.lru) == {p for p in self.key_of if self.refs[p] == 0}, "LRU != idle cache"
+        assert not free & set(self.lru), "a page is both free and cached"
+        used = sum(1 for r in self.refs if r > 0)
+        assert len(free) + len(self.lru) + used == self.num_pages, "a page leaked"
+        assert {v: k for k, v in self.cache.items()} == self.key_of, "cache maps disagree"
+        for seq, keys in self.digests.items():
+            assert len(keys) <= len(self.tables[seq])
