@@ -1,0 +1,141 @@
+"""Tokenizer of a checkpoint folder: `tokenizer.json` through the `tokenizers` library, special
+tokens and EOS ids from the configs, chat templates rendered as Hugging Face renders them, and
+incremental detokenization for streaming.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """A checkpoint folder whose tokenizer cannot be loaded or used as asked."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+
+
+def _token_text(value) -> str | None:
+    """Special tokens appear as plain strings or as {"content": ...} objects."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else list(value) if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer, config: dict, eos_ids: tuple[int, ...],
+                 chat_template: str | None):
+        self.tok, self.config, self.eos_token_ids, self.chat_template = tok, config, eos_ids, chat_template
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+
+    @classmethod
+    def from_pretrained(cls, path) -> "Tokenizer":
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise TokenizerError(f"no tokenizer.json in {path}: only fast (tokenizers) "
+                                 "tokenizers are supported")
+        try:
+            tok = _HFTokenizer.from_file(str(file))
+        except Exception as e:  # the library raises a bare Exception for malformed files
+            raise TokenizerError(f"cannot read {file}: {e}") from None
+        config = {**_read_json(path / "special_tokens_map.json"),
+                  **_read_json(path / "tokenizer_config.json")}
+        eos = set(_ids(_read_json(path / "generation_config.json").get("eos_token_id")))
+        eos |= set(_ids(_read_json(path / "config.json").get("eos_token_id")))
+        eos_text = _token_text(config.get("eos_token"))
+        if eos_text and tok.token_to_id(eos_text) is not None:
+            eos.add(tok.token_to_id(eos_text))
+        template = config.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(tok, config, tuple(sorted(eos)), template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **variables) -> str:
+        """Render the checkpoint's chat template the way `transformers` does."""
+        if not self.chat_template:
+            raise TokenizerError("this checkpoint has no chat_template in tokenizer_config.json")
+        specials = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **{**specials, **variables})
+
+
+def _raise(message):
+    raise TokenizerError(f"chat template error: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+_templates: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    if source not in _templates:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _templates[source] = env.from_string(source)
+    return _templates[source]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Each new token is decoded together with a few tokens before it and only the difference is
+    emitted: this keeps the spaces that depend on the previous token, and a delta is held back
+    while it ends in an incomplete UTF-8 character (U+FFFD) until the bytes that finish it come.
+    """
+
+    CONTEXT = 5  # prompt tokens decoded along with the first output token
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.read = len(self.ids)  # tokens already turned into text
+        self.prefix = max(0, self.read - self.CONTEXT)  # start of the decoding window
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read])
+        text = decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
