@@ -55,9 +55,10 @@ def _read_jsonl(path: Path) -> list[str]:
     return docs
 
 
-def tokenize(docs: list[str], tokenizer, eos_id: int) -> list[np.ndarray]:
-    """Each document's token ids, EOS appended (the model learns where text ends)."""
-    return [np.asarray(e.ids + [eos_id], np.int32) for e in tokenizer.encode_batch(docs)]
+def tokenize(docs: list[str], encode, eos_id: int) -> list[np.ndarray]:
+    """Each document's token ids (`encode(text) -> ids`, as for a prompt), EOS appended: the
+    model learns where text ends."""
+    return [np.asarray(list(encode(d)) + [eos_id], np.int32) for d in docs]
 
 
 def pack(token_docs: list[np.ndarray], seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -99,10 +100,10 @@ class Dataset:
         return self.train["inputs"].shape[1]
 
 
-def build_dataset(paths, tokenizer, eos_id: int, seq_len: int, seed: int = 0,
+def build_dataset(paths, encode, eos_id: int, seq_len: int, seed: int = 0,
                   eval_fraction: float = 0.05) -> Dataset:
     """Read, tokenize, shuffle documents by `seed`, pack, and hold out the last rows for eval."""
-    docs = tokenize(read_documents(paths), tokenizer, eos_id)
+    docs = tokenize(read_documents(paths), encode, eos_id)
     order = np.random.default_rng(seed).permutation(len(docs))
     rows = pack([docs[i] for i in order], seq_len)
     n = len(rows["inputs"])
