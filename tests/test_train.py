@@ -34,18 +34,23 @@ def corpus(tmp_path_factory):
 def test_pack_keeps_documents_apart():
     docs = [np.array([5, 6, 7, 0]), np.array([8, 9, 0]), np.array([3, 4, 2, 1, 0])]
     rows = pack(docs, seq_len=5)
-    np.testing.assert_array_equal(rows["inputs"], [[5, 6, 7, 0, 8], [9, 0, 3, 4, 2], [1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(rows["targets"], [[6, 7, 0, 8, 9], [0, 3, 4, 2, 1], [0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(rows["segment_ids"], [[1, 1, 1, 1, 2], [2, 2, 3, 3, 3], [3, 3, 0, 0, 0]])
-    # Positions restart with each document and where a document enters a new row.
-    np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2], [0, 1, 0, 1, 2]])
-    # No loss on EOS -> next document, nor on padding.
-    np.testing.assert_array_equal(rows["loss_mask"], [[1, 1, 1, 0, 1], [1, 0, 1, 1, 1], [1, 0, 0, 0, 0]])
+    expect = {
+        "inputs": [[5, 6, 7, 0, 8], [9, 0, 3, 4, 2], [1, 0, 0, 0, 0]],
+        "targets": [[6, 7, 0, 8, 9], [0, 3, 4, 2, 1], [0, 0, 0, 0, 0]],
+        "segment_ids": [[1, 1, 1, 1, 2], [2, 2, 3, 3, 3], [3, 3, 0, 0, 0]],
+        # Positions restart with each document and where a document enters a new row.
+        "positions": [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2], [0, 1, 0, 1, 2]],
+        # No loss on EOS -> next document, nor on padding.
+        "loss_mask": [[1, 1, 1, 0, 1], [1, 0, 1, 1, 1], [1, 0, 0, 0, 0]],
+    }
+    for field, want in expect.items():
+        np.testing.assert_array_equal(rows[field], want, err_msg=field)
 
 
 def test_batches_are_a_function_of_seed_and_step(model_dir, corpus):
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    data = build_dataset([corpus], tok, 0, 32, seed=3, eval_fraction=0.1)
+    encode = lambda text: tok.encode(text).ids
+    data = build_dataset([corpus], encode, 0, 32, seed=3, eval_fraction=0.1)
     assert len(data.eval["inputs"]) >= 1 and data.seq_len == 32
     a, b = Batches(data.train, 4, 2, seed=1), Batches(data.train, 4, 2, seed=1)
     for step in (0, 7, 500):  # 500 is many epochs in: each epoch has its own order
@@ -57,16 +62,16 @@ def test_batches_are_a_function_of_seed_and_step(model_dir, corpus):
     assert not np.array_equal(Batches(data.train, 4, 2, seed=2)(0)["inputs"], a(0)["inputs"])
 
 
-def tiny_trainer(model_dir, corpus, steps, lr=3e-3, accum=1, mesh=(1, 1, 1)):
+def tiny_trainer(model_dir, corpus, steps, lr=3e-3, mesh=(1, 1, 1)):
     config = load_config(model_dir)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    data = build_dataset([corpus], tok, 0, 32, seed=0, eval_fraction=0.1)
+    data = build_dataset([corpus], lambda text: tok.encode(text).ids, 0, 32, eval_fraction=0.1)
     trainer = Trainer(config, Hyper(lr=lr, warmup_steps=5, total_steps=steps), make_mesh(*mesh))
     return config, data, trainer
 
 
 def test_loss_drops(model_dir, corpus, tmp_path):
-    config, data, trainer = tiny_trainer(model_dir, corpus, steps=40, accum=2)
+    config, data, trainer = tiny_trainer(model_dir, corpus, steps=40)
     state = trainer.init(init_params(config, 0), 0)
     settings = LoopSettings(steps=40, batch_size=8, accum=2, eval_every=40, log_every=1,
                             quiet=True)
@@ -85,11 +90,15 @@ def test_loss_drops(model_dir, corpus, tmp_path):
 def test_export_loads_in_transformers_and_pallasite(model_dir, tmp_path):
     config = load_config(model_dir)
     params = init_params(config, seed=1)
-    # Norm scales away from one so a swapped or untransposed tensor cannot hide.
-    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape), params)
+    # Every tensor, norm scales too, gets its own noise: a swapped tensor cannot hide.
+    leaves, tree = jax.tree.flatten(params)
+    params = tree.unflatten([p + 0.05 * jax.random.normal(jax.random.key(i), p.shape)
+                             for i, p in enumerate(leaves)])
     out = export_hf(params, config, tmp_path / "export", model_dir)
     _, loaded = load_hf(out, dtype=jnp.float32)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)))
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 40))
@@ -100,7 +109,8 @@ def test_export_loads_in_transformers_and_pallasite(model_dir, tmp_path):
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "The for statement is used to iterate"
-    assert tok(text)["input_ids"] == Tokenizer.from_file(str(out / "tokenizer.json")).encode(text).ids
+    ours_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok(text)["input_ids"] == ours_tok.encode(text).ids
     assert tok.eos_token_id == 0
 
 
