@@ -10,9 +10,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tokenizers import Tokenizer
 
 from ..model import CheckpointError, ConfigError, init_params, load_config, load_hf, to_hf_dict
+from ..model.tokenizer import Tokenizer, TokenizerError
 from .checkpoint import Checkpoints, ResumeError
 from .cli import UsageError, check_seq_len, parse_mesh
 from .data import DataError, build_dataset
@@ -22,7 +22,8 @@ from .mesh import make_mesh
 from .step import Hyper, Trainer
 
 # Errors a user causes; `pallasite train` prints these as one line instead of a traceback.
-USER_ERRORS = (UsageError, DataError, ConfigError, CheckpointError, ResumeError, ExportError)
+USER_ERRORS = (UsageError, DataError, ConfigError, CheckpointError, TokenizerError, ResumeError,
+               ExportError)
 
 
 def load_data(args, say):
@@ -32,12 +33,10 @@ def load_data(args, say):
     check_seq_len(args.seq_len, config)
     if not config.eos_token_ids:
         raise DataError(f"{model_dir}/config.json has no eos_token_id to end documents with")
-    if not (model_dir / "tokenizer.json").is_file():
-        raise DataError(f"no tokenizer.json in {model_dir}")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    encode = lambda text: tokenizer.encode(text).ids
-    data = build_dataset(args.data, encode, config.eos_token_ids[0], args.seq_len, args.seed,
-                         args.eval_fraction)
+    # Documents are tokenized exactly as the server tokenizes a prompt (BOS included or not).
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    data = build_dataset(args.data, tokenizer.encode, config.eos_token_ids[0], args.seq_len,
+                         args.seed, args.eval_fraction)
     say(f"data: {data.num_docs} documents, {data.num_tokens} tokens, {len(data.train['inputs'])} "
         f"train / {len(data.eval['inputs'])} eval rows of {args.seq_len}")
     if args.epochs:
