@@ -62,7 +62,8 @@ def _duration(seconds: float) -> str:
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
-def evaluate(trainer: Trainer, params, dataset: Dataset, batch_size: int, max_batches: int) -> dict:
+def evaluate(trainer: Trainer, params, dataset: Dataset, batch_size: int,
+             max_batches: int) -> dict:
     """Mean held-out loss and perplexity over (up to) max_batches batches."""
     total, count = 0.0, 0.0
     for batch in eval_batches(dataset.eval, batch_size, max_batches):
@@ -72,57 +73,73 @@ def evaluate(trainer: Trainer, params, dataset: Dataset, batch_size: int, max_ba
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
 
 
+class MetricsLog:
+    """Keeps step metrics on device and reads them back once per `log_every` steps (reading
+    every step would stall the GPU); then shows the progress line and appends a JSONL record
+    with the interval's mean loss."""
+
+    def __init__(self, path, progress: Progress, batches: Batches):
+        self.file = open(path, "a") if path else None
+        self.progress, self.batches = progress, batches
+        self.pending, self.t_start = [], time.perf_counter()
+        self.t_last = self.t_start
+
+    def add(self, metrics):
+        self.pending.append(metrics)
+
+    def flush(self, step: int):
+        host, self.pending = jax.device_get(self.pending), []
+        now = time.perf_counter()
+        tok_s = sum(float(m["tokens"]) for m in host) / max(now - self.t_last, 1e-9)
+        self.t_last = now
+        loss = sum(float(m["loss"]) for m in host) / len(host)
+        self.progress.show(step, loss, tok_s)
+        self.write({"step": step, "loss": loss, "lr": float(host[-1]["lr"]),
+                    "grad_norm": float(host[-1]["grad_norm"]), "tokens_per_s": tok_s,
+                    "epoch": self.batches.epoch(step), "elapsed_s": now - self.t_start})
+
+    def write(self, record: dict):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
 def run_loop(trainer: Trainer, state, dataset: Dataset, settings: LoopSettings, checkpoints=None,
              meta: dict | None = None, metrics_file=None, on_eval=None):
-    """Train from state["step"] to settings.steps (or until the time budget is spent).
-    Returns the final state; the last step is always checkpointed."""
+    """Train from state["step"] to settings.steps, or until the time budget is spent; the last
+    step is always checkpointed. `on_eval(step, state, result)` sees each evaluation."""
     s = settings
     batches = Batches(dataset.train, s.batch_size, s.accum, s.seed)
     step = int(state["step"])
     progress = Progress(s.steps, step, s.quiet)
-    log = open(metrics_file, "a") if metrics_file else None
-    t_start, t_log, tokens = time.perf_counter(), time.perf_counter(), 0.0
-    pending = []  # device metrics not yet read back (reading every step would stall the GPU)
+    log = MetricsLog(metrics_file, progress, batches)
     while step < s.steps:
         state, metrics = trainer.step(state, trainer.put_batch(batches(step)))
         step += 1
-        pending.append(metrics)
-        stop = s.time_budget is not None and time.perf_counter() - t_start > s.time_budget
-        if step % s.log_every == 0 or step == s.steps or stop:
-            host = jax.device_get(pending)
-            pending = []
-            now = time.perf_counter()
-            tokens = sum(float(m["tokens"]) for m in host)
-            tok_s = tokens / max(now - t_log, 1e-9)
-            t_log = now
-            last = host[-1]
-            progress.show(step, float(last["loss"]), tok_s)
-            _write(log, {"step": step, "loss": float(last["loss"]), "lr": float(last["lr"]),
-                         "grad_norm": float(last["grad_norm"]), "tokens_per_s": tok_s,
-                         "epoch": batches.epoch(step), "elapsed_s": now - t_start})
-        if s.eval_every and (step % s.eval_every == 0 or step == s.steps or stop):
+        log.add(metrics)
+        stop = s.time_budget is not None and time.perf_counter() - log.t_start > s.time_budget
+        last = step == s.steps or stop
+        if step % s.log_every == 0 or last:
+            log.flush(step)
+        if s.eval_every and (step % s.eval_every == 0 or last):
             result = {"step": step, **evaluate(trainer, state["params"], dataset, s.batch_size,
                                                s.eval_batches)}
             progress.note(f"eval at step {step}: loss {result['eval_loss']:.4f}, "
                           f"perplexity {result['eval_ppl']:.2f}")
-            _write(log, result)
+            log.write(result)
             if on_eval:
                 on_eval(step, state, result)
         if checkpoints is not None:
-            checkpoints.save(step, state, {**(meta or {}), "data_step": step},
-                             force=step == s.steps or stop)
+            checkpoints.save(step, state, {**(meta or {}), "data_step": step}, force=last)
         if stop:
             progress.note(f"time budget of {s.time_budget:.0f}s spent at step {step}")
             break
     progress.note("")
     if checkpoints is not None:
         checkpoints.wait()
-    if log:
-        log.close()
+    log.close()
     return state
-
-
-def _write(log, record: dict):
-    if log:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
