@@ -1,40 +1,42 @@
-"""The engine: schedule, pad to a bucket, run one jitted step (forward + sampling), hand out
-each request's new tokens, text and finish reason.
+"""The engine: schedule a step, pad it to a bucket, run one compiled step (forward + sampling)
+with the device state donated, and hand each request its tokens, text and finish reason.
 
-Shapes are bucketed: the token axis T takes a power of two up to the step's token budget, the
-sequence axis min(T, max_num_seqs), the page table a fixed width. `warmup()` compiles every
-bucket, so a user's request never waits for a compilation.
+Shapes come from a small set of buckets: the token axis T, the sequence axis S = min(T,
+max_num_seqs) and the page-table width P. `warmup()` compiles every (T, P) pair ahead of time,
+so no request ever waits for a compilation, and `compilations` counts them all.
+
+The host runs one step ahead of the device: `step()` dispatches step n+1 and only then waits for
+step n's tokens, so scheduling, packing and detokenizing overlap the device's work. A sequence
+decoding on a token the host has not seen yet reads it from `last_tokens`, a device array holding
+each slot's latest sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..model import Batch, forward, init_kv_cache
-from . import sampling as S
-from .kv_pages import PagePool
-from .scheduler import RequestError, ScheduledChunk, Scheduler, Sequence
+from . import sampling
+from .kv_pages import KVPages
+from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 
-_compilations = 0
-
-
-def _count_compile(event, *args, **kwargs):
-    global _compilations
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compilations += 1
+HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
+N_LP = sampling.MAX_LOGPROBS
 
 
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
-
-
-def compilations() -> int:
-    """XLA compilations so far in this process."""
-    return _compilations
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely (token id, logprob), best first
 
 
 @dataclasses.dataclass
@@ -42,9 +44,9 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     text_delta: str
-    logprobs: list | None
+    logprobs: list[TokenLogprob] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # None, "stop", "length" or "abort"
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -52,224 +54,306 @@ class RequestOutput:
     first_token_time: float | None
 
 
-def _buckets(limit: int, smallest: int = 8) -> list[int]:
-    out, b = [], smallest
+def geometric(limit: int, factor: int, start: int = 1) -> list[int]:
+    out, b = [], start
     while b < limit:
         out.append(b)
-        b *= 2
+        b *= factor
     return out + [limit]
 
 
 class Engine:
     def __init__(self, config, params, tokenizer=None, *, num_pages: int, page_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int | None = None, mesh=None, cache_dtype=None):
-        self.config, self.params, self.tokenizer, self.mesh = config, params, tokenizer, mesh
-        self.max_model_len = min(max_model_len or config.max_position_embeddings,
-                                 num_pages * page_size)
-        self.page_size = page_size
-        self.pool = PagePool(num_pages, page_size, model_key=repr(config))
-        self.scheduler = Scheduler(self.pool, max_num_seqs=max_num_seqs,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
+                 mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
+                 seed: int = 0):
+        if mesh is not None:
+            raise NotImplementedError("serving on a device mesh waits for pallasite.sharding's "
+                                      "rules for the KV cache; pass mesh=None")
+        self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
+        self.page_size, self.max_num_seqs = page_size, max_num_seqs
+        self.max_model_len = max_model_len or min(config.max_position_embeddings,
+                                                  num_pages * page_size)
+        self.pages = KVPages(num_pages, page_size, model_key=repr(config))
+        self.scheduler = Scheduler(self.pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
-        self.max_num_seqs = max_num_seqs
-        self.token_buckets = _buckets(max_num_batched_tokens)
-        self.history_buckets = _buckets(self.max_model_len)
-        self.pages_per_seq = -(-self.max_model_len // page_size)
-        dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
-        self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype)
-        self.penalties = S.init_state(max_num_seqs, config.vocab_size)
-        self._step_fn = jax.jit(self._device_step, donate_argnums=(1, 2))
-        self._reset_fn = jax.jit(S.reset_row, donate_argnums=0)
-        self._seqs: dict[str, Sequence] = {}
-        self._pending: list[RequestOutput] = []  # aborts reported at the next step
-        self._rng = np.random.default_rng()
-        self.compilations = 0  # XLA compilations inside warmup() and step()
-        self.warm_compilations, self.warmed = 0, False
-
-    # -- the jitted step ----------------------------------------------------------------------
-    def _device_step(self, params, kv_cache, penalties, tokens, positions, batch, token_rows,
-                     token_is_output, seq_rows, sampling):
-        penalties = S.record_tokens(penalties, token_rows, tokens, token_is_output)
-        logits, kv_cache = forward(params, self.config, tokens, positions, kv_cache, batch)
-        return S.sample(logits, penalties, seq_rows, sampling), kv_cache, penalties
+        max_pages = self.pages.pages_for(self.max_model_len)
+        self.token_buckets = sorted(set(token_buckets or geometric(
+            max_num_batched_tokens, 4) + [max_num_seqs]))
+        self.page_buckets = sorted(set(page_buckets or [
+            max(1, max_pages // 16), max(1, max_pages // 4), max_pages]))
+        if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
+            raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
+                             f" and the pages of max_model_len ({max_pages})")
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.state = (init_kv_cache(config, num_pages, page_size, dtype),
+                      jnp.zeros(max_num_seqs + 1, jnp.int32),  # last sample per slot (+ scratch)
+                      sampling.init_history(max_num_seqs, config.vocab_size))
+        self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.seqs: dict[str, Sequence] = {}
+        self._outbox: list[RequestOutput] = []  # abort notices for the next step()
+        self._inflight = None  # (chunks, device output) of the step not yet read back
+        self._exe: dict = {}
+        self.compilations = 0
+        self._rng = random.Random(seed)
+        self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
+        self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: S.SamplingParams):
-        if request_id in self._seqs:
-            raise RequestError(f"request id {request_id!r} is already in use")
+    def check_request(self, prompt_ids, sampling_params):
+        """Raise RequestError if the request cannot be served (read-only: safe from any thread)."""
+        self.scheduler.check(prompt_ids)
         bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary "
-                               f"[0, {self.config.vocab_size})")
-        seq = Sequence(request_id, list(prompt_ids), sampling)
-        seq.seed = sampling.seed if sampling.seed is not None else int(self._rng.integers(2**31))
-        seq.detok = self._detokenizer(seq.prompt_ids)
-        seq.text, seq.sent = "", 0
-        self.scheduler.add(seq)
-        self._seqs[request_id] = seq
+                               f"(vocab_size {self.config.vocab_size})")
+        bad = [t for t in sampling_params.stop_token_ids or () if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"stop token id {bad[0]} is outside the vocabulary "
+                               f"(vocab_size {self.config.vocab_size})")
 
-    def _detokenizer(self, prompt_ids):
-        if self.tokenizer is None:
-            return None
-        from ..model.tokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_ids, sampling_params)
+        sp = sampling_params
+        seq = Sequence(request_id, prompt_ids, sp,
+                       seed=self._rng.getrandbits(32) if sp.seed is None else sp.seed % 2**32)
+        seq.max_output = min(sp.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
+        seq.stop_ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else self.eos)
+        seq.penalized = (sp.repetition_penalty != 1 or sp.presence_penalty != 0
+                         or sp.frequency_penalty != 0)
+        row = dict(temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p,
+                   repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+                   frequency_penalty=sp.frequency_penalty, top_k=sp.top_k, seed=seq.seed,
+                   logprobs=-1 if sp.logprobs is None else sp.logprobs)
+        seq.row = sampling.pack_rows([row], 1)
+        if self.tokenizer is not None:
+            from ..model.tokenizer import IncrementalDetokenizer
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+        self.scheduler.add(seq)
+        self.seqs[request_id] = seq
 
     def abort(self, request_id: str):
-        seq = self._seqs.pop(request_id, None)
+        """Stop a request in any state; its pages are freed now, the notice comes from step()."""
+        seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.scheduler.abort(request_id)
-            self._pending.append(self._output(seq, [], "", None, "abort"))
+            self.scheduler.finish(seq)
+            self._outbox.append(self._output(seq, [], "", None, "abort"))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return bool(self.seqs or self._outbox)
 
     def stats(self) -> dict:
-        return {**self.pool.stats(), "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
-                "compilations": self.compilations, "compilations_after_warmup":
-                self.compilations - self.warm_compilations if self.warmed else None}
+        steps = max(self.totals["steps"], 1)
+        return {**self.pages.stats(), **self.scheduler.stats(), "compilations": self.compilations,
+                "steps": self.totals["steps"],
+                "host_ms_per_step": 1e3 * self.totals["host_s"] / steps,
+                "wait_ms_per_step": 1e3 * self.totals["wait_s"] / steps}
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        before = compilations()
-        try:
-            return self._step()
-        finally:
-            self.compilations += compilations() - before
-
-    def _step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
+        """Dispatch the next step, then collect the previous one's results."""
+        t0 = time.perf_counter()
+        outputs, self._outbox = self._outbox, []
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return outputs
-        for c in chunks:
-            if c.seq.fresh:
-                self._load_history(c.seq)
-        arrays = self._pack(chunks)
-        (tokens, chosen, top_ids, top_lp), self.kv_cache, self.penalties = self._step_fn(
-            self.params, self.kv_cache, self.penalties, *arrays)
-        tokens, chosen, top_ids, top_lp = jax.device_get((tokens, chosen, top_ids, top_lp))
-        now = time.monotonic()
-        for i, c in enumerate(chunks):
-            self.scheduler.advance(c)
-            if c.samples:
-                outputs.append(self._accept(c.seq, int(tokens[i]), float(chosen[i]),
-                                            top_ids[i], top_lp[i], now))
+        launched = self._launch(chunks) if chunks else None
+        wait = 0.0
+        for done in ([self._inflight] if self._inflight else []) + (
+                [launched] if launched and not self.overlap else []):
+            out, wait_s = self._collect(*done)
+            outputs += out
+            wait += wait_s
+        self._inflight = launched if self.overlap else None
+        if chunks:
+            self.totals["steps"] += 1
+            self.totals["wait_s"] += wait
+            self.totals["host_s"] += time.perf_counter() - t0 - wait
         return outputs
 
-    def _load_history(self, seq: Sequence):
-        """Reset the sequence's penalty row and load the tokens it will not feed (cached)."""
-        done = seq.tokens[:seq.num_computed]
-        size = next(b for b in self.history_buckets if b >= max(len(done), 1))
-        ids = np.zeros(size, np.int32)
-        ids[:len(done)] = done
-        is_output = np.arange(size) >= len(seq.prompt_ids)
-        valid = np.arange(size) < len(done)
-        self.penalties = self._reset_fn(self.penalties, np.int32(seq.slot), ids, is_output, valid)
+    def _launch(self, chunks: list[Chunk]):
+        for seq in self.scheduler.admitted:
+            if seq.penalized:
+                self._load_history(seq)
+        ints, floats, key = self._pack(chunks)
+        exe = self._exe.get(key) or self._compile_now(key)
+        out, self.state = exe(self.params, self.state, ints, floats)
+        entry = None
+        if self.step_log is not None:
+            entry = dict(T=key[0], P=key[1], rows=len(chunks), tokens=sum(c.length for c in chunks),
+                         decode_rows=sum(c.length == 1 and c.samples for c in chunks),
+                         context_tokens=sum(c.start + c.length for c in chunks),
+                         running=len(self.scheduler.running), pages_used=self.pages.stats()["pages_used"])
+            self.step_log.append(entry)
+        return chunks, out, entry
 
-    def _pack(self, chunks: list[ScheduledChunk]):
-        """Lay the chunks out on one flat token axis, padded to a bucket."""
-        n = sum(c.length for c in chunks)
+    def _collect(self, chunks: list[Chunk], out, entry):
+        t = time.perf_counter()
+        out = np.asarray(out)  # waits for the device
+        done = time.perf_counter()
+        if entry is not None:
+            entry["done"] = done
+        return [self._accept(c.seq, out[i]) for i, c in enumerate(chunks)
+                if c.samples and c.seq.status != FINISHED], done - t
+
+    # -- host side of a step ------------------------------------------------------------------
+    def _pack(self, chunks: list[Chunk]):
+        """Lay the chunks out on one flat token axis, padded to the smallest bucket that fits,
+        and pack everything into one int32 and one float32 array (two transfers)."""
+        ps, n = self.page_size, sum(c.length for c in chunks)
+        widest = max(self.pages.pages_for(c.start + c.length) for c in chunks)
         T = next(b for b in self.token_buckets if b >= n)
-        Sb = min(T, self.max_num_seqs)
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, -1, np.int32)
-        token_rows = np.full(T, -1, np.int32)
-        is_output = np.zeros(T, bool)
-        query_start = np.zeros(Sb + 1, np.int32)
-        context = np.zeros(Sb, np.int32)
-        table = np.zeros((Sb, self.pages_per_seq), np.int32)
-        last = np.zeros(Sb, np.int32)
-        seq_rows = np.full(Sb, -1, np.int32)
+        P = next(b for b in self.page_buckets if b >= widest)
+        S = min(T, self.max_num_seqs)
+        tok, pos, slot = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        src = np.full(T, -1, np.int32)
+        qstart, ctx, last = np.zeros(S + 1, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
+        table, sample_row = np.zeros((S, P), np.int32), np.full(S, -1, np.int32)
+        floats, ints = sampling.pack_rows([], S)
         at = 0
         for i, c in enumerate(chunks):
             seq, end = c.seq, c.start + c.length
-            pos = np.arange(c.start, end)
-            pages = np.asarray(seq.pages, np.int32)
-            tokens[at:at + c.length] = seq.tokens[c.start:end]
-            positions[at:at + c.length] = pos
-            slots[at:at + c.length] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-            token_rows[at:at + c.length] = seq.slot
-            is_output[at:at + c.length] = pos >= len(seq.prompt_ids)
-            table[i, :len(pages)] = pages
-            context[i], last[i], seq_rows[i] = end, at + c.length - 1, seq.slot
+            pages = self.pages.table(seq.request_id)
+            known = seq.tokens[c.start:end]
+            tok[at:at + len(known)] = known
+            if len(known) < c.length:  # the newest token is still on the device
+                src[at + c.length - 1] = seq.slot
+            p = np.arange(c.start, end)
+            pos[at:at + c.length] = p
+            used = np.asarray(pages[:self.pages.pages_for(end)], np.int32)
+            slot[at:at + c.length] = used[p // ps] * ps + p % ps
+            table[i, :len(used)] = used
             at += c.length
-            query_start[i + 1:] = at
-        sampling = S.SamplingBatch.from_params(
-            [c.seq.sampling for c in chunks], [c.seq.seed for c in chunks],
-            [len(c.seq.output_ids) for c in chunks], Sb)
-        batch = Batch(query_start, context, table, slots, last)
-        return tokens, positions, batch, token_rows, is_output, seq_rows, sampling
+            qstart[i + 1:] = at
+            ctx[i], last[i] = end, at - 1
+            floats[:, i], ints[:, i] = seq.row[0][:, 0], seq.row[1][:, 0]
+            ints[2, i], ints[4, i] = seq.num_output - (1 if c.samples else 0), seq.slot
+            if c.samples:
+                sample_row[i] = seq.slot
+        packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel(),
+                                 sample_row, ints.ravel()])
+        return packed, floats.ravel(), (T, P)
 
-    # -- results ------------------------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int, logprob: float, top_ids, top_lp, now):
-        sp = seq.sampling
-        seq.output_ids.append(token)
+    def _accept(self, seq: Sequence, row) -> RequestOutput:
+        token = int(row[0])
+        seq.num_pending -= 1
+        seq.tokens.append(token)
         if seq.first_token_time is None:
-            seq.first_token_time = now
+            seq.first_token_time = time.time()
         lps = None
-        if sp.logprobs is not None:
-            lps = [{"token_id": token, "logprob": logprob,
-                    "top": [(int(t), float(l)) for t, l in zip(top_ids[:sp.logprobs], top_lp[:sp.logprobs])]}]
+        if seq.sampling.logprobs is not None:  # row: token, logprob, top ids, top logprobs
+            n, width, f = seq.sampling.logprobs, (len(row) - 2) // 2, row.view(np.float32)
+            top = zip(row[2:2 + n].tolist(), f[2 + width:2 + width + n].tolist())
+            lps = [TokenLogprob(token, float(f[1]), list(top))]
         reason = None
-        eos = () if sp.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
-        eos = set(eos) | set(() if sp.ignore_eos else self.config.eos_token_ids)
-        if token in eos or token in sp.stop_token_ids:
+        if token in seq.stop_ids:
             reason = "stop"
-        elif len(seq.output_ids) >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+        elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
             reason = "length"
-        if seq.detok is not None and reason != "stop":  # stop tokens add no text
+        if seq.detok is not None and reason != "stop":  # a stop token adds no text
             seq.text += seq.detok.add(token)
-        delta, stopped = self._text_delta(seq, final=reason is not None)
-        if stopped:
+        delta, hit_stop = self._text_delta(seq, final=reason is not None)
+        if hit_stop:
             reason = "stop"
         if reason is not None:
-            self._seqs.pop(seq.request_id, None)
-            if seq in self.scheduler.running:
-                self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
         return self._output(seq, [token], delta, lps, reason)
 
-    def _text_delta(self, seq: Sequence, final: bool):
-        """New text to send; holds back a tail that could still become a stop string."""
-        stops = seq.sampling.stop
-        if stops:
-            for s in stops:
-                at = seq.text.find(s, max(0, seq.sent - len(s)))
-                if at >= 0:
-                    seq.text = seq.text[:at]
-                    delta, seq.sent = seq.text[seq.sent:], len(seq.text)
-                    return delta, True
+    def _text_delta(self, seq: Sequence, final: bool) -> tuple[str, bool]:
+        """New text to send, and whether a stop string ended it. While running, a tail that could
+        still grow into a stop string is held back."""
+        stops = seq.sampling.stop or ()
+        for s in stops:
+            at = seq.text.find(s, max(0, seq.sent - len(s) + 1))
+            if at >= 0:
+                seq.text = seq.text[:at]
+                delta, seq.sent = seq.text[seq.sent:], len(seq.text)
+                return delta, True
         hold = 0 if final or not stops else max(len(s) for s in stops) - 1
         upto = max(seq.sent, len(seq.text) - hold)
         delta, seq.sent = seq.text[seq.sent:upto], upto
         return delta, False
 
-    def _output(self, seq, tokens, delta, lps, reason):
+    def _output(self, seq, tokens, delta, lps, reason) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, delta, lps, reason is not None, reason,
-                             len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
+                             len(seq.prompt_ids), seq.cached_tokens,
+                             len(seq.tokens) - len(seq.prompt_ids),
                              seq.arrival_time, seq.first_token_time)
 
-    # -- warm-up ------------------------------------------------------------------------------
-    def warmup(self):
-        """Compile every bucket now, on all-padding batches that touch no real page or row."""
-        before = compilations()
-        for T in self.token_buckets:
-            Sb = min(T, self.max_num_seqs)
-            batch = Batch(np.zeros(Sb + 1, np.int32), np.zeros(Sb, np.int32),
-                          np.zeros((Sb, self.pages_per_seq), np.int32), np.full(T, -1, np.int32),
-                          np.zeros(Sb, np.int32))
-            sampling = S.SamplingBatch.from_params([], [], [], Sb)
-            (tok, *_), self.kv_cache, self.penalties = self._step_fn(
-                self.params, self.kv_cache, self.penalties, np.zeros(T, np.int32),
-                np.zeros(T, np.int32), batch, np.full(T, -1, np.int32), np.zeros(T, bool),
-                np.full(Sb, -1, np.int32), sampling)
-            tok.block_until_ready()
-        for size in self.history_buckets:
-            self.penalties = self._reset_fn(self.penalties, np.int32(0), np.zeros(size, np.int32),
-                                            np.zeros(size, bool), np.zeros(size, bool))
-        jax.block_until_ready(self.penalties)
-        self.compilations += compilations() - before
-        self.warm_compilations, self.warmed = self.compilations, True
+    # -- device side --------------------------------------------------------------------------
+    def _step_fn(self, params, state, ints, floats, *, shape):
+        """The whole device step. `shape` (T, S, P) tells how `ints` is laid out."""
+        T, S, P = shape
+        kv, last_tokens, history = state
+        sizes = [T, T, T, T, S + 1, S, S, S * P, S, len(sampling.INT_FIELDS) * S]
+        tok, pos, slot, src, qstart, ctx, last, table, sample_row, rows_i = jnp.split(
+            ints, np.cumsum(sizes)[:-1])
+        tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
+        batch = Batch(qstart, ctx, table.reshape(S, P), slot, last)
+        logits, kv = forward(params, self.config, tok, pos, kv, batch)
+        rows = sampling.Rows.from_packed(floats.reshape(-1, S), rows_i.reshape(-1, S))
+        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history)
+        last_tokens = last_tokens.at[jnp.where(sample_row >= 0, sample_row, -1)].set(new)
+        history = sampling.record(history, sample_row, new)
+        f2i = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        out = jnp.concatenate([new[:, None], f2i(lp)[:, None], top_ids, f2i(top_lp)], axis=1)
+        return out, (kv, last_tokens, history)
+
+    def _lower(self, key):
+        T, P = key
+        S = min(T, self.max_num_seqs)
+        n_int = 4 * T + (S + 1) + 2 * S + S * P + S + len(sampling.INT_FIELDS) * S
+        fn = jax.jit(partial(self._step_fn, shape=(T, S, P)), donate_argnums=1)
+        return fn.lower(self.params, self.state, jax.ShapeDtypeStruct((n_int,), jnp.int32),
+                        jax.ShapeDtypeStruct((len(sampling.FLOAT_FIELDS) * S,), jnp.float32))
+
+    def _compile_now(self, key):
+        self._exe[key] = self._lower(key).compile()
+        self.compilations += 1
+        return self._exe[key]
+
+    def warmup(self, workers: int | None = None):
+        """Compile every bucket (in parallel threads) and the history loader, then run each step
+        once on an all-padding batch, which writes no page and no slot."""
+        keys = [(T, P) for T in self.token_buckets for P in self.page_buckets]
+        keys = [k for k in keys if k not in self._exe]
+        lowered = [self._lower(k) for k in keys]
+        with ThreadPoolExecutor(workers or min(8, len(keys) or 1)) as pool:
+            self._exe.update(zip(keys, pool.map(lambda lo: lo.compile(), lowered)))
+        self.compilations += len(keys)
+        if self._load is None:
+            self._compile_load()
+        for T, P in keys:
+            S = min(T, self.max_num_seqs)
+            floats, rows_i = sampling.pack_rows([], S)
+            pad = [np.zeros(2 * T), np.full(2 * T, -1), np.zeros(S + 1 + 2 * S + S * P),
+                   np.full(S, -1), rows_i.ravel()]  # tokens, positions | slots, sources | ...
+            ints = np.concatenate(pad).astype(np.int32)
+            _, self.state = self._exe[(T, P)](self.params, self.state, ints, floats.ravel())
+        jax.block_until_ready(self.state)
+        return self
+
+    # -- penalties' token history -------------------------------------------------------------
+    _load = None
+
+    def _compile_load(self):
+        spec = [jax.ShapeDtypeStruct((HISTORY_CHUNK,), d) for d in (jnp.int32, jnp.int32, bool)]
+        self._load = jax.jit(sampling.load_history, donate_argnums=0).lower(
+            self.state[2], np.int32(0), *spec, np.bool_(True)).compile()
+        self.compilations += 1
+
+    def _load_history(self, seq: Sequence):
+        """Fill the sequence's history row from its tokens (prompt + outputs so far)."""
+        if self._load is None:
+            self._compile_load()
+        kv, last_tokens, history = self.state
+        toks = np.asarray(seq.tokens, np.int32)
+        for start in range(0, len(toks), HISTORY_CHUNK):
+            part = toks[start:start + HISTORY_CHUNK]
+            idx = start + np.arange(HISTORY_CHUNK)
+            history = self._load(history, np.int32(seq.slot), np.resize(part, HISTORY_CHUNK),
+                                 (idx >= len(seq.prompt_ids)).astype(np.int32),
+                                 np.arange(HISTORY_CHUNK) < len(part), np.bool_(start == 0))
+        self.state = (kv, last_tokens, history)

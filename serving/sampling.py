@@ -1,155 +1,147 @@
-"""Sampling parameters and the batched, jitted sampler.
+"""The batched sampler: per-row parameters in one jitted function.
 
-Every row of a batch carries its own parameters. Penalties read a per-sequence state kept on
-the device (token counts of the output, a mask of prompt tokens), one row per running
-sequence, updated inside the step from the tokens it feeds. A seeded row draws its noise from
-(seed, output index) alone, so its tokens do not depend on what else shares the batch.
+Each row carries its own temperature (0 = greedy), top-k, top-p, min-p, repetition / presence /
+frequency penalties, seed and output index. A row's random noise comes from (seed, index) alone,
+so a seeded request draws the same tokens whatever shares its batch and however it was
+scheduled. The costly parts (penalties, the sort behind top-k/top-p, the noise, top-n logprobs)
+sit behind `lax.cond`s, so an all-greedy batch pays only for an argmax.
+
+Penalties need each sequence's token history. It lives on the device as `History`, one row per
+sequence slot: `seen` (prompt or output token) and `counts` (times generated). A row is loaded
+from the host when its sequence is admitted and then grows by the tokens sampled in each step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top-n logprobs are computed for this many; a request may ask for fewer
+
+# Per-row parameters and the value that switches each off; padding rows use these.
+FLOAT_FIELDS = dict(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                    presence_penalty=0.0, frequency_penalty=0.0)
+INT_FIELDS = dict(top_k=0, seed=0, index=0, logprobs=-1, history_row=-1)
 
 
-@dataclasses.dataclass
-class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off."""
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop: list[str] = dataclasses.field(default_factory=list)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        checks = [
-            (self.temperature >= 0, "temperature", "must be >= 0"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be in [0, {MAX_LOGPROBS}]"),
-        ]
-        for ok, field, rule in checks:
-            if not ok:
-                raise ValueError(f"{field} {rule}, got {getattr(self, field)!r}")
-
-
-class PenaltyState(NamedTuple):
-    counts: jax.Array  # [rows, vocab] int32: times each token was generated
-    in_prompt: jax.Array  # [rows, vocab] bool: token appears in the prompt
-
-
-def init_state(rows: int, vocab: int) -> PenaltyState:
-    return PenaltyState(jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows, vocab), bool))
-
-
-def record_tokens(state: PenaltyState, rows, token_ids, is_output) -> PenaltyState:
-    """Add fed tokens to their rows' state. rows < 0 (padding) are dropped."""
-    rows = jnp.where(rows < 0, state.counts.shape[0], rows)
-    counts = state.counts.at[rows, token_ids].add(is_output.astype(jnp.int32), mode="drop")
-    in_prompt = state.in_prompt.at[rows, token_ids].max(~is_output, mode="drop")
-    return PenaltyState(counts, in_prompt)
-
-
-def reset_row(state: PenaltyState, row, token_ids, is_output, valid) -> PenaltyState:
-    """Clear one row and load a history into it (tokens with valid False are ignored)."""
-    state = PenaltyState(state.counts.at[row].set(0), state.in_prompt.at[row].set(False))
-    rows = jnp.where(valid, row, -1)
-    return record_tokens(state, rows, token_ids, is_output)
-
-
-class SamplingBatch(NamedTuple):
-    """Per-row sampling parameters as arrays [S]."""
+class Rows(NamedTuple):
+    """Per-row sampling parameters, each [S]. seed is a 32-bit pattern; index the position of
+    the token being drawn within the output; logprobs -1 = none wanted; history_row the row of
+    `History` (-1: the row ignores history)."""
     temperature: jax.Array
-    top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
-    seed: jax.Array  # uint32
-    position: jax.Array  # index of the token being drawn within the output
+    top_k: jax.Array
+    seed: jax.Array
+    index: jax.Array
+    logprobs: jax.Array
+    history_row: jax.Array
 
     @staticmethod
-    def from_params(params: list[SamplingParams], seeds: list[int], positions: list[int], rows: int):
-        """Pad to `rows` with greedy rows."""
-        pad = rows - len(params)
-        def col(f, dtype, fill):
-            return np.asarray([f(p) for p in params] + [fill] * pad, dtype)
-        return SamplingBatch(
-            col(lambda p: p.temperature, np.float32, 0.0), col(lambda p: p.top_k, np.int32, 0),
-            col(lambda p: p.top_p, np.float32, 1.0), col(lambda p: p.min_p, np.float32, 0.0),
-            col(lambda p: p.repetition_penalty, np.float32, 1.0),
-            col(lambda p: p.presence_penalty, np.float32, 0.0),
-            col(lambda p: p.frequency_penalty, np.float32, 0.0),
-            np.asarray(list(seeds) + [0] * pad, np.uint32),
-            np.asarray(list(positions) + [0] * pad, np.int32))
+    def from_packed(floats, ints) -> "Rows":
+        return Rows(*floats, *ints)
 
 
-def apply_penalties(logits, counts, in_prompt, s: SamplingBatch):
-    """Repetition penalty over prompt and output tokens (divide positive logits, multiply
-    negative ones); presence and frequency penalties over output tokens."""
-    seen = in_prompt | (counts > 0)
-    rep = s.repetition_penalty[:, None]
+def pack_rows(rows: list[dict], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side: a dict of field values per row -> (floats [6, S] f32, ints [5, S] i32), padded
+    with neutral rows. Missing fields take their neutral value."""
+    floats = np.array([[r.get(f, d) for r in rows] + [d] * (num_rows - len(rows))
+                       for f, d in FLOAT_FIELDS.items()], np.float32).reshape(-1, num_rows)
+    ints = np.array([[r.get(f, d) for r in rows] + [d] * (num_rows - len(rows))
+                     for f, d in INT_FIELDS.items()], np.int64).reshape(-1, num_rows)
+    return floats, ints.astype(np.uint32).view(np.int32)  # seeds may use all 32 bits
+
+
+class History(NamedTuple):
+    seen: jax.Array  # [R + 1, V] bool: token in the prompt or the output; row R is scratch
+    counts: jax.Array  # [R + 1, V] int32: times generated
+
+
+def init_history(num_rows: int, vocab: int) -> History:
+    return History(jnp.zeros((num_rows + 1, vocab), bool), jnp.zeros((num_rows + 1, vocab), jnp.int32))
+
+
+def load_history(history: History, row, tokens, is_output, valid, reset) -> History:
+    """Add a slice of one sequence's tokens [K] to row `row` (cleared first if `reset`)."""
+    seen, counts = history
+    keep = jnp.where(reset, False, seen[row])
+    seen, counts = seen.at[row].set(keep), counts.at[row].set(jnp.where(reset, 0, counts[row]))
+    rows = jnp.where(valid, row, seen.shape[0] - 1)
+    return History(seen.at[rows, tokens].set(True), counts.at[rows, tokens].add(is_output))
+
+
+def record(history: History, rows, tokens) -> History:
+    """Count freshly sampled tokens [S] in their rows (-1 = not a real sample: scratch row)."""
+    rows = jnp.where(rows < 0, history.seen.shape[0] - 1, rows)
+    return History(history.seen.at[rows, tokens].set(True), history.counts.at[rows, tokens].add(1))
+
+
+def apply_penalties(logits, seen, counts, rows: Rows):
+    """Repetition penalty on every seen token (positive logits divided, negative multiplied);
+    presence and frequency penalties on generated tokens."""
+    rep = rows.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - s.frequency_penalty[:, None] * counts
-    return logits - s.presence_penalty[:, None] * (counts > 0)
+    return (logits - rows.frequency_penalty[:, None] * counts
+            - rows.presence_penalty[:, None] * (counts > 0))
 
 
-def filter_logits(logits, s: SamplingBatch):
-    """Temperature, then top-k, top-p and min-p masks, computed on sorted logits.
-    Returns (sorted masked logits [S, V], the vocabulary ids of the sorted order)."""
-    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    ranked = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    rank = jnp.arange(logits.shape[-1])[None, :]
-    drop = (s.top_k[:, None] > 0) & (rank >= s.top_k[:, None])
-    drop |= (jnp.cumsum(probs, axis=-1) - probs) >= s.top_p[:, None]  # keeps the first token
-    drop |= probs < s.min_p[:, None] * probs[:, :1]
-    return jnp.where(drop, -jnp.inf, ranked), order
+def filter_logits(scaled, rows: Rows):
+    """Mask (-inf) what top-k, then top-p, then min-p exclude. Thresholds are logit values, so
+    ties with the last kept token are kept too."""
+    V = scaled.shape[-1]
+    ranked = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, V), V)
+    in_k = jnp.arange(V)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, ranked, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better-ranked tokens
+    n_p = jnp.maximum(jnp.sum(in_k & (before < rows.top_p[:, None]), axis=-1), 1)
+    n = jnp.where(rows.top_p >= 1, k, n_p)
+    threshold = jnp.take_along_axis(ranked, (n - 1)[:, None], axis=-1)[:, 0]
+    # min-p: p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
+    min_p = jnp.where(rows.min_p > 0, ranked[:, 0] + jnp.log(jnp.maximum(rows.min_p, 1e-30)), -jnp.inf)
+    threshold = jnp.maximum(threshold, min_p)
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
 
-def sample(logits, state: PenaltyState, rows, s: SamplingBatch):
-    """logits [S, V] float32; rows [S] state row of each sequence (-1 = padding).
-    Returns (tokens [S], logprob of each token [S], top ids [S, K], top logprobs [S, K])."""
-    safe_rows = jnp.maximum(rows, 0)
-    logits = apply_penalties(logits, state.counts[safe_rows], state.in_prompt[safe_rows], s)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
+def _draw(logits, rows: Rows):
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
+    scaled = logits / t[:, None]
+    filtering = jnp.any((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0))
+    scaled = jax.lax.cond(filtering, filter_logits, lambda x, _: x, scaled, rows)
+    seeds = jax.lax.bitcast_convert_type(rows.seed, jnp.uint32)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, rows.index)
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # Gumbel-max: a softmax draw
 
-    def draw(logits):
-        masked, order = filter_logits(logits, s)
-        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
-            s.seed, s.position)
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
-        pick = jnp.argmax(masked + noise, axis=-1)
-        return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
 
-    # The sort only runs when some row samples; an all-greedy batch skips it.
-    drawn = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda _: greedy, logits)
-    tokens = jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    return tokens, chosen, top_ids, top_lp
+def _logprobs(logits, tokens):
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
+    return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+
+def sample(logits, rows: Rows, history: History | None = None):
+    """logits [S, V] float32 -> tokens [S] int32, their logprobs [S], top ids [S, n] and top
+    logprobs [S, n] (n = MAX_LOGPROBS). Logprobs are of the model's own distribution (before
+    penalties, temperature and filters), and zeros unless some row asked for them."""
+    raw = logits
+    if history is not None:
+        penalized = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0)
+                            | (rows.frequency_penalty != 0))
+        r = jnp.where(rows.history_row < 0, history.seen.shape[0] - 1, rows.history_row)
+        logits = jax.lax.cond(penalized, lambda l: apply_penalties(
+            l, history.seen[r], history.counts[r], rows), lambda l: l, logits)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.lax.cond(jnp.any(rows.temperature > 0), _draw, lambda l, _: greedy, logits, rows)
+    tokens = jnp.where(rows.temperature > 0, drawn, greedy)
+    n = min(MAX_LOGPROBS, raw.shape[-1])
+    empty = (jnp.zeros(tokens.shape, jnp.float32), jnp.zeros((*tokens.shape, n), jnp.int32),
+             jnp.zeros((*tokens.shape, n), jnp.float32))
+    lp = jax.lax.cond(jnp.any(rows.logprobs >= 0), _logprobs, lambda *_: empty, raw, tokens)
+    return tokens, *lp

@@ -1,9 +1,12 @@
 """The step scheduler: continuous batching with chunked prefill, prefix reuse and preemption.
 
-Each step has a token budget and a sequence limit. Running sequences in decode get their one
-token first; the rest of the budget goes to prefill chunks, oldest request first. A sequence
-always computes `tokens[num_computed:]`; once everything it has is computed, the step samples
-its next token. That single rule covers prefill, decode and recompute after preemption.
+A sequence always computes its tokens from `num_computed` on; a step that reaches its last token
+samples the next one. That one rule covers prefill, chunked prefill, decode and the recompute of
+a preempted sequence. Each step has a token budget and a sequence limit: running sequences in
+decode get their one token first, the rest of the budget goes to prefill chunks, oldest first.
+
+The engine runs one step ahead of its results, so a decoding sequence may have one sampled
+token the host has not seen yet (`num_pending`): the step reads it straight from the device.
 """
 
 from __future__ import annotations
@@ -12,182 +15,180 @@ import dataclasses
 import time
 from collections import deque
 
-from .kv_pages import OutOfPages, PagePool, page_hashes
+from .kv_pages import KVPages
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 class RequestError(ValueError):
     """A request that cannot be served as asked; the message names the limit."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_ids: list[int]
-    sampling: object
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    sampling: object  # a SamplingParams
+    seed: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    tokens: list[int] = None  # prompt + the outputs the host knows
+    num_pending: int = 0  # sampled on the device, not yet seen by the host
+    num_computed: int = 0  # tokens whose K/V are in (or queued into) the pages
+    status: str = WAITING
+    slot: int = -1  # row of the device-side sampler state while running
+    max_output: int = 1 << 30  # tokens it may generate (max_tokens, capped by the context)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    ever_admitted: bool = False
     first_token_time: float | None = None
-    admitted_once: bool = False
-    fresh: bool = True  # its sampler state must be reset at its next scheduled step
-    slot: int = -1  # row of the sampler's per-sequence state while running
+    # The engine's per-request data: stop token ids, sampler row, detokenizer, text so far/sent.
+    stop_ids: frozenset = frozenset()
+    penalized: bool = False
+    row: tuple = None
+    detok: object = None
+    text: str = ""
+    sent: int = 0
+
+    def __post_init__(self):
+        self.prompt_ids = list(self.prompt_ids)
+        if self.tokens is None:
+            self.tokens = list(self.prompt_ids)
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def total_len(self) -> int:
+        return len(self.tokens) + self.num_pending
 
     @property
-    def remaining(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+    def num_output(self) -> int:
+        return self.total_len - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
 
 
 @dataclasses.dataclass
-class ScheduledChunk:
+class Chunk:
+    """`length` tokens of `seq` from token index `start`; `samples`: the chunk ends at the
+    sequence's last token, so the step samples a new one after it."""
     seq: Sequence
-    start: int  # first token index of the chunk within seq.tokens
+    start: int
     length: int
-    samples: bool  # the chunk reaches the end of the sequence's tokens: sample after it
+    samples: bool
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, pages: KVPages, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int):
-        self.pool, self.max_num_seqs, self.max_model_len = pool, max_num_seqs, max_model_len
-        self.budget = max_num_batched_tokens
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({max_num_seqs}): every decoding sequence needs a token")
+        if max_model_len > pages.num_pages * pages.page_size:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV pool "
+                             f"({pages.num_pages} pages of {pages.page_size} tokens)")
+        self.pages, self.max_num_seqs = pages, max_num_seqs
+        self.budget, self.max_model_len = max_num_batched_tokens, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.prefix_hit_tokens = 0
+        self.num_preemptions = 0
+        self.admitted: list[Sequence] = []  # admitted by the last schedule()
 
     # -- requests -----------------------------------------------------------------------------
+    def check(self, prompt_ids):
+        """Raise RequestError if a prompt can never be served."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; it needs at least 1 token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}, which must leave room for at least 1 generated token")
+
     def add(self, seq: Sequence):
-        limit = self.max_model_len
-        need = len(seq.prompt_ids) + max(1, getattr(seq.sampling, "max_tokens", 1) or 1)
-        if not seq.prompt_ids:
-            raise RequestError("prompt is empty: it needs at least 1 token")
-        if len(seq.prompt_ids) >= limit:
-            raise RequestError(f"prompt has {len(seq.prompt_ids)} tokens; the context limit "
-                               f"(max_model_len) is {limit}, which leaves no room to generate")
-        if need > limit:
-            raise RequestError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens "
-                               f"({need - len(seq.prompt_ids)}) = {need} exceeds the context "
-                               f"limit (max_model_len) of {limit} tokens")
-        pages = -(-need // self.pool.page_size)
-        if pages > self.pool.num_pages:
-            raise RequestError(f"the request needs {pages} KV pages of {self.pool.page_size} "
-                               f"tokens but the pool holds only {self.pool.num_pages}")
+        self.check(seq.prompt_ids)
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.finish(seq)
-                return seq
-        return None
-
     def finish(self, seq: Sequence):
-        """Release a running sequence's pages and its slot."""
-        self.running.remove(seq)
-        self._release(seq)
+        """Take a sequence out in any state (done, stopped or aborted) and free what it holds."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status == WAITING:
+            self.waiting.remove(seq)
+        seq.status = FINISHED
 
     def _release(self, seq: Sequence):
-        for page in seq.pages:
-            self.pool.release(page)
-        seq.pages = []
-        seq.num_computed = 0
-        if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
-            seq.slot = -1
+        self.pages.free(seq.request_id)
+        self.free_slots.append(seq.slot)
+        seq.slot, seq.num_computed = -1, 0
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    # -- pages --------------------------------------------------------------------------------
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give `seq` pages for `num_tokens` tokens; False (and no change) if the pool is dry."""
-        need = -(-num_tokens // self.pool.page_size) - len(seq.pages)
-        if need > self.pool.available():
-            return False
-        seq.pages += [self.pool.allocate() for _ in range(need)]
-        return True
-
-    def _preempt_newest(self, keep: Sequence) -> bool:
-        """Free the newest running sequence other than `keep` (it is recomputed later)."""
-        for victim in reversed(self.running):
-            if victim is not keep:
-                self.running.remove(victim)
-                self._release(victim)
-                victim.fresh = True
-                self.waiting.appendleft(victim)
-                return True
-        return False
-
-    def register_full_pages(self, seq: Sequence):
-        """Offer pages whose every token is computed to the prefix cache."""
-        full = seq.num_computed // self.pool.page_size
-        tokens = seq.tokens
-        for page, h in zip(seq.pages[:full], page_hashes(tokens[:full * self.pool.page_size],
-                                                            self.pool.page_size, self.pool.model_key)):
-            self.pool.register(page, h)
+    def _preempt(self, seq: Sequence):
+        """Give back a running sequence's pages; it is recomputed later (first in line)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledChunk]:
-        chunks, budget = [], self.budget
+    def schedule(self) -> list[Chunk]:
+        chunks, budget, preempted = [], self.budget, False
+        self.admitted = []
         for seq in list(self.running):  # decode first, oldest first
-            if seq.remaining != 1 or seq not in self.running:
+            if seq.status != RUNNING or seq.total_len - seq.num_computed != 1:
                 continue
-            while not self._grow(seq, seq.num_computed + 1):
-                if not self._preempt_newest(keep=seq):
-                    raise OutOfPages("a single sequence needs more KV pages than the pool has")
-            if seq in self.running:
-                chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
+            if seq.num_output >= seq.max_output:
+                continue  # its pending token is its last: it finishes when that arrives
+            while not self.pages.grow(seq.request_id, seq.total_len):
+                preempted = True
+                self._preempt(self.running[-1])
+                if seq.status != RUNNING:
+                    break
+            else:
+                chunks.append(self._chunk(seq, 1))
                 budget -= 1
-        chunks = [c for c in chunks if c.seq in self.running]  # drop chunks of preempted seqs
-        budget = self.budget - len(chunks)
-        for seq in self.running:  # prefills already under way
-            if budget > 0 and seq.remaining > 1:
+        for seq in self.running:  # prefills under way, oldest first
+            if budget > 0 and seq.total_len - seq.num_computed > 1:
                 chunks.append(self._chunk(seq, budget))
                 budget -= chunks[-1].length
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0]):
-                break
-            seq = self.waiting.popleft()
-            self.running.append(seq)
-            chunks.append(self._chunk(seq, budget))
+        while (not preempted and budget > 0 and self.waiting
+               and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0])):
+            chunks.append(self._chunk(self.waiting.popleft(), budget))
             budget -= chunks[-1].length
+        for c in chunks:
+            # Later steps may share these pages: the device runs steps in order, so their K/V
+            # are written before any later step reads them.
+            self.pages.cache_full_pages(c.seq.request_id, c.seq.tokens[:c.start + c.length])
         return chunks
 
-    def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
-        n = min(seq.remaining, budget)
-        return ScheduledChunk(seq, seq.num_computed, n, n == seq.remaining)
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+        n = min(seq.total_len - seq.num_computed, budget)
+        chunk = Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.total_len)
+        seq.num_computed += n
+        seq.num_pending += chunk.samples  # its sample reaches the host a step later
+        return chunk
 
     def _admit(self, seq: Sequence) -> bool:
-        """Take cached prefix pages and pages for every remaining token, or nothing at all."""
-        tokens = seq.tokens
-        # Keep at least one token to compute, so the step yields logits to sample from.
-        hashes = page_hashes(tokens[:len(tokens) - 1], self.pool.page_size, self.pool.model_key)
-        pages = self.pool.match_prefix(hashes)
-        seq.pages, seq.num_computed = pages, len(pages) * self.pool.page_size
-        if not self._grow(seq, len(tokens)):
-            for page in pages:
-                self.pool.release(page)
-            seq.pages, seq.num_computed = [], 0
+        """Running state with cached prefix pages and pages for every known token, or nothing.
+        A sequence whose last sampled token is still on its way waits for it."""
+        if seq.num_pending:
             return False
-        if not seq.admitted_once:
-            seq.cached_tokens = seq.num_computed
-            seq.admitted_once = True
-        self.prefix_hit_tokens += seq.num_computed
-        seq.slot = self.free_slots.pop()
+        pages, tokens = self.pages, seq.tokens
+        hit = pages.share_prefix(seq.request_id, tokens[:-1])  # leave 1 token to compute
+        # Keep a page per running sequence in reserve so admission does not force preemption.
+        reserve = len(self.running) + 1 if self.running else 0
+        need = pages.pages_for(len(tokens)) - len(pages.table(seq.request_id))
+        if need + reserve > pages.num_available() or not pages.grow(seq.request_id, len(tokens)):
+            pages.free(seq.request_id)
+            return False
+        if not seq.ever_admitted:
+            seq.cached_tokens, seq.ever_admitted = hit, True
+        self.prefix_hit_tokens += hit
+        seq.num_computed, seq.status, seq.slot = hit, RUNNING, self.free_slots.pop()
+        self.running.append(seq)
+        self.admitted.append(seq)
         return True
 
-    def advance(self, chunk: ScheduledChunk):
-        """Mark a chunk computed (after the step ran)."""
-        chunk.seq.num_computed = chunk.start + chunk.length
-        chunk.seq.fresh = False
-        self.register_full_pages(chunk.seq)
+    def stats(self) -> dict:
+        return dict(running=len(self.running), waiting=len(self.waiting),
+                    prefix_hit_tokens=self.prefix_hit_tokens, preemptions=self.num_preemptions)
