@@ -1,0 +1,97 @@
+"""A thread that drives an Engine, so that any thread can submit and abort requests.
+
+The engine itself is single-threaded: only the loop's thread touches it. Other threads hand it
+commands through a queue; each request's outputs go to its `on_output` callback, called on the
+loop's thread (keep callbacks short: they delay the next step).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+from .engine import Engine, RequestOutput
+from .scheduler import RequestError
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.error: BaseException | None = None  # what stopped the loop, if anything did
+        self._cond = threading.Condition()
+        self._commands: deque = deque()
+        self._callbacks: dict[str, callable] = {}
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="pallasite-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling, on_output):
+        """Queue a request. Raises RequestError here, in the caller's thread, if it cannot be
+        served."""
+        self.engine.check_request(prompt_ids, sampling)
+        with self._cond:
+            if self.error is not None or self._closing:
+                raise RuntimeError("the engine loop has stopped") from self.error
+            if request_id in self._callbacks:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._callbacks[request_id] = on_output
+            self._commands.append(("add", request_id, list(prompt_ids), sampling))
+            self._cond.notify()
+
+    def abort(self, request_id: str):
+        with self._cond:
+            self._commands.append(("abort", request_id))
+            self._cond.notify()
+
+    def close(self):
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self):
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._closing or self.engine.has_unfinished()):
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    commands, self._commands = self._commands, deque()
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._deliver(out)
+        except BaseException as e:  # the engine broke: tell every waiting request, then stop
+            log.exception("engine loop stopped")
+            with self._cond:
+                self.error = e
+                pending = list(self._callbacks)
+            for request_id in pending:
+                self._deliver(RequestOutput(request_id, [], "", None, True, "abort", 0, 0, 0, 0.0, None))
+
+    def _apply(self, command):
+        if command[0] == "abort":
+            self.engine.abort(command[1])
+            return
+        _, request_id, prompt_ids, sampling = command
+        try:
+            self.engine.add_request(request_id, prompt_ids, sampling)
+        except RequestError:
+            log.exception("request %s refused", request_id)
+            self._deliver(RequestOutput(request_id, [], "", None, True, "abort",
+                                        len(prompt_ids), 0, 0, 0.0, None))
+
+    def _deliver(self, out: RequestOutput):
+        with self._cond:
+            callback = (self._callbacks.pop if out.finished else self._callbacks.get)(
+                out.request_id, None)
+        if callback is not None:
+            try:
+                callback(out)
+            except Exception:
+                log.exception("on_output callback of %s failed", out.request_id)

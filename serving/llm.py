@@ -1,0 +1,241 @@
+"""The library API: `LLM(path).generate(prompts, SamplingParams(...))` and `LLM.stream`.
+
+Both run on the serving engine, driven by an `EngineLoop` thread, so a script, the CLI and the
+gRPC server share one code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import queue
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+
+from .engine import Engine, RequestOutput, TokenLogprob
+from .engine_loop import EngineLoop
+from .sampling import MAX_LOGPROBS
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and penalties of
+    1 (repetition) or 0 (presence, frequency) are off. A seed (taken modulo 2**32) makes the
+    output reproducible whatever else runs in the same batch; max_tokens None runs to the
+    context limit. logprobs n returns the sampled token's and the n best tokens' logprobs."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop, self.stop_token_ids = list(self.stop or []), list(self.stop_token_ids or [])
+        rules = [
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "> 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("seed", self.seed is None or _is_int(self.seed), "None or an int"),
+            ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens)
+                                                       and self.max_tokens >= 1), "None or >= 1"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "token ids >= 0"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs)
+                                                   and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"None or in [0, {MAX_LOGPROBS}]"),
+        ]
+        for field, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+def default_model_folder() -> Path:
+    try:
+        from ..model import default_model_path
+    except ImportError:
+        raise RuntimeError("no embedded default model in this build; pass a checkpoint folder "
+                           "as LLM(path)") from None
+    return Path(default_model_path())
+
+
+def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int) -> int:
+    """As many pages as fit in 85% of the device's free memory, else one full context per
+    sequence slot."""
+    page_bytes = 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
+        jnp.dtype(dtype).itemsize
+    want = max_num_seqs * -(-max_model_len // page_size)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return max(min(want, int(free // page_bytes)), -(-max_model_len // page_size))
+    return want
+
+
+class LLM:
+    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder
+    (None: the embedded default model)."""
+
+    def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
+                 num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0, **engine_kwargs):
+        from ..model import load_hf
+        path = Path(path) if path is not None else default_model_folder()
+        if dtype is None:
+            dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+        config, params = load_hf(path, dtype=dtype)
+        tokenizer = None
+        if (path / "tokenizer.json").exists():
+            from ..model.tokenizer import Tokenizer
+            tokenizer = Tokenizer.from_pretrained(path)
+        else:
+            print(f"pallasite: no tokenizer.json in {path}; prompts must be token ids",
+                  file=sys.stderr)
+        self._start(config, params, tokenizer, max_model_len=max_model_len, num_pages=num_pages,
+                    page_size=page_size, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, mesh=mesh, seed=seed,
+                    **engine_kwargs)
+
+    @classmethod
+    def from_params(cls, config, params, tokenizer=None, **kwargs) -> "LLM":
+        """An LLM over weights already in memory (tests, benchmarks, freshly trained models)."""
+        llm = cls.__new__(cls)
+        kwargs.setdefault("page_size", 16)
+        kwargs.setdefault("max_num_seqs", 32)
+        kwargs.setdefault("max_num_batched_tokens", 512)
+        llm._start(config, params, tokenizer, **kwargs)
+        return llm
+
+    def _start(self, config, params, tokenizer, *, max_model_len=None, num_pages=None,
+               page_size=16, warmup=True, **engine_kwargs):
+        self.config, self.tokenizer = config, tokenizer
+        max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
+        if num_pages is None:
+            num_pages = default_num_pages(config, page_size, jax.tree.leaves(params)[0].dtype,
+                                          max_model_len, engine_kwargs["max_num_seqs"])
+        max_model_len = min(max_model_len, num_pages * page_size)
+        self.engine = Engine(config, params, tokenizer, num_pages=num_pages, page_size=page_size,
+                             max_model_len=max_model_len, **engine_kwargs)
+        if warmup:
+            self.engine.warmup()
+        self._loop = EngineLoop(self.engine)
+        self._ids = itertools.count()
+
+    # -- prompts ------------------------------------------------------------------------------
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # one text, or one prompt of token ids
+        return [self._token_ids(p) for p in prompts]
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompts, sampling: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Complete every prompt (a text, a list of texts, or token id lists), concurrently.
+        Returns one Completion per prompt, in order."""
+        ids = self._prompts(prompts)
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"{len(params)} SamplingParams for {len(ids)} prompts")
+        results = [Completion("", [], None, len(p), 0, 0) for p in ids]
+        left, done = [len(ids)], threading.Event()
+        lock = threading.Lock()
+
+        def on_output(i, out: RequestOutput):
+            r = results[i]
+            r.text += out.text_delta
+            r.token_ids += out.new_token_ids
+            if out.logprobs is not None:
+                r.logprobs = (r.logprobs or []) + out.logprobs
+            r.finish_reason, r.cached_tokens = out.finish_reason, out.cached_tokens
+            r.completion_tokens = out.completion_tokens
+            if out.finished:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        names = []
+        try:
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                names.append(f"generate-{next(self._ids)}")
+                self._loop.submit(names[-1], p, sp or SamplingParams(),
+                                  lambda out, i=i: on_output(i, out))
+            if not ids:
+                return []
+            done.wait()
+        except BaseException:
+            for name in names:
+                self._loop.abort(name)
+            raise
+        if self._loop.error is not None:
+            raise RuntimeError("the engine failed") from self._loop.error
+        return results
+
+    def stream(self, prompt, sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's outputs as they come: `.text_delta`, `.new_token_ids`, and on the
+        last one `.finished` and `.finish_reason`. Closing the iterator early aborts it."""
+        outputs: queue.Queue[RequestOutput] = queue.Queue()
+        name = f"stream-{next(self._ids)}"
+        self._loop.submit(name, self._token_ids(prompt), sampling or SamplingParams(), outputs.put)
+        finished = False
+        try:
+            while not finished:
+                out = outputs.get()
+                finished = out.finished
+                yield out
+            if self._loop.error is not None:
+                raise RuntimeError("the engine failed") from self._loop.error
+        finally:
+            if not finished:
+                self._loop.abort(name)
+
+    def close(self):
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
