@@ -120,28 +120,32 @@ def _draw(logits, rows: Rows):
     return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # Gumbel-max: a softmax draw
 
 
-def _logprobs(logits, tokens):
+def _full(logits, rows: Rows, history: History):
+    """Penalties, sampling (or argmax for greedy rows) and logprobs, for every row."""
+    r = jnp.where(rows.history_row < 0, history.seen.shape[0] - 1, rows.history_row)
+    penalized = apply_penalties(logits, history.seen[r], history.counts[r], rows)
+    tokens = jnp.where(rows.temperature > 0, _draw(penalized, rows),
+                       jnp.argmax(penalized, axis=-1).astype(jnp.int32))
     lp = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
-    return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
+    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
-def sample(logits, rows: Rows, history: History | None = None):
+def _greedy(logits, rows: Rows, history: History):
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    n = min(MAX_LOGPROBS, logits.shape[-1])
+    return (tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.zeros((*tokens.shape, n), jnp.int32),
+            jnp.zeros((*tokens.shape, n), jnp.float32))
+
+
+def sample(logits, rows: Rows, history: History):
     """logits [S, V] float32 -> tokens [S] int32, their logprobs [S], top ids [S, n] and top
     logprobs [S, n] (n = MAX_LOGPROBS). Logprobs are of the model's own distribution (before
-    penalties, temperature and filters), and zeros unless some row asked for them."""
-    raw = logits
-    if history is not None:
-        penalized = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0)
-                            | (rows.frequency_penalty != 0))
-        r = jnp.where(rows.history_row < 0, history.seen.shape[0] - 1, rows.history_row)
-        logits = jax.lax.cond(penalized, lambda l: apply_penalties(
-            l, history.seen[r], history.counts[r], rows), lambda l: l, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.lax.cond(jnp.any(rows.temperature > 0), _draw, lambda l, _: greedy, logits, rows)
-    tokens = jnp.where(rows.temperature > 0, drawn, greedy)
-    n = min(MAX_LOGPROBS, raw.shape[-1])
-    empty = (jnp.zeros(tokens.shape, jnp.float32), jnp.zeros((*tokens.shape, n), jnp.int32),
-             jnp.zeros((*tokens.shape, n), jnp.float32))
-    lp = jax.lax.cond(jnp.any(rows.logprobs >= 0), _logprobs, lambda *_: empty, raw, tokens)
-    return tokens, *lp
+    penalties, temperature and filters), and zeros unless some row asked for them.
+
+    An all-greedy batch without penalties or logprobs takes a plain argmax. That choice is one
+    `lax.cond`, and only one on that path, because XLA:GPU reads a conditional's predicate back
+    on the host, a short stall each."""
+    special = jnp.any((rows.temperature > 0) | (rows.logprobs >= 0) | (rows.repetition_penalty != 1)
+                      | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0))
+    return jax.lax.cond(special, _full, _greedy, logits, rows, history)

@@ -20,6 +20,7 @@ def rows(params: list[dict], num_rows=None):
 def draw(logits, params, history=None, num_rows=None):
     n = num_rows or len(params)
     logits = np.concatenate([logits, np.zeros((n - len(logits), V), np.float32)])
+    history = S.init_history(1, V) if history is None else history
     out = sample(jnp.asarray(logits), rows(params, n), history)
     return [np.asarray(x)[:len(params)] for x in out]
 
