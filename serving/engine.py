@@ -29,7 +29,8 @@ from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
-N_LP = sampling.MAX_LOGPROBS
+INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
+HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
 
 
 @dataclasses.dataclass
@@ -54,6 +55,13 @@ class RequestOutput:
     first_token_time: float | None
 
 
+def int_layout(T: int, S: int, P: int) -> dict[str, int]:
+    """The pieces of a step's one int32 input, in order, and their sizes."""
+    return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
+                logits_indices=S, page_table=S * P, sample_rows=S,
+                rows=len(sampling.INT_FIELDS) * S)
+
+
 def geometric(limit: int, factor: int, start: int = 1) -> list[int]:
     out, b = [], start
     while b < limit:
@@ -74,6 +82,9 @@ class Engine:
         self.page_size, self.max_num_seqs = page_size, max_num_seqs
         self.max_model_len = max_model_len or min(config.max_position_embeddings,
                                                   num_pages * page_size)
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({config.max_position_embeddings})")
         self.pages = KVPages(num_pages, page_size, model_key=repr(config))
         self.scheduler = Scheduler(self.pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -81,8 +92,7 @@ class Engine:
         max_pages = self.pages.pages_for(self.max_model_len)
         self.token_buckets = sorted(set(token_buckets or geometric(
             max_num_batched_tokens, 4) + [max_num_seqs]))
-        self.page_buckets = sorted(set(page_buckets or [
-            max(1, max_pages // 16), max(1, max_pages // 4), max_pages]))
+        self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
@@ -94,7 +104,8 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
-        self._exe: dict = {}
+        self._exe: dict = {}  # (T, P) -> compiled step
+        self._load = None  # compiled history loader
         self.compilations = 0
         self._rng = random.Random(seed)
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
@@ -184,13 +195,14 @@ class Engine:
             entry = dict(T=key[0], P=key[1], rows=len(chunks), tokens=sum(c.length for c in chunks),
                          decode_rows=sum(c.length == 1 and c.samples for c in chunks),
                          context_tokens=sum(c.start + c.length for c in chunks),
-                         running=len(self.scheduler.running), pages_used=self.pages.stats()["pages_used"])
+                         running=len(self.scheduler.running),
+                         pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
         return chunks, out, entry
 
     def _collect(self, chunks: list[Chunk], out, entry):
         t = time.perf_counter()
-        out = np.asarray(out)  # waits for the device
+        out = np.asarray(out)  # waits for the device (for step n, while step n+1 is queued)
         done = time.perf_counter()
         if entry is not None:
             entry["done"] = done
@@ -228,11 +240,12 @@ class Engine:
             qstart[i + 1:] = at
             ctx[i], last[i] = end, at - 1
             floats[:, i], ints[:, i] = seq.row[0][:, 0], seq.row[1][:, 0]
-            ints[2, i], ints[4, i] = seq.num_output - (1 if c.samples else 0), seq.slot
+            ints[INDEX, i] = seq.num_output - c.samples  # the output index being drawn
+            ints[HISTORY_ROW, i] = seq.slot
             if c.samples:
                 sample_row[i] = seq.slot
         packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel(),
-                                 sample_row, ints.ravel()])
+                                 sample_row, ints.ravel()])  # in int_layout's order
         return packed, floats.ravel(), (T, P)
 
     def _accept(self, seq: Sequence, row) -> RequestOutput:
@@ -287,7 +300,7 @@ class Engine:
         """The whole device step. `shape` (T, S, P) tells how `ints` is laid out."""
         T, S, P = shape
         kv, last_tokens, history = state
-        sizes = [T, T, T, T, S + 1, S, S, S * P, S, len(sampling.INT_FIELDS) * S]
+        sizes = list(int_layout(T, S, P).values())
         tok, pos, slot, src, qstart, ctx, last, table, sample_row, rows_i = jnp.split(
             ints, np.cumsum(sizes)[:-1])
         tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
@@ -304,7 +317,7 @@ class Engine:
     def _lower(self, key):
         T, P = key
         S = min(T, self.max_num_seqs)
-        n_int = 4 * T + (S + 1) + 2 * S + S * P + S + len(sampling.INT_FIELDS) * S
+        n_int = sum(int_layout(T, S, P).values())
         fn = jax.jit(partial(self._step_fn, shape=(T, S, P)), donate_argnums=1)
         return fn.lower(self.params, self.state, jax.ShapeDtypeStruct((n_int,), jnp.int32),
                         jax.ShapeDtypeStruct((len(sampling.FLOAT_FIELDS) * S,), jnp.float32))
@@ -327,17 +340,15 @@ class Engine:
             self._compile_load()
         for T, P in keys:
             S = min(T, self.max_num_seqs)
-            floats, rows_i = sampling.pack_rows([], S)
-            pad = [np.zeros(2 * T), np.full(2 * T, -1), np.zeros(S + 1 + 2 * S + S * P),
-                   np.full(S, -1), rows_i.ravel()]  # tokens, positions | slots, sources | ...
-            ints = np.concatenate(pad).astype(np.int32)
+            floats, rows = sampling.pack_rows([], S)
+            fill = dict(kv_slots=-1, sources=-1, sample_rows=-1)  # padding: no write, no sample
+            ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32) if name != "rows"
+                                   else rows.ravel() for name, n in int_layout(T, S, P).items()])
             _, self.state = self._exe[(T, P)](self.params, self.state, ints, floats.ravel())
         jax.block_until_ready(self.state)
         return self
 
     # -- penalties' token history -------------------------------------------------------------
-    _load = None
-
     def _compile_load(self):
         spec = [jax.ShapeDtypeStruct((HISTORY_CHUNK,), d) for d in (jnp.int32, jnp.int32, bool)]
         self._load = jax.jit(sampling.load_history, donate_argnums=0).lower(

@@ -94,15 +94,16 @@ def default_model_folder() -> Path:
     return Path(default_model_path())
 
 
-def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int) -> int:
-    """As many pages as fit in 85% of the device's free memory, else one full context per
-    sequence slot."""
+def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int,
+                      fraction: float = 0.7) -> int:
+    """Pages for a full context per sequence slot, capped at `fraction` of the device's free
+    memory (the rest is for activations); where memory is not reported, uncapped."""
     page_bytes = 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
         jnp.dtype(dtype).itemsize
     want = max_num_seqs * -(-max_model_len // page_size)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        free = 0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        free = fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
         return max(min(want, int(free // page_bytes)), -(-max_model_len // page_size))
     return want
 

@@ -3,7 +3,6 @@ solo output whatever shares its steps, prefix reuse, preemption, aborts, stops, 
 penalties, logprobs, and no compilation after warm-up."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -198,7 +197,8 @@ def test_stop_token_and_stop_string(big):
     text = LetterTokenizer().decode(want)
     stop = text[5:7]
     cut = text.find(stop)
-    outs = run(big, [("tok", prompt, SamplingParams(max_tokens=12, stop_token_ids=[want[k]], **GREEDY), 0),
+    by_token = SamplingParams(max_tokens=12, stop_token_ids=[want[k]], **GREEDY)
+    outs = run(big, [("tok", prompt, by_token, 0),
                      ("str", prompt, SamplingParams(max_tokens=12, stop=[stop], **GREEDY), 0)])
     assert tokens(outs["tok"]) == want[:k + 1] and outs["tok"][-1].finish_reason == "stop"
     assert "".join(o.text_delta for o in outs["tok"]) == text[:k]  # the stop token adds no text

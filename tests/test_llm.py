@@ -61,7 +61,7 @@ def test_generate_texts_and_token_ids(llm):
         assert (out.finish_reason, out.prompt_tokens, out.completion_tokens) == ("length", len(ids), 8)
     # Token id prompts, one SamplingParams each; a single prompt still gives a list.
     ids = [llm.tokenizer.encode(t) for t in texts[:2]]
-    outs = llm.generate(ids, [SamplingParams(max_tokens=3, **GREEDY), SamplingParams(max_tokens=5, **GREEDY)])
+    outs = llm.generate(ids, [SamplingParams(max_tokens=n, **GREEDY) for n in (3, 5)])
     assert [len(o.token_ids) for o in outs] == [3, 5]
     assert outs[1].token_ids == greedy(llm, ids[1], 5)
     one = llm.generate(texts[0], SamplingParams(max_tokens=2, **GREEDY))

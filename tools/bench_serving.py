@@ -27,7 +27,8 @@ import numpy as np
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--offline", action="store_true", help="batch-1 latency and offline throughput")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and workload (CPU dry run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -83,7 +84,7 @@ def make_engine(config, params, args, mix):
     from pallasite.serving.llm import default_num_pages
     reference = choose_impl() == "reference" and not args.tiny
     # The jnp reference attention materializes K/V per query token: keep its steps small.
-    max_num_seqs = args.max_num_seqs or (min(128, mix["max_num_seqs"]) if reference else mix["max_num_seqs"])
+    max_num_seqs = args.max_num_seqs or min(128 if reference else 10**9, mix["max_num_seqs"])
     budget = args.max_num_batched_tokens or (256 if reference else mix["budget"])
     max_model_len = mix["prompt"][1] + mix["output"][1]
     num_pages = None
@@ -172,7 +173,8 @@ def offline(engine, mix, cost, rng, deadline):
 
 # -- report ------------------------------------------------------------------------------------
 def table(records) -> str:
-    head = "| mode | batch | overlap | output tok/s | step ms | roofline ms | of roofline | compiles after warm-up |"
+    head = ("| mode | batch | overlap | output tok/s | step ms | roofline ms | of roofline "
+            "| compiles after warm-up |")
     rows = [head, "|" + "---|" * 8]
     for r in records:
         if "error" in r:
@@ -181,7 +183,8 @@ def table(records) -> str:
         rows.append(f"| {r['mode']} | {r['batch']:.1f} | {r.get('overlap', True)} | "
                     f"{r['output_tok_per_s']:.0f} | {r.get('step_ms', float('nan')):.2f} | "
                     f"{r.get('roofline_ms', float('nan')):.2f} | "
-                    f"{r.get('frac_of_roofline', float('nan')):.0%} | {r['compilations_after_warmup']} |")
+                    f"{r.get('frac_of_roofline', float('nan')):.0%} | "
+                    f"{r['compilations_after_warmup']} |")
     return "\n".join(rows)
 
 
@@ -225,7 +228,8 @@ def bench_offline(args):
               ("offline", lambda d: offline(engine, mix, cost, rng, d))]
     for i, (mode, phase) in enumerate(phases):
         # Batch-1 phases get a short slice; the throughput run what is left, less a margin.
-        share = deadline - 15 if mode == "offline" else time.perf_counter() + (deadline - time.perf_counter()) / 8
+        left = deadline - time.perf_counter()
+        share = deadline - 15 if mode == "offline" else time.perf_counter() + left / 8
         try:
             rec = phase(share)
         except Exception as e:  # report and go on: a benchmark should still leave its numbers
