@@ -2,6 +2,9 @@
 
 `impl` is "reference" (plain jnp, any backend) or "pallas" (GPU kernels); None picks "pallas" on
 GPU and "reference" elsewhere. `PALLASITE_ATTENTION_IMPL` overrides the automatic choice.
+`interpret=True` runs the Pallas kernels in Pallas's interpreter (any backend; used by the tests).
+Extra keywords (block sizes, num_splits, ...) reach the Pallas kernels; defaults come from
+`tuning.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 
 import jax
 
-from . import reference
+from . import reference, tuning
 
 
 def choose_impl(impl: str | None = None) -> str:
@@ -22,25 +25,59 @@ def choose_impl(impl: str | None = None) -> str:
     return impl
 
 
-def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl=None):
+def _use_pallas(impl, interpret):
+    return interpret or choose_impl(impl) == "pallas"
+
+
+def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl=None,
+                    interpret=False, **blocks):
     """Prefill / no-cache attention. q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D]."""
-    return reference.attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
-                                         sm_scale=sm_scale)
+    if not _use_pallas(impl, interpret):
+        return reference.attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
+                                             sm_scale=sm_scale)
+    from . import flash
+    kw = tuning.params("flash" if q.shape[-1] > 64 else "flash_d64") | blocks
+    return flash.flash_attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale,
+                                 interpret=interpret, **kw)
 
 
-def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None, impl=None):
+def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None, impl=None,
+                    interpret=False, **blocks):
     """Decode attention over paged K/V. q [S, H, D] -> [S, H, D]."""
-    return reference.paged_attention_reference(q, k_pages, v_pages, context_lens, page_table,
-                                               sm_scale=sm_scale)
+    if not _use_pallas(impl, interpret):
+        return reference.paged_attention_reference(q, k_pages, v_pages, context_lens, page_table,
+                                                   sm_scale=sm_scale)
+    from . import paged
+    kw = tuning.params("decode") | blocks
+    if "num_splits" not in kw:
+        tiles = -(-page_table.shape[1] // kw["pages_per_block"])
+        kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
+    return paged.paged_attention(q, k_pages, v_pages, context_lens, page_table,
+                                 sm_scale=sm_scale, interpret=interpret, **kw)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           sm_scale=None, impl=None):
+                           sm_scale=None, impl=None, interpret=False, **blocks):
     """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D]."""
-    return reference.ragged_paged_attention_reference(
-        q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale)
+    if not _use_pallas(impl, interpret):
+        return reference.ragged_paged_attention_reference(
+            q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale)
+    from . import paged
+    T, S = q.shape[0], page_table.shape[0]
+    # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
+    kw = tuning.params("decode" if T <= 2 * S else "ragged") | blocks
+    if "num_splits" not in kw:
+        group = q.shape[1] // k_pages.shape[0]
+        rows = max(kw["block_rows"], 16, group)
+        blocks_needed = max(-(-T * group // rows), S)
+        tiles = -(-page_table.shape[1] // kw["pages_per_block"])
+        kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles)
+    return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
+                                        page_table, sm_scale=sm_scale, interpret=interpret, **kw)
 
 
 def write_kv(k_pages, v_pages, k, v, slots):
-    """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding)."""
+    """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding).
+    The XLA scatter (the reference) is the implementation on every backend: it updates the
+    donated pages in place and moves only the new rows."""
     return reference.write_kv_reference(k_pages, v_pages, k, v, slots)

@@ -1,0 +1,191 @@
+"""Ragged paged attention (mixed prefill chunks and decode tokens) and paged decode attention,
+Pallas with the Triton lowering.
+
+One kernel serves both. The flat token axis is cut into blocks of `block_rows // G` tokens that
+never cross a sequence (G = H // KV, the query heads that share one kv head). A program owns one
+block, one kv head and one split of the keys: its `block_rows` query rows are the block's tokens
+times the G heads of the group (q is packed [KV, T * G, D] outside the kernel), so each K/V page
+is read from HBM once for the whole group. Keys come in tiles of `pages_per_block` pages looked
+up in the page table; tiles wholly below the block's first causal position run without a mask.
+
+Split-K (flash-decoding): with `num_splits` > 1, a program takes an even share of its block's key
+tiles and writes a normalized partial output and its log-sum-exp; `_combine` merges the splits.
+Batch 1 with a long context then still fills the GPU.
+
+Block metadata (which sequence and first token each block has) is computed with jnp from
+query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; blocks past the
+real ones own no token and return at once. Tokens past query_start[-1] give zeros.
+
+Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
+offsets must fit int32 (KV * num_pages * page_size * D < 2**31).
+What bounds decode: one pass over K/V at HBM speed is the floor; tile loads go through the page
+table, so each tile costs a dependent index load first, hidden only by num_stages pipelining.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .flash import online_softmax_step
+from .reference import NEG_INF
+
+LOG2E = math.log2(math.e)
+
+
+def block_metadata(query_start, num_tokens, tokens_per_block, num_blocks):
+    """For each block: its sequence and first token. Blocks past the last get token
+    `num_tokens` (so they own no token) and sequence 0."""
+    S = query_start.shape[0] - 1
+    q_len = query_start[1:] - query_start[:-1]
+    n_blk = (q_len + tokens_per_block - 1) // tokens_per_block
+    ends = jnp.cumsum(n_blk)
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), S - 1).astype(jnp.int32)
+    tok = query_start[seq] + (b - (ends[seq] - n_blk[seq])) * tokens_per_block
+    valid = b < ends[-1]
+    return jnp.where(valid, seq, 0), jnp.where(valid, tok, num_tokens).astype(jnp.int32)
+
+
+def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs,
+            sm_scale, group, block_rows, pages_per_block, pages_per_seq, num_splits):
+    D = q_ref.shape[-1]
+    page_size = k_ref.shape[1]
+    block_k = pages_per_block * page_size
+    tpb = block_rows // group  # tokens per block
+    b, split = pl.program_id(0), pl.program_id(2)
+    s, t0 = seq_ref[b], tok_ref[b]
+    q_lo, q_hi, ctx = qs_ref[s], qs_ref[s + 1], ctx_ref[s]
+
+    r = jnp.arange(block_rows)
+    tok = t0 + r // group
+    row_ok = (tok < q_hi) & (r < tpb * group)
+    pos = ctx - (q_hi - q_lo) + (tok - q_lo)  # cache position of each row's token
+    first_pos = ctx - (q_hi - q_lo) + (t0 - q_lo)
+    n_tok = jnp.clip(q_hi - t0, 0, tpb)
+    kv_len = jnp.where(n_tok > 0, jnp.minimum(first_pos + n_tok, pages_per_seq * page_size), 0)
+    kv_len = jnp.maximum(kv_len, 0)
+
+    q = plgpu.load(q_ref.at[pl.ds(t0 * group, block_rows), :], mask=row_ok[:, None], other=0.0)
+    scale = sm_scale * LOG2E
+
+    def tile(j, carry, masked):
+        pidx = j * pages_per_block + jnp.arange(pages_per_block)
+        pages = plgpu.load(pt_ref.at[pl.ds(s * pages_per_seq + j * pages_per_block,
+                                           pages_per_block)],
+                           mask=pidx * page_size < kv_len, other=0)
+        k = k_ref[pages].reshape(block_k, D)
+        v = v_ref[pages].reshape(block_k, D)
+        sc = plgpu.dot(q, k, trans_b=True) * scale
+        mask = None
+        if masked:
+            cols = j * block_k + jnp.arange(block_k)
+            mask = cols[None, :] <= pos[:, None]
+            v = jnp.where((cols < kv_len)[:, None], v, jnp.zeros_like(v))  # stale slots
+        return online_softmax_step(sc, mask, v, carry)
+
+    # This split's share of the key tiles; tiles below the first row's position need no mask.
+    n_tiles = pl.cdiv(kv_len, block_k)
+    share = pl.cdiv(n_tiles, num_splits)
+    lo = jnp.minimum(split * share, n_tiles)
+    hi = jnp.minimum(lo + share, n_tiles)
+    mid = jnp.clip((first_pos + 1) // block_k, lo, hi)
+    carry = (jnp.zeros((block_rows, D), jnp.float32),
+             jnp.full((block_rows,), NEG_INF, jnp.float32),
+             jnp.zeros((block_rows,), jnp.float32))
+    carry = lax.fori_loop(lo, mid, functools.partial(tile, masked=False), carry)
+    o, m, l = lax.fori_loop(mid, hi, functools.partial(tile, masked=True), carry)
+
+    o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
+    rows = pl.ds(t0 * group, block_rows)
+    plgpu.store(out_refs[0].at[rows, :], o.astype(out_refs[0].dtype), mask=row_ok[:, None])
+    if num_splits > 1:  # base-2 log-sum-exp of this split; empty splits weigh nothing
+        lse = jnp.where(l == 0.0, NEG_INF, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
+        plgpu.store(out_refs[1].at[rows], lse, mask=row_ok)
+
+
+def _combine(o, lse):
+    """o [splits, ...rows, D] float32 normalized per split, lse [splits, ...rows] base 2."""
+    m = jnp.max(lse, axis=0)
+    w = jnp.exp2(lse - m[None])
+    w = jnp.where(lse <= NEG_INF / 2, 0.0, w)
+    den = jnp.sum(w, axis=0)
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(den == 0, 1.0, den)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
+    "num_blocks", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
+                           sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
+                           num_warps=4, num_stages=2, num_blocks=None, interpret=False):
+    """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference."""
+    T, H, D = q.shape
+    KV, P, page_size, _ = k_pages.shape
+    S, pages_per_seq = page_table.shape
+    if H % KV:
+        raise ValueError(f"{H=} query heads is not a multiple of {KV=} kv heads")
+    for name, x in (("head_dim", D), ("page_size", page_size), ("block_rows", block_rows),
+                    ("pages_per_block", pages_per_block)):
+        if x & (x - 1):
+            raise ValueError(f"{name} {x} must be a power of two")
+    G = H // KV
+    block_rows = max(block_rows, 16, pl.next_power_of_2(G))
+    tpb = block_rows // G
+    if num_blocks is None:  # enough for any split of T tokens into S sequences
+        num_blocks = pl.cdiv(T, tpb) + S
+    seq, tok = block_metadata(query_start.astype(jnp.int32), T, tpb, num_blocks)
+
+    qp = q.reshape(T, KV, G, D).transpose(1, 0, 2, 3).reshape(KV, T * G, D)
+    grid = (num_blocks, KV, num_splits)
+    whole = lambda n: pl.BlockSpec((n,), lambda b, h, sp: (0,))
+    in_specs = [
+        whole(num_blocks), whole(num_blocks), whole(S + 1), whole(S), whole(S * pages_per_seq),
+        pl.BlockSpec((None, T * G, D), lambda b, h, sp: (h, 0, 0)),
+        pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0)),
+        pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0)),
+    ]
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((1, KV, T * G, D), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((num_splits, KV, T * G, D), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, KV, T * G), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, T * G, D), lambda b, h, sp: (sp, h, 0, 0)),
+                 pl.BlockSpec((None, None, T * G), lambda b, h, sp: (sp, h, 0))][:len(out_shape)]
+    kernel = functools.partial(
+        _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G,
+        block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
+        num_splits=num_splits)
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="pallasite_ragged_paged_attention",
+    )(seq, tok, query_start.astype(jnp.int32), context_lens.astype(jnp.int32),
+      page_table.astype(jnp.int32).reshape(-1), qp, k_pages, v_pages)
+    o = outs[0][0] if num_splits == 1 else _combine(*outs)
+    o = o.reshape(KV, T, G, D).transpose(1, 0, 2, 3).reshape(T, H, D)
+    live = jnp.arange(T) < query_start[-1]  # rows no block wrote hold garbage: zero them
+    return jnp.where(live[:, None, None], o, 0).astype(q.dtype)
+
+
+def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
+                    block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
+                    interpret=False):
+    """Decode: q [S, H, D], one token per sequence -> [S, H, D]."""
+    S = q.shape[0]
+    query_start = jnp.arange(S + 1, dtype=jnp.int32)
+    return ragged_paged_attention(
+        q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
+        block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, num_blocks=S, interpret=interpret)

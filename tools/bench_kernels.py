@@ -1,0 +1,462 @@
+"""Check every attention kernel against its reference on the GPU and time it against the
+baselines, in one run:
+
+    python tools/bench_kernels.py --out DIR [--quick] [--sweep] [--only prefill,decode,mixed]
+
+Prefill: ours vs cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`), JAX's Triton
+`pallas.ops.gpu.attention.mha` (K/V repeated to all heads beforehand: it has no GQA), JAX's Mosaic
+GPU `attention_mgpu` where it runs, and the jnp reference. Decode: ours vs JAX's
+`pallas.ops.gpu.paged_attention` and a jnp decode over a dense cache; KV bytes read per second
+against the copy ceiling measured in the same run. Mixed: one ragged call vs the prefill-chunk
+and decode calls apart. Times are medians over many runs after warm-up. Writes kernels.json and
+kernels.md (a table for docs/BENCHMARKS.md) under --out, and a short table last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DATE = "2026-11-22"
+
+
+def import_kernels():
+    """`pallasite.kernels`, installed or straight from this checkout."""
+    try:
+        import pallasite.kernels as kernels
+        return kernels
+    except ImportError:
+        pkg = types.ModuleType("pallasite")
+        pkg.__path__ = [str(ROOT / "pallasite")]
+        sys.modules["pallasite"] = pkg
+        spec = importlib.util.spec_from_file_location(
+            "pallasite.kernels", ROOT / "kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "kernels")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["pallasite.kernels"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+K = import_kernels()
+from pallasite.kernels import flash, paged, reference, tuning  # noqa: E402
+
+LOG = []
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.append(s)
+
+
+# ---------------------------------------------------------------- timing
+
+def time_ms(fn, *args, reps=15, inner=None, loop=False):
+    """Median ms per call. `loop=True` runs `inner` calls inside one jitted fori_loop (for
+    kernels of tens of microseconds, where host dispatch would show); each iteration's input
+    depends on the last output so nothing is hoisted."""
+    if loop:
+        inner = inner or 20
+
+        @jax.jit
+        def many(*args):
+            def body(i, acc):
+                q = args[0] + (acc[(0,) * acc.ndim] * 0).astype(args[0].dtype)
+                return fn(q, *args[1:]).astype(acc.dtype)
+            out0 = fn(*args)
+            return jax.lax.fori_loop(0, inner, body, out0)
+        call = lambda: many(*args)
+    else:
+        inner = inner or 5
+        jf = jax.jit(fn)
+        call = lambda: [jf(*args) for _ in range(inner)][-1]
+    jax.block_until_ready(call())
+    jax.block_until_ready(call())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        ts.append((time.perf_counter() - t0) / (inner + (1 if loop else 0)))
+    return 1e3 * float(np.median(ts))
+
+
+def copy_ceiling():
+    """Bytes read + written per second by a large device-to-device copy; the best of torch's
+    copy_ and a jitted jnp copy."""
+    out = {}
+    n = 2 * 2**30 // 2  # 2 GiB of bf16
+    try:
+        import torch
+        a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        out["torch_copy"] = 4 * n / float(np.median(ts)) / 1e12
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception as e:
+        out["torch_copy_error"] = repr(e)[:200]
+    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
+    ms = time_ms(lambda x: x * 1, x, reps=10, inner=5)
+    out["jnp_copy"] = 4 * n / (ms / 1e3) / 1e12
+    del x
+    out["best"] = max(v for k, v in out.items() if not k.endswith("error"))
+    return out
+
+
+def poison():
+    """Fill freed device memory with NaN so that an output element no kernel writes shows."""
+    x = jnp.full((512 * 2**20,), jnp.nan, jnp.float32)  # 2 GiB
+    x.block_until_ready()
+    del x
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# ---------------------------------------------------------------- inputs
+
+def dense_inputs(key, B, T, S, H, KV, D, dtype):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return (jax.random.normal(k1, (B, T, H, D), dtype), jax.random.normal(k2, (B, S, KV, D), dtype),
+            jax.random.normal(k3, (B, S, KV, D), dtype))
+
+
+def paged_inputs(rng, q_lens, ctx, H, KV, D, page_size, dtype, spare_pages=8):
+    """Random pages, shuffled page tables. Returns q, k_pages, v_pages, query_start, ctx, table."""
+    q_lens, ctx = np.asarray(q_lens), np.asarray(ctx)
+    pps = max(1, int(math.ceil(ctx.max() / page_size)))
+    S = len(ctx)
+    P = S * pps + spare_pages
+    table = rng.permutation(P)[: S * pps].reshape(S, pps).astype(np.int32)
+    qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (int(qs[-1]), H, D), dtype)
+    kp = jax.random.normal(k2, (KV, P, page_size, D), dtype)
+    vp = jax.random.normal(k3, (KV, P, page_size, D), dtype)
+    return q, kp, vp, jnp.asarray(qs), jnp.asarray(ctx, jnp.int32), jnp.asarray(table)
+
+
+def dense_from_pages(pages, table):
+    return reference.gather_pages(pages, table)  # [S, L, KV, D]
+
+
+# ---------------------------------------------------------------- baselines
+
+def cudnn_attention(q, k, v, causal):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def jax_triton_mha(q, k, v, causal):
+    from jax.experimental.pallas.ops.gpu import attention
+    return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
+
+
+def jax_mgpu_attention(q, k, v, causal):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+    return am.attention(q, k, v, cfg)
+
+
+def jax_paged_reference(q, kp, vp, ctx, table):
+    from jax.experimental.pallas.ops.gpu import paged_attention as pa
+    pps = table.shape[1]
+    k_splits = math.gcd(pps, 16)
+    return pa.paged_attention(q, kp, vp, table, ctx, k_splits=k_splits,
+                              pages_per_compute_block=min(8, pps // k_splits))
+
+
+def dense_decode(q, k, v, ctx):
+    """jnp decode over a dense cache: q [S, H, D], k/v [S, L, KV, D]."""
+    S, H, D = q.shape
+    KV = k.shape[2]
+    qg = q.reshape(S, KV, H // KV, D)
+    s = jnp.einsum("skgd,slkd->skgl", qg, k, preferred_element_type=jnp.float32) * D ** -0.5
+    s = jnp.where(jnp.arange(k.shape[1])[None, None, None] < ctx[:, None, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("skgl,slkd->skgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(S, H, D).astype(q.dtype)
+
+
+# ---------------------------------------------------------------- cases
+
+def record(kernel, **kw):
+    r = dict(kernel=kernel, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
+             date=DATE)
+    r.update(kw)
+    return r
+
+
+def try_time(name, fn, *args, **kw):
+    try:
+        return time_ms(fn, *args, **kw)
+    except Exception as e:
+        log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+def bench_prefill(args, records):
+    B, H, KV, D, dtype = 4, 32, 8, 128, jnp.bfloat16
+    seqs = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    key = jax.random.PRNGKey(1)
+    for S in seqs:
+        for causal in (True, False):
+            key, sub = jax.random.split(key)
+            q, k, v = dense_inputs(sub, B, S, S, H, KV, D, dtype)
+            ours = lambda q, k, v: K.flash_attention(q, k, v, causal=causal, impl="pallas")
+            err = None
+            if S <= 4096:  # the fp32 reference needs B*H*S*S*4 bytes of scores
+                poison()
+                err = rel_err(jax.jit(ours)(q, k, v),
+                              jax.jit(lambda q, k, v: reference.attention_reference(
+                                  q, k, v, causal=causal))(q, k, v))
+            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+            t = {"ours": try_time("ours", ours, q, k, v)}
+            t["cudnn"] = try_time("cudnn", lambda q, k, v: cudnn_attention(q, k, v, causal),
+                                  q, k, v)
+            kr, vr = jnp.repeat(k, H // KV, 2), jnp.repeat(v, H // KV, 2)
+            t["jax_triton_mha"] = try_time("mha", lambda q, k, v: jax_triton_mha(q, k, v, causal),
+                                           q, kr, vr)
+            del kr, vr
+            if S == 4096:
+                t["jax_mgpu"] = try_time("mgpu", lambda q, k, v: jax_mgpu_attention(
+                    q, k, v, causal), q, k, v)
+                t["jnp_reference"] = try_time("ref", lambda q, k, v: reference.attention_reference(
+                    q, k, v, causal=causal), q, k, v, reps=5, inner=2)
+            ours_ms = t.pop("ours")
+            base = {n: v for n, v in t.items() if v is not None}
+            rec = record("flash_attention", batch=B, seq=S, heads=H, kv_heads=KV, head_dim=D,
+                         causal=causal, dtype="bfloat16", ours_ms=ours_ms, baselines=base,
+                         rel_err=err,
+                         tflops=flops / (ours_ms / 1e3) / 1e12 if ours_ms else None,
+                         ratio_vs_cudnn=(base["cudnn"] / ours_ms) if ours_ms and "cudnn" in base
+                         else None)
+            records.append(rec)
+            log(f"prefill S={S} causal={causal} err={err} ours={ours_ms} {base}")
+
+
+def bench_decode(args, records, ceiling):
+    H, KV, D, dtype = 32, 8, 128, jnp.bfloat16
+    rng = np.random.default_rng(2)
+    grid = [(b, c) for b in (1, 8, 64, 256) for c in (1024, 4096, 32768)]
+    grid = [(b, c) for b, c in grid if b * c <= 64 * 32768 and not (b == 64 and c == 32768)]
+    if args.quick:
+        grid = [(1, 32768), (64, 4096)]
+    for page_size in args.page_sizes:
+        for B, C in grid:
+            q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, page_size,
+                                                   dtype)
+            q = q.reshape(B, H, D)
+            ours = lambda q, kp, vp, ctx, table: K.paged_attention(q, kp, vp, ctx, table,
+                                                                   impl="pallas")
+            err = None
+            if B * C <= 64 * 4096:
+                poison()
+                err = rel_err(jax.jit(ours)(q, kp, vp, ctx, table),
+                              jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table))
+            t = {"ours": try_time("ours", ours, q, kp, vp, ctx, table, loop=True)}
+            t["jax_pallas_paged"] = try_time("jax paged", jax_paged_reference, q, kp, vp, ctx,
+                                             table, loop=True)
+            kd, vd = dense_from_pages(kp, table), dense_from_pages(vp, table)
+            t["jnp_dense"] = try_time("dense", lambda q, k, v, c: dense_decode(q, k, v, c),
+                                      q, kd, vd, ctx, loop=True)
+            del kd, vd
+            kv_bytes = 2 * B * C * KV * D * 2
+            ours_ms = t.pop("ours")
+            base = {n: v for n, v in t.items() if v is not None}
+            tbps = kv_bytes / (ours_ms / 1e3) / 1e12 if ours_ms else None
+            rec = record("paged_attention", batch=B, context=C, page_size=page_size, heads=H,
+                         kv_heads=KV, head_dim=D, causal=True, dtype="bfloat16", ours_ms=ours_ms,
+                         baselines=base, rel_err=err, tbps=tbps,
+                         frac_of_copy_bw=tbps / ceiling if tbps else None,
+                         speedup_vs_jax_paged=(base["jax_pallas_paged"] / ours_ms)
+                         if ours_ms and "jax_pallas_paged" in base else None,
+                         num_splits=tuning.num_splits(B * KV, -(-(C // page_size) // tuning.params(
+                             "decode")["pages_per_block"])))
+            records.append(rec)
+            log(f"decode ps={page_size} B={B} C={C} err={err} ours={ours_ms} {base} "
+                f"tbps={tbps}")
+            del q, kp, vp
+
+
+def bench_mixed(args, records, ceiling):
+    H, KV, D, dtype = 32, 8, 128, jnp.bfloat16
+    rng = np.random.default_rng(3)
+    page_size = 16
+    dec_ctx = rng.integers(512, 4096, 63)
+    q_lens = [512] + [1] * 63
+    ctx = [2048] + list(dec_ctx)
+    q, kp, vp, qs, ctx, table = paged_inputs(rng, q_lens, ctx, H, KV, D, page_size, dtype)
+
+    def ragged(q, kp, vp, qs, ctx, table, **kw):
+        return K.ragged_paged_attention(q, kp, vp, qs, ctx, table, impl="pallas", **kw)
+
+    def apart(q, kp, vp, qs, ctx, table):
+        a = K.ragged_paged_attention(q[:512], kp, vp, qs[:2], ctx[:1], table[:1], impl="pallas")
+        b = K.paged_attention(q[512:], kp, vp, ctx[1:], table[1:], impl="pallas")
+        return jnp.concatenate([a, b])
+
+    poison()
+    ref = jax.jit(reference.ragged_paged_attention_reference)(q, kp, vp, qs, ctx, table)
+    err = rel_err(jax.jit(ragged)(q, kp, vp, qs, ctx, table), ref)
+    err_apart = rel_err(jax.jit(apart)(q, kp, vp, qs, ctx, table), ref)
+    ours_ms = time_ms(ragged, q, kp, vp, qs, ctx, table, loop=True)
+    base = {"separate_prefill_plus_decode": time_ms(apart, q, kp, vp, qs, ctx, table, loop=True)}
+    for rows in (16, 32):
+        base[f"ours_block_rows_{rows}"] = try_time(
+            "rows", lambda *a: ragged(*a, block_rows=rows), q, kp, vp, qs, ctx, table, loop=True)
+    base["jnp_reference"] = try_time("ref", reference.ragged_paged_attention_reference,
+                                     q, kp, vp, qs, ctx, table, reps=5, inner=2)
+    base = {n: v for n, v in base.items() if v is not None}
+    kv_bytes = 2 * int(np.asarray(ctx).sum()) * KV * D * 2
+    tbps = kv_bytes / (ours_ms / 1e3) / 1e12
+    rec = record("ragged_paged_attention", batch=64, context=int(np.asarray(ctx).max()),
+                 seq=512, page_size=page_size, causal=True, dtype="bfloat16", ours_ms=ours_ms,
+                 baselines=base, rel_err=err, rel_err_separate=err_apart, tbps=tbps,
+                 frac_of_copy_bw=tbps / ceiling,
+                 note="one 512-token chunk (context 2048) + 63 decode tokens (context 512..4095)")
+    records.append(rec)
+    log(f"mixed err={err} err_apart={err_apart} ours={ours_ms} {base}")
+
+
+def sweep(args, records, ceiling):
+    """Block sizes at the target cases; results go to the log and the JSON, not the table."""
+    H, KV, D, dtype = 32, 8, 128, jnp.bfloat16
+    out = []
+    q, k, v = dense_inputs(jax.random.PRNGKey(5), 4, 4096, 4096, H, KV, D, dtype)
+    for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                          (128, 32, 4, 4), (64, 128, 4, 2), (128, 128, 8, 3)]:
+        ms = try_time("sweep", lambda q, k, v: K.flash_attention(
+            q, k, v, causal=True, impl="pallas", block_q=bq, block_k=bk, num_warps=w,
+            num_stages=st), q, k, v)
+        out.append(dict(kernel="flash_attention", block_q=bq, block_k=bk, num_warps=w,
+                        num_stages=st, ms=ms))
+        log(f"sweep flash causal S=4096 bq={bq} bk={bk} w={w} st={st}: {ms}")
+    del q, k, v
+    rng = np.random.default_rng(6)
+    for B, C in [(64, 4096), (1, 32768)]:
+        q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16, dtype)
+        q = q.reshape(B, H, D)
+        kv_bytes = 2 * B * C * KV * D * 2
+        for ppb, w, st, splits in [(8, 4, 2, None), (4, 4, 2, None), (16, 4, 2, None),
+                                   (8, 4, 3, None), (8, 8, 2, None), (8, 4, 2, 1), (8, 4, 2, 2),
+                                   (8, 4, 2, 16), (8, 4, 2, 32), (16, 8, 3, None)]:
+            kw = dict(pages_per_block=ppb, num_warps=w, num_stages=st)
+            if splits is not None:
+                kw["num_splits"] = splits
+            ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **kw),
+                          q, kp, vp, ctx, table, loop=True)
+            out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
+                            tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
+            log(f"sweep decode B={B} C={C} {kw}: {ms} ms "
+                f"{kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
+        del q, kp, vp
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+def table(records, ceiling):
+    lines = [f"GPU: {jax.devices()[0].device_kind}; JAX {jax.__version__}; {DATE}; "
+             f"copy ceiling {ceiling:.2f} TB/s (read + written)", ""]
+    lines += ["| prefill (B=4, 32/8 heads, d=128, bf16) | ours ms | TFLOP/s | cuDNN ms | "
+              "vs cuDNN | JAX mha ms | JAX mgpu ms | jnp ms | rel err |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, p=3: "-" if x is None else (f"{x:.{p}f}" if isinstance(x, float) else str(x))
+    for r in records:
+        if r["kernel"] == "flash_attention":
+            b = r["baselines"]
+            lines.append(f"| S={r['seq']} {'causal' if r['causal'] else 'full'} | "
+                         f"{f(r['ours_ms'])} | {f(r['tflops'], 0)} | {f(b.get('cudnn'))} | "
+                         f"{f(r['ratio_vs_cudnn'], 2)}x | {f(b.get('jax_triton_mha'))} | "
+                         f"{f(b.get('jax_mgpu'))} | {f(b.get('jnp_reference'))} | "
+                         f"{f(r['rel_err'], 4)} |")
+    lines += ["", "| decode (32/8 heads, d=128, bf16) | ours ms | TB/s | of copy | JAX paged ms | "
+              "vs JAX | jnp dense ms | rel err |", "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["kernel"] == "paged_attention":
+            b = r["baselines"]
+            lines.append(f"| B={r['batch']} ctx={r['context']} page={r['page_size']} | "
+                         f"{f(r['ours_ms'], 4)} | {f(r['tbps'], 2)} | "
+                         f"{f(r['frac_of_copy_bw'] and 100 * r['frac_of_copy_bw'], 0)}% | "
+                         f"{f(b.get('jax_pallas_paged'), 4)} | "
+                         f"{f(r['speedup_vs_jax_paged'], 2)}x | {f(b.get('jnp_dense'), 4)} | "
+                         f"{f(r['rel_err'], 4)} |")
+    for r in records:
+        if r["kernel"] == "ragged_paged_attention":
+            b = r["baselines"]
+            lines += ["", f"mixed ({r['note']}): one ragged call {f(r['ours_ms'], 4)} ms vs "
+                      f"separate {f(b.get('separate_prefill_plus_decode'), 4)} ms; "
+                      + ", ".join(f"{n} {f(v, 4)} ms" for n, v in b.items()
+                                  if n != "separate_prefill_plus_decode")
+                      + f"; rel err {f(r['rel_err'], 4)}"]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="prefill,decode,mixed")
+    ap.add_argument("--page-sizes", default="16")
+    args = ap.parse_args()
+    args.page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"jax {jax.__version__} devices {jax.devices()} tuning key {tuning.gpu_key()}")
+    ceil = copy_ceiling()
+    log(f"copy ceiling {ceil}")
+    records, sweeps = [], []
+    parts = args.only.split(",")
+    for name, fn in (("mixed", bench_mixed), ("decode", bench_decode),
+                     ("prefill", bench_prefill)):
+        if name in parts:
+            t0 = time.time()
+            try:
+                fn(args, records, ceil["best"]) if name != "prefill" else fn(args, records)
+            except Exception:
+                log(traceback.format_exc())
+            log(f"[{name} took {time.time() - t0:.0f}s]")
+            (out / "kernels.json").write_text(json.dumps(records, indent=1))
+    if args.sweep:
+        try:
+            sweeps = sweep(args, records, ceil["best"])
+        except Exception:
+            log(traceback.format_exc())
+    (out / "kernels.json").write_text(json.dumps(records, indent=1))
+    (out / "sweep.json").write_text(json.dumps(dict(copy=ceil, sweep=sweeps), indent=1))
+    md = table(records, ceil["best"])
+    (out / "kernels.md").write_text(md + "\n")
+    (out / "log.txt").write_text("\n".join(LOG) + "\n")
+    print("\n" + md)
+
+
+if __name__ == "__main__":
+    main()
