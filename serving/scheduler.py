@@ -49,7 +49,7 @@ class Sequence:
     sent: int = 0
 
     def __post_init__(self):
-        self.prompt_ids = list(self.prompt_ids)
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
         if self.tokens is None:
             self.tokens = list(self.prompt_ids)
 
@@ -97,7 +97,7 @@ class Scheduler:
     # -- requests -----------------------------------------------------------------------------
     def check(self, prompt_ids):
         """Raise RequestError if a prompt can never be served."""
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty; it needs at least 1 token")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(
