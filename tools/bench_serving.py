@@ -97,8 +97,10 @@ def make_engine(config, params, args, mix):
     max_pages = -(-max_model_len // args.page_size)
     tokens = [int(b) for b in args.token_buckets.split(",")] if args.token_buckets else \
         sorted({min(2 ** i, budget) for i in range(budget.bit_length())})
+    # Page tables as wide as the batch-1 context, and as max_model_len: 2 x len(tokens) programs.
+    b1_pages = -(-(mix["b1_prompt"] + mix["b1_tokens"]) // args.page_size)
     pages = [int(b) for b in args.page_buckets.split(",")] if args.page_buckets else \
-        sorted({max(1, max_pages // 4), max(1, max_pages // 2), max_pages})
+        sorted({b1_pages, max_pages})
     return Engine(config, params, num_pages=num_pages, page_size=args.page_size,
                   max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                   max_model_len=max_model_len, token_buckets=tokens, page_buckets=pages)
@@ -188,6 +190,16 @@ def table(records) -> str:
     return "\n".join(rows)
 
 
+def save(records, out) -> str:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "serving.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    md = table(records)
+    with open(os.path.join(out, "serving.md"), "w") as f:
+        f.write(md + "\n")
+    return md
+
+
 def bench_offline(args):
     start = time.perf_counter()
     deadline = start + args.time_limit
@@ -239,12 +251,7 @@ def bench_offline(args):
                    **{k: warm[k] for k in ("warmup_s", "max_num_seqs", "max_num_batched_tokens")})
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "serving.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    md = table(records)
-    with open(os.path.join(args.out, "serving.md"), "w") as f:
-        f.write(md + "\n")
+        md = save(records, args.out)  # after every phase: a cut-off run keeps what it measured
     print(f"\n{env['gpu']}, jax {env['jax_version']}, attention {env['attention']}, "
           f"copy {bw / 1e12:.2f} TB/s, warm-up {warm['warmup_s']:.0f} s "
           f"({warm['compilations']} compilations), total {time.perf_counter() - start:.0f} s")
