@@ -54,7 +54,8 @@ def block_metadata(query_start, num_tokens, tokens_per_block, num_blocks):
 
 
 def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs,
-            sm_scale, group, block_rows, pages_per_block, pages_per_seq, num_splits):
+            sm_scale, group, block_rows, pages_per_block, pages_per_seq, num_splits,
+            prefetch_pages):
     D = q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -75,11 +76,18 @@ def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out
     q = plgpu.load(q_ref.at[pl.ds(t0 * group, block_rows), :], mask=row_ok[:, None], other=0.0)
     scale = sm_scale * LOG2E
 
-    def tile(j, carry, masked):
+    def load_pages(j):
         pidx = j * pages_per_block + jnp.arange(pages_per_block)
-        pages = plgpu.load(pt_ref.at[pl.ds(s * pages_per_seq + j * pages_per_block,
-                                           pages_per_block)],
-                           mask=pidx * page_size < kv_len, other=0)
+        return plgpu.load(pt_ref.at[pl.ds(s * pages_per_seq + j * pages_per_block,
+                                          pages_per_block)],
+                          mask=pidx * page_size < kv_len, other=0)
+
+    def tile(j, carry, masked):
+        pages, *carry = carry
+        if prefetch_pages:  # next tile's page ids now, so its K/V loads need no index wait
+            pages, next_pages = pages, load_pages(j + 1)
+        else:
+            pages = next_pages = load_pages(j)
         k = k_ref[pages].reshape(block_k, D)
         v = v_ref[pages].reshape(block_k, D)
         sc = plgpu.dot(q, k, trans_b=True) * scale
@@ -88,7 +96,7 @@ def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out
             cols = j * block_k + jnp.arange(block_k)
             mask = cols[None, :] <= pos[:, None]
             v = jnp.where((cols < kv_len)[:, None], v, jnp.zeros_like(v))  # stale slots
-        return online_softmax_step(sc, mask, v, carry)
+        return (next_pages, *online_softmax_step(sc, mask, v, carry))
 
     # This split's share of the key tiles; tiles below the first row's position need no mask.
     n_tiles = pl.cdiv(kv_len, block_k)
@@ -96,11 +104,12 @@ def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out
     lo = jnp.minimum(split * share, n_tiles)
     hi = jnp.minimum(lo + share, n_tiles)
     mid = jnp.clip((first_pos + 1) // block_k, lo, hi)
-    carry = (jnp.zeros((block_rows, D), jnp.float32),
+    carry = (load_pages(lo),
+             jnp.zeros((block_rows, D), jnp.float32),
              jnp.full((block_rows,), NEG_INF, jnp.float32),
              jnp.zeros((block_rows,), jnp.float32))
     carry = lax.fori_loop(lo, mid, functools.partial(tile, masked=False), carry)
-    o, m, l = lax.fori_loop(mid, hi, functools.partial(tile, masked=True), carry)
+    _, o, m, l = lax.fori_loop(mid, hi, functools.partial(tile, masked=True), carry)
 
     o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
     rows = pl.ds(t0 * group, block_rows)
@@ -121,10 +130,11 @@ def _combine(o, lse):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
-    "num_blocks", "interpret"))
+    "num_blocks", "one_token_per_seq", "prefetch_pages", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
-                           num_warps=4, num_stages=2, num_blocks=None, interpret=False):
+                           num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
+                           prefetch_pages=True, interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference."""
     T, H, D = q.shape
     KV, P, page_size, _ = k_pages.shape
@@ -140,7 +150,11 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     tpb = block_rows // G
     if num_blocks is None:  # enough for any split of T tokens into S sequences
         num_blocks = pl.cdiv(T, tpb) + S
-    seq, tok = block_metadata(query_start.astype(jnp.int32), T, tpb, num_blocks)
+    if one_token_per_seq:  # decode: block b is sequence b's one token
+        num_blocks = S
+        seq = tok = jnp.arange(S, dtype=jnp.int32)
+    else:
+        seq, tok = block_metadata(query_start.astype(jnp.int32), T, tpb, num_blocks)
 
     qp = q.reshape(T, KV, G, D).transpose(1, 0, 2, 3).reshape(KV, T * G, D)
     grid = (num_blocks, KV, num_splits)
@@ -161,7 +175,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     kernel = functools.partial(
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-        num_splits=num_splits)
+        num_splits=num_splits, prefetch_pages=prefetch_pages)
     outs = pl.pallas_call(
         kernel,
         grid=grid,
@@ -181,11 +195,12 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
                     block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
-                    interpret=False):
+                    prefetch_pages=True, interpret=False):
     """Decode: q [S, H, D], one token per sequence -> [S, H, D]."""
     S = q.shape[0]
     query_start = jnp.arange(S + 1, dtype=jnp.int32)
     return ragged_paged_attention(
         q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
         block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, num_blocks=S, interpret=interpret)
+        num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
+        prefetch_pages=prefetch_pages, interpret=interpret)

@@ -209,6 +209,8 @@ def dense_decode(q, k, v, ctx):
 def record(kernel, **kw):
     r = dict(kernel=kernel, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
              date=DATE)
+    r["params"] = tuning.params({"flash_attention": "flash", "paged_attention": "decode",
+                                 "ragged_paged_attention": "ragged"}[kernel])
     r.update(kw)
     return r
 
@@ -245,8 +247,13 @@ def bench_prefill(args, records):
                                            q, kr, vr)
             del kr, vr
             if S == 4096:
-                t["jax_mgpu"] = try_time("mgpu", lambda q, k, v: jax_mgpu_attention(
-                    q, k, v, causal), q, k, v)
+                h = [x.astype(jnp.float16) for x in (q, k, v)]  # it takes fp16 only
+                t["jax_mgpu_fp16"] = try_time("mgpu", lambda q, k, v: jax_mgpu_attention(
+                    q, k, v, causal), *h)
+                t["cudnn_fp16"] = try_time("cudnn16", lambda q, k, v: cudnn_attention(
+                    q, k, v, causal), *h)
+                t["ours_fp16"] = try_time("ours16", ours, *h)
+                del h
                 t["jnp_reference"] = try_time("ref", lambda q, k, v: reference.attention_reference(
                     q, k, v, causal=causal), q, k, v, reps=5, inner=2)
             ours_ms = t.pop("ours")
@@ -269,7 +276,7 @@ def bench_decode(args, records, ceiling):
     if args.quick:
         grid = [(1, 32768), (64, 4096)]
     for page_size in args.page_sizes:
-        for B, C in grid:
+        for B, C in (grid if page_size == 16 else [(1, 32768), (64, 4096)]):
             q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, page_size,
                                                    dtype)
             q = q.reshape(B, H, D)
@@ -345,38 +352,53 @@ def bench_mixed(args, records, ceiling):
     log(f"mixed err={err} err_apart={err_apart} ours={ours_ms} {base}")
 
 
-def sweep(args, records, ceiling):
-    """Block sizes at the target cases; results go to the log and the JSON, not the table."""
+def sweep(args):
+    """Block sizes at the target cases. The best ones replace this GPU's entries in the tuning
+    table for the rest of the run (copy them into kernels/tuning.py afterwards)."""
     H, KV, D, dtype = 32, 8, 128, jnp.bfloat16
-    out = []
+    out, key = [], tuning.gpu_key()
     q, k, v = dense_inputs(jax.random.PRNGKey(5), 4, 4096, 4096, H, KV, D, dtype)
-    for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-                          (128, 32, 4, 4), (64, 128, 4, 2), (128, 128, 8, 3)]:
+    best = None
+    for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
+                          (64, 128, 4, 3), (128, 32, 4, 4)]:
+        kw = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
         ms = try_time("sweep", lambda q, k, v: K.flash_attention(
-            q, k, v, causal=True, impl="pallas", block_q=bq, block_k=bk, num_warps=w,
-            num_stages=st), q, k, v)
-        out.append(dict(kernel="flash_attention", block_q=bq, block_k=bk, num_warps=w,
-                        num_stages=st, ms=ms))
-        log(f"sweep flash causal S=4096 bq={bq} bk={bk} w={w} st={st}: {ms}")
+            q, k, v, causal=True, impl="pallas", **kw), q, k, v)
+        out.append(dict(kernel="flash_attention", seq=4096, causal=True, ms=ms, **kw))
+        log(f"sweep flash causal S=4096 {kw}: {ms}")
+        if ms and (best is None or ms < best[0]):
+            best = (ms, kw)
+    if best:
+        tuning.TABLE[key] = dict(tuning.TABLE[key], flash=best[1])
     del q, k, v
     rng = np.random.default_rng(6)
+    variants = [dict(pages_per_block=p, num_warps=w, num_stages=st, block_rows=r,
+                     prefetch_pages=pf)
+                for p, w, st, r, pf in [(8, 4, 2, 16, True), (8, 4, 2, 16, False),
+                                        (4, 4, 2, 16, True), (4, 4, 3, 16, True),
+                                        (4, 4, 4, 16, True), (8, 4, 3, 16, True),
+                                        (2, 4, 4, 16, True), (8, 4, 2, 64, True),
+                                        (4, 8, 3, 16, True), (16, 4, 2, 16, True)]]
+    times = [[] for _ in variants]
     for B, C in [(64, 4096), (1, 32768)]:
         q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16, dtype)
         q = q.reshape(B, H, D)
         kv_bytes = 2 * B * C * KV * D * 2
-        for ppb, w, st, splits in [(8, 4, 2, None), (4, 4, 2, None), (16, 4, 2, None),
-                                   (8, 4, 3, None), (8, 8, 2, None), (8, 4, 2, 1), (8, 4, 2, 2),
-                                   (8, 4, 2, 16), (8, 4, 2, 32), (16, 8, 3, None)]:
-            kw = dict(pages_per_block=ppb, num_warps=w, num_stages=st)
-            if splits is not None:
-                kw["num_splits"] = splits
+        for i, kw in enumerate(variants):
             ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **kw),
                           q, kp, vp, ctx, table, loop=True)
+            times[i].append(ms or float("inf"))
             out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
                             tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
             log(f"sweep decode B={B} C={C} {kw}: {ms} ms "
                 f"{kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
         del q, kp, vp
+    score = [math.prod(t) for t in times]
+    kw = variants[int(np.argmin(score))]
+    ragged = dict(tuning.TABLE[key]["ragged"], **{n: kw[n] for n in (
+        "pages_per_block", "num_warps", "num_stages", "prefetch_pages")})
+    tuning.TABLE[key] = dict(tuning.TABLE[key], decode=kw, ragged=ragged)
+    log(f"chosen: {tuning.TABLE[key]}")
     return out
 
 
@@ -386,7 +408,7 @@ def table(records, ceiling):
     lines = [f"GPU: {jax.devices()[0].device_kind}; JAX {jax.__version__}; {DATE}; "
              f"copy ceiling {ceiling:.2f} TB/s (read + written)", ""]
     lines += ["| prefill (B=4, 32/8 heads, d=128, bf16) | ours ms | TFLOP/s | cuDNN ms | "
-              "vs cuDNN | JAX mha ms | JAX mgpu ms | jnp ms | rel err |",
+              "vs cuDNN | JAX mha ms | JAX mgpu fp16 ms | jnp ms | rel err |",
               "|---|---|---|---|---|---|---|---|---|"]
     f = lambda x, p=3: "-" if x is None else (f"{x:.{p}f}" if isinstance(x, float) else str(x))
     for r in records:
@@ -395,7 +417,7 @@ def table(records, ceiling):
             lines.append(f"| S={r['seq']} {'causal' if r['causal'] else 'full'} | "
                          f"{f(r['ours_ms'])} | {f(r['tflops'], 0)} | {f(b.get('cudnn'))} | "
                          f"{f(r['ratio_vs_cudnn'], 2)}x | {f(b.get('jax_triton_mha'))} | "
-                         f"{f(b.get('jax_mgpu'))} | {f(b.get('jnp_reference'))} | "
+                         f"{f(b.get('jax_mgpu_fp16'))} | {f(b.get('jnp_reference'))} | "
                          f"{f(r['rel_err'], 4)} |")
     lines += ["", "| decode (32/8 heads, d=128, bf16) | ours ms | TB/s | of copy | JAX paged ms | "
               "vs JAX | jnp dense ms | rel err |", "|---|---|---|---|---|---|---|---|"]
@@ -434,6 +456,11 @@ def main():
     ceil = copy_ceiling()
     log(f"copy ceiling {ceil}")
     records, sweeps = [], []
+    if args.sweep:
+        try:
+            sweeps = sweep(args)
+        except Exception:
+            log(traceback.format_exc())
     parts = args.only.split(",")
     for name, fn in (("mixed", bench_mixed), ("decode", bench_decode),
                      ("prefill", bench_prefill)):
@@ -445,13 +472,9 @@ def main():
                 log(traceback.format_exc())
             log(f"[{name} took {time.time() - t0:.0f}s]")
             (out / "kernels.json").write_text(json.dumps(records, indent=1))
-    if args.sweep:
-        try:
-            sweeps = sweep(args, records, ceil["best"])
-        except Exception:
-            log(traceback.format_exc())
     (out / "kernels.json").write_text(json.dumps(records, indent=1))
-    (out / "sweep.json").write_text(json.dumps(dict(copy=ceil, sweep=sweeps), indent=1))
+    (out / "sweep.json").write_text(json.dumps(dict(copy=ceil, sweep=sweeps,
+                                                   table=tuning.TABLE), indent=1))
     md = table(records, ceil["best"])
     (out / "kernels.md").write_text(md + "\n")
     (out / "log.txt").write_text("\n".join(LOG) + "\n")
