@@ -1,0 +1,263 @@
+"""`pallasite serve`: the gRPC server process around the Generation service.
+
+    pallasite serve --model PATH --port 50051 --metrics-port 9090
+
+The port opens at once, with the standard health service reporting NOT_SERVING and generation
+calls answered UNAVAILABLE while the model loads and compiles; then SERVING. Server reflection
+lists the services. SIGTERM or SIGINT drains: health NOT_SERVING, new calls UNAVAILABLE, calls
+under way get a grace period and are then aborted, and the process exits 0. Prometheus metrics
+are served over HTTP; each generation writes one JSON log line (logger pallasite.serving.requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .metrics import Metrics
+from .proto import SERVICE_NAME, pb_grpc
+from .service import DRAINING, GenerationService
+
+log = logging.getLogger("pallasite.serving.server")
+
+
+class Server:
+    """The gRPC server, its health and metrics, and its lifecycle: start, load, drain."""
+
+    def __init__(self, *, host: str = "0.0.0.0", port: int = 50051, metrics_port: int | None = None,
+                 max_queue: int = 1024, grace_s: float = 30.0):
+        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.grace_s = grace_s
+        self.metrics = Metrics()
+        self.service = GenerationService(self.metrics, max_queue)
+        self.health = health.aio.HealthServicer()
+        self.grpc = None
+
+    async def start(self) -> int:
+        """Open the port (NOT_SERVING until `load` finishes); returns the port bound."""
+        self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(self.service, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        bound = self.grpc.add_insecure_port(f"{self.host}:{self.port}")
+        if not bound:
+            raise OSError(f"cannot listen on {self.host}:{self.port}")
+        self.port = bound
+        await self.grpc.start()
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.metrics_port, addr=self.host)
+        return self.port
+
+    async def _set_health(self, status):
+        for name in ("", SERVICE_NAME):  # "" is the whole server
+            await self.health.set(name, status)
+
+    async def load(self, make_llm, model_name: str = ""):
+        """Build the LLM (load and warm up) on a thread of its own, then serve it."""
+        done = asyncio.get_running_loop().create_future()
+
+        def build():
+            try:
+                result = (make_llm(), None)
+            except BaseException as e:  # handed to the event loop, which reports it
+                result = (None, e)
+            done.get_loop().call_soon_threadsafe(done.set_result, result)
+
+        # A daemon thread, so that a shutdown during a long warm-up need not wait for it.
+        threading.Thread(target=build, name="pallasite-load", daemon=True).start()
+        llm, error = await done
+        if error is not None:
+            raise error
+        if self.service.state == DRAINING:  # shut down while loading
+            llm.close()
+            return
+        self.service.ready(llm, model_name)
+        self.metrics.watch_engine(llm.engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on port %d", model_name or "the model", self.port)
+
+    async def drain(self, grace_s: float | None = None):
+        """Stop taking calls, give those under way `grace_s` to finish, abort the rest, stop."""
+        grace_s = self.grace_s if grace_s is None else grace_s
+        self.service.state = DRAINING
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
+        deadline = time.monotonic() + grace_s
+        while self.service.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.service.calls:
+            log.warning("grace period over: aborting %d requests", len(self.service.calls))
+            self.service.abort_all()
+            for _ in range(100):  # their calls end UNAVAILABLE within a step or two
+                if not self.service.calls:
+                    break
+                await asyncio.sleep(0.01)
+        await self.grpc.stop(1.0)
+        self.metrics.close()
+
+
+class BackgroundServer:
+    """A Server on an event loop of its own thread: for tests, and for serving from a program
+    that already has its LLM (`BackgroundServer(lambda: llm, port=0)`)."""
+
+    def __init__(self, make_llm, model_name: str = "", **server_kwargs):
+        self.server = Server(**server_kwargs)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pallasite-grpc",
+                                        daemon=True)
+        self._thread.start()
+        self.port = self.run(self.server.start())
+        self.loaded = asyncio.run_coroutine_threadsafe(self.server.load(make_llm, model_name),
+                                                       self.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def service(self) -> GenerationService:
+        return self.server.service
+
+    def wait_ready(self, timeout: float | None = None):
+        self.loaded.result(timeout)
+        return self
+
+    def drain(self, grace_s: float | None = None):
+        self.run(self.server.drain(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+
+# -- pallasite serve ----------------------------------------------------------------------------
+def add_arguments(parser):
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint folder (default: the embedded model)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name reported by ModelInfo (default: the folder's name)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument("--metrics-port", type=int, default=9090,
+                        help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="weights' dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most tokens of prompt plus completion")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV cache pages (default: what fits in the device's memory)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens per step (prefill chunks plus decodes)")
+    parser.add_argument("--token-buckets", type=_ints, default=None,
+                        help="comma-separated token-axis sizes to compile (default: the engine's)")
+    parser.add_argument("--page-buckets", type=_ints, default=None,
+                        help="comma-separated page-table widths to compile (default: the engine's)")
+    parser.add_argument("--max-queue", type=int, default=1024,
+                        help="requests waiting for their first token before new ones get "
+                             "RESOURCE_EXHAUSTED")
+    parser.add_argument("--grace-period", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+    try:
+        from ..sharding.mesh import add_mesh_arguments
+    except ImportError:  # no mesh options in this build: one device
+        return
+    add_mesh_arguments(parser)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def llm_factory(args):
+    """A function that builds the LLM that `args` ask for (run on the loading thread)."""
+    def make():
+        import jax.numpy as jnp
+        from .llm import LLM
+        kwargs = dict(max_model_len=args.max_model_len, num_pages=args.num_pages,
+                      page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
+        for name in ("token_buckets", "page_buckets"):
+            if getattr(args, name):
+                kwargs[name] = getattr(args, name)
+        if args.dtype:
+            kwargs["dtype"] = getattr(jnp, args.dtype)
+        if getattr(args, "mesh", None):
+            from ..sharding.mesh import mesh_from_args
+            kwargs["mesh"] = mesh_from_args(args)
+        return LLM(args.model, **kwargs)
+    return make
+
+
+def setup_logging(level: str):
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    requests = logging.getLogger("pallasite.serving.requests")  # bare JSON lines
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    requests.addHandler(handler)
+    requests.propagate = False
+
+
+async def serve(args) -> int:
+    server = Server(host=args.host, port=args.port,
+                    metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                    max_queue=args.max_queue, grace_s=args.grace_period)
+    port = await server.start()
+    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" \
+        if server.metrics_port is not None else ""
+    print(f"pallasite: listening on {args.host}:{port}{metrics}; loading the model", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    name = args.served_model_name or (Path(args.model).name if args.model else "default")
+    loading = asyncio.create_task(server.load(llm_factory(args), name))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        print(f"pallasite: cannot serve the model: {loading.exception()}", file=sys.stderr)
+        await server.drain(0)
+        return 1
+    if loading.done():
+        print("pallasite: ready (health SERVING)", flush=True)
+        await stopping
+    print(f"pallasite: draining (grace period {args.grace_period:g} s)", flush=True)
+    await server.drain()
+    if server.service.llm is not None:
+        server.service.llm.close()
+    return 0
+
+
+def run(args) -> int:
+    """Serve until SIGTERM or SIGINT; returns the exit code (0 after a drain)."""
+    setup_logging(args.log_level)
+    code = asyncio.run(serve(args))
+    if any(t.name == "pallasite-load" and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # stopped during warm-up: do not tear JAX down under a compilation
+    return code
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(prog="pallasite serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
