@@ -75,9 +75,6 @@ class Engine:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
                  seed: int = 0):
-        if mesh is not None:
-            raise NotImplementedError("serving on a device mesh waits for pallasite.sharding's "
-                                      "rules for the KV cache; pass mesh=None")
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
         self.page_size, self.max_num_seqs = page_size, max_num_seqs
         self.max_model_len = max_model_len or min(config.max_position_embeddings,
@@ -96,10 +93,7 @@ class Engine:
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
-        dtype = jax.tree.leaves(params)[0].dtype
-        self.state = (init_kv_cache(config, num_pages, page_size, dtype),
-                      jnp.zeros(max_num_seqs + 1, jnp.int32),  # last sample per slot (+ scratch)
-                      sampling.init_history(max_num_seqs, config.vocab_size))
+        self._place(mesh, num_pages)
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
@@ -110,6 +104,25 @@ class Engine:
         self._rng = random.Random(seed)
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
         self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
+
+    def _place(self, mesh, num_pages: int):
+        """The device state: KV pages, the last sample of each slot (+ a scratch slot) and the
+        penalties' history. On a mesh, params and pages go on their shards, the rest is
+        replicated, and the step follows those shardings."""
+        config, dtype = self.config, jax.tree.leaves(self.params)[0].dtype
+        last_tokens = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
+        history = sampling.init_history(self.max_num_seqs, config.vocab_size)
+        self._jit, self._inputs = jax.jit, None
+        if mesh is None:
+            kv = init_kv_cache(config, num_pages, self.page_size, dtype)
+        else:
+            from ..sharding import Layout
+            layout = Layout(config, mesh, serving=True)
+            self.params, self._jit, self._inputs = (layout.place_params(self.params), layout.jit,
+                                                    layout.replicated)
+            kv = layout.init_kv_cache(num_pages, self.page_size, dtype)
+            last_tokens, history = layout.replicate((last_tokens, history))
+        self.state = (kv, last_tokens, history)
 
     # -- requests -----------------------------------------------------------------------------
     def check_request(self, prompt_ids, sampling_params):
@@ -318,9 +331,11 @@ class Engine:
         T, P = key
         S = min(T, self.max_num_seqs)
         n_int = sum(int_layout(T, S, P).values())
-        fn = jax.jit(partial(self._step_fn, shape=(T, S, P)), donate_argnums=1)
-        return fn.lower(self.params, self.state, jax.ShapeDtypeStruct((n_int,), jnp.int32),
-                        jax.ShapeDtypeStruct((len(sampling.FLOAT_FIELDS) * S,), jnp.float32))
+        fn = self._jit(partial(self._step_fn, shape=(T, S, P)), donate_argnums=1)
+        n_float = len(sampling.FLOAT_FIELDS) * S
+        return fn.lower(self.params, self.state,
+                        jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs),
+                        jax.ShapeDtypeStruct((n_float,), jnp.float32, sharding=self._inputs))
 
     def _compile_now(self, key):
         self._exe[key] = self._lower(key).compile()

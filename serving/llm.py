@@ -154,7 +154,7 @@ class LLM:
                              max_model_len=max_model_len, **engine_kwargs)
         if warmup:
             self.engine.warmup()
-        self._loop = EngineLoop(self.engine)
+        self.loop = self._loop = EngineLoop(self.engine)  # `_loop`: an older name, kept for now
         self._ids = itertools.count()
 
     # -- prompts ------------------------------------------------------------------------------
@@ -201,17 +201,17 @@ class LLM:
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 names.append(f"generate-{next(self._ids)}")
-                self._loop.submit(names[-1], p, sp or SamplingParams(),
+                self.loop.submit(names[-1], p, sp or SamplingParams(),
                                   lambda out, i=i: on_output(i, out))
             if not ids:
                 return []
             done.wait()
         except BaseException:
             for name in names:
-                self._loop.abort(name)
+                self.loop.abort(name)
             raise
-        if self._loop.error is not None:
-            raise RuntimeError("the engine failed") from self._loop.error
+        if self.loop.error is not None:
+            raise RuntimeError("the engine failed") from self.loop.error
         return results
 
     def stream(self, prompt, sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -219,21 +219,21 @@ class LLM:
         last one `.finished` and `.finish_reason`. Closing the iterator early aborts it."""
         outputs: queue.Queue[RequestOutput] = queue.Queue()
         name = f"stream-{next(self._ids)}"
-        self._loop.submit(name, self._token_ids(prompt), sampling or SamplingParams(), outputs.put)
+        self.loop.submit(name, self._token_ids(prompt), sampling or SamplingParams(), outputs.put)
         finished = False
         try:
             while not finished:
                 out = outputs.get()
                 finished = out.finished
                 yield out
-            if self._loop.error is not None:
-                raise RuntimeError("the engine failed") from self._loop.error
+            if self.loop.error is not None:
+                raise RuntimeError("the engine failed") from self.loop.error
         finally:
             if not finished:
-                self._loop.abort(name)
+                self.loop.abort(name)
 
     def close(self):
-        self._loop.close()
+        self.loop.close()
 
     def __enter__(self):
         return self
