@@ -100,9 +100,11 @@ class Scheduler:
         if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty; it needs at least 1 token")
         if len(prompt_ids) >= self.max_model_len:
+            pool = self.pages.num_pages * self.pages.page_size
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}, which must leave room for at least 1 generated token")
+                f"{self.max_model_len} (the KV pool holds {pool}), which must leave room for "
+                "at least 1 generated token")
 
     def add(self, seq: Sequence):
         self.check(seq.prompt_ids)
