@@ -195,7 +195,9 @@ def llm_factory(args):
             kwargs["dtype"] = getattr(jnp, args.dtype)
         if getattr(args, "mesh", None):
             from ..sharding.mesh import mesh_from_args
-            kwargs["mesh"] = mesh_from_args(args)
+            mesh = mesh_from_args(args)
+            if mesh.devices.size > 1:  # one device needs no mesh
+                kwargs["mesh"] = mesh
         return LLM(args.model, **kwargs)
     return make
 

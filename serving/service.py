@@ -262,7 +262,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 def describe_mesh(engine) -> str:
-    mesh = getattr(engine, "mesh", None)
+    layout = getattr(engine, "layout", None)  # set when the engine runs on a device mesh
+    mesh = getattr(layout, "mesh", None)
     if mesh is not None:
         return " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     import jax
