@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .. import kernels
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, param, rope_frequencies
+from .layers import RMSNorm, apply_rope, device_hooks, param, rope_frequencies
 
 
 class Batch(NamedTuple):
@@ -68,11 +68,20 @@ class Attention(nn.Module):
 
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None):
         q, k, v = self.qkv(x, positions)
-        if layer_cache is None:
-            o = kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids)
-        else:
-            k_pages, v_pages = kernels.write_kv(*layer_cache, k, v, batch.slots)
-            layer_cache = (k_pages, v_pages)
-            o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
-                                               batch.context_lens, batch.page_table)
+        hooks = device_hooks()
+        if hooks is None:
+            o, layer_cache = attend(q, k, v, segment_ids, layer_cache, batch)
+        else:  # on a mesh: the kernels run once per shard of heads
+            o, layer_cache = hooks.attention(attend, q, k, v, segment_ids, layer_cache, batch)
         return jnp.einsum("...hk,hkd->...d", o, self.wo), layer_cache
+
+
+def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = None):
+    """The calls into `kernels/`: dense causal attention, or write this step's K/V into the
+    layer's pages and attend over them. Works on whatever heads it is given (all, or a shard)."""
+    if layer_cache is None:
+        return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids), None
+    k_pages, v_pages = kernels.write_kv(*layer_cache, k, v, batch.slots)
+    o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
+                                       batch.context_lens, batch.page_table)
+    return o, (k_pages, v_pages)

@@ -7,6 +7,8 @@ Weights are stored [in, out]; compute runs in the dtype of the weights, norms an
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import flax.linen as nn
@@ -14,6 +16,35 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig, RopeScaling
+
+
+# -- device hooks --------------------------------------------------------------------------------
+# A layer above (sharding/) installs an object here while it traces a step on a device mesh; the
+# model then hands it the three things that must know about devices: attention per shard of heads
+# (`attention`), the experts' dispatch (`moe`) and sharding hints on activations (`constrain`).
+# With none installed the model runs as written on one device. The model never imports that
+# layer: it only calls these methods. Installed inside the traced function, so a jit cache never
+# mixes traces made with and without it.
+_HOOKS = contextvars.ContextVar("pallasite_device_hooks", default=None)
+
+
+def device_hooks():
+    return _HOOKS.get()
+
+
+@contextlib.contextmanager
+def use_device_hooks(hooks):
+    token = _HOOKS.set(hooks)
+    try:
+        yield hooks
+    finally:
+        _HOOKS.reset(token)
+
+
+def constrain(x, logical_axes: tuple):
+    """Hint an activation's sharding by logical axis names (no-op without hooks)."""
+    hooks = _HOOKS.get()
+    return x if hooks is None else hooks.constrain(x, logical_axes)
 
 
 def param(module: nn.Module, name: str, shape, axes, dtype, init=None):
@@ -122,6 +153,8 @@ class MoE(nn.Module):
         w_down = param(self, "w_down", (e, f, d), ("experts", "mlp", "embed"), self.dtype)
         shape = x.shape
         x = x.reshape(-1, d)
+        if (hooks := _HOOKS.get()) is not None:
+            return hooks.moe(x, router, w_gate, w_up, w_down).reshape(shape)
         weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob)
         expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down)
         return moe_dispatch_combine(x, weights, experts, e, expert_fn).reshape(shape)

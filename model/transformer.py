@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .attention import Attention, Batch
 from .config import ModelConfig
-from .layers import MLP, MoE, RMSNorm, param
+from .layers import MLP, MoE, RMSNorm, constrain, param
 
 
 class Block(nn.Module):
@@ -51,11 +51,14 @@ class Decoder(nn.Module):
         return (x @ w).astype(jnp.float32)
 
     def __call__(self, tokens, positions, segment_ids=None, kv_cache=None, batch=None):
-        x = self.embed[tokens]
+        # The residual stream: [batch, length, embed] dense, or [tokens, embed] on a flat batch.
+        axes = ("batch", "length", "embed") if tokens.ndim == 2 else ("tokens", "embed")
+        x = constrain(self.embed[tokens], axes)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, segment_ids,
                                    None if kv_cache is None else kv_cache[i], batch)
+            x = constrain(x, axes)
             new_cache.append(layer_cache)
         if kv_cache is None:
             return self.logits(x), None
