@@ -1,0 +1,99 @@
+"""Running the model on a mesh: the device hooks the model calls (attention per shard of heads
+through `shard_map`, expert-parallel MoE, activation constraints), and `with_mesh`, which
+installs them while a function traces. Everything else in the step is left to GSPMD, driven by
+the params' and KV pages' shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..model import ModelConfig
+from ..model.layers import use_device_hooks
+from .experts import moe_shard
+from .mesh import plan_of
+from .plan import validate_plan
+from .rules import kv_cache_partition_spec, kv_heads_split, logical_to_spec
+
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # older JAX
+    from jax.experimental.shard_map import shard_map
+
+
+class MeshHooks:
+    """What the model asks of the mesh (see `model.layers.device_hooks`)."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh):
+        self.config, self.mesh, self.plan = config, mesh, plan_of(mesh)
+        validate_plan(config, self.plan)
+        self.kv_split = kv_heads_split(config, self.plan)
+        # XLA:CPU lacks the ragged all-to-all; an exact dense stand-in replaces it there.
+        self.emulate_a2a = mesh.devices.flat[0].platform == "cpu"
+
+    def _map(self, fn, in_specs, out_specs):
+        return shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+    def constrain(self, x, logical_axes):
+        spec = logical_to_spec(logical_axes, x.shape, self.plan)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def attention(self, attend, q, k, v, segment_ids=None, layer_cache=None, batch=None):
+        """attend(q, k, v, segment_ids, layer_cache, batch) -> (o, layer_cache), run once per
+        tensor shard on its query heads, their kv heads and their KV pages. Dense inputs keep
+        their batch split over "data"; a flat (paged) batch is whole on every shard."""
+        lead = q.ndim - 2  # [B, T] dense, [T] flat
+        batch_axis = None
+        if layer_cache is None and q.shape[0] % self.plan.data == 0:
+            batch_axis = "data"
+        rows = (batch_axis,) + (None,) * (lead - 1)
+        kv_axis = "tensor" if self.kv_split else None
+        args = dict(q=q, k=k, v=v, segment_ids=segment_ids, layer_cache=layer_cache, batch=batch)
+        specs = dict(q=P(*rows, "tensor", None), k=P(*rows, kv_axis, None),
+                     v=P(*rows, kv_axis, None), segment_ids=P(*rows), batch=P(),
+                     layer_cache=kv_cache_partition_spec(self.config, self.plan))
+        args = {name: a for name, a in args.items() if a is not None}
+        specs = {name: specs[name] for name in args}
+        out_specs = (specs["q"], specs.get("layer_cache"))
+        return self._map(partial(self._attend_shard, attend), (specs,), out_specs)(args)
+
+    def _attend_shard(self, attend, args):
+        k, v = args["k"], args["v"]
+        if not self.kv_split:  # this shard's query heads all read one kv head: keep only it
+            tp, kv = self.plan.tensor, self.config.num_kv_heads
+            head = jax.lax.axis_index("tensor") * kv // tp
+            k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=k.ndim - 2)
+            v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=v.ndim - 2)
+        return attend(args["q"], k, v, args.get("segment_ids"), args.get("layer_cache"),
+                      args.get("batch"))
+
+    def moe(self, x, router, w_gate, w_up, w_down):
+        """x [N, D] -> [N, D]: tokens split over data x expert, experts over expert, their MLP
+        units over tensor (see `experts.py`)."""
+        shards = self.plan.data * self.plan.expert
+        n = x.shape[0]
+        x = jax.numpy.pad(x, ((0, -n % shards), (0, 0)))  # every shard gets as many rows
+        tokens = P(("data", "expert"), None)
+        up, down = P("expert", None, "tensor"), P("expert", "tensor", None)
+        fn = partial(moe_shard, config=self.config, ep=self.plan.expert, tp=self.plan.tensor,
+                     emulate=self.emulate_a2a)
+        out = self._map(fn, (tokens, P(), up, up, down), tokens)(x, router, w_gate, w_up, w_down)
+        return out[:n]
+
+
+def with_mesh(fn, config: ModelConfig, mesh: Mesh):
+    """`fn` with the mesh's device hooks installed while it runs; jit the result. The hooks are
+    set inside the traced function, so its jit cache only ever holds traces made with them."""
+    hooks = MeshHooks(config, mesh)
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with use_device_hooks(hooks):
+            return fn(*args, **kwargs)
+
+    return traced
+
