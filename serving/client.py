@@ -20,7 +20,6 @@ import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .proto import SERVICE_NAME, pb, pb_grpc
 
@@ -71,6 +70,15 @@ def finish_reason(response: pb.GenerateResponse) -> str | None:
     return FINISH_REASONS.get(response.finish_reason)
 
 
+def _health():
+    """The health stubs, or None where grpcio-health-checking is missing."""
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    except ImportError:
+        return None
+    return health_pb2, health_pb2_grpc
+
+
 class Client:
     """Blocking client. `timeout` (seconds) is each call's default deadline."""
 
@@ -78,7 +86,6 @@ class Client:
         self.timeout = timeout
         self.channel = grpc.insecure_channel(target, options=list(options))
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def stream(self, prompt, *, timeout: float | None = None, request_id: str = "", **sampling):
         """Yield GenerateResponses as tokens come; closing the iterator early cancels the call."""
@@ -108,23 +115,37 @@ class Client:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
 
     def health(self, service: str = SERVICE_NAME) -> str:
-        """'SERVING', 'NOT_SERVING', ... as the standard health service reports."""
-        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                          timeout=self.timeout or 5)
+        """'SERVING', 'NOT_SERVING', ... as the standard health service reports. Without
+        grpcio-health-checking: 'SERVING' once ModelInfo answers (UNAVAILABLE while warming)."""
+        stubs = _health()
+        if stubs is None:
+            self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout or 5)
+            return "SERVING"
+        health_pb2, health_pb2_grpc = stubs
+        response = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout or 5)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def wait_ready(self, timeout: float = 600, poll_s: float = 0.1):
         """Block until the server reports SERVING (it is loading or unreachable until then)."""
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.health() == "SERVING":
-                    return self
-            except grpc.RpcError:
-                pass
+        while not self._ready():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server was not SERVING within {timeout:g} s")
             time.sleep(poll_s)
+        return self
+
+    def _ready(self) -> bool:
+        try:
+            return self.health() == "SERVING"
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return False
+        try:  # a server without the health service: ready once ModelInfo answers
+            self.model_info()
+            return True
+        except grpc.RpcError:
+            return False
 
     def close(self):
         self.channel.close()
@@ -143,7 +164,6 @@ class AsyncClient:
         self.timeout = timeout
         self.channel = grpc.aio.insecure_channel(target, options=list(options))
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     async def stream(self, prompt, *, timeout: float | None = None, request_id: str = "",
                      **sampling):
@@ -174,8 +194,13 @@ class AsyncClient:
         return await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
 
     async def health(self, service: str = SERVICE_NAME) -> str:
-        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                                timeout=self.timeout or 5)
+        stubs = _health()
+        if stubs is None:
+            await self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout or 5)
+            return "SERVING"
+        health_pb2, health_pb2_grpc = stubs
+        response = await health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout or 5)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     async def close(self):

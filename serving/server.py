@@ -21,14 +21,23 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from .metrics import Metrics
 from .proto import SERVICE_NAME, pb_grpc
 from .service import DRAINING, GenerationService
 
 log = logging.getLogger("pallasite.serving.server")
+
+# Health and reflection come from their own packages (dependencies of pallasite). A machine that
+# lacks one still serves, without that service, and says so at start.
+try:
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+except ImportError:
+    health = None
+try:
+    from grpc_reflection.v1alpha import reflection
+except ImportError:
+    reflection = None
 
 
 class Server:
@@ -40,17 +49,24 @@ class Server:
         self.grace_s = grace_s
         self.metrics = Metrics()
         self.service = GenerationService(self.metrics, max_queue)
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer() if health else None
         self.grpc = None
 
     async def start(self) -> int:
         """Open the port (NOT_SERVING until `load` finishes); returns the port bound."""
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(self.service, self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        services = [SERVICE_NAME]
+        if health:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+            services.append(health.SERVICE_NAME)
+            await self._set_health("NOT_SERVING")
+        else:
+            log.warning("grpcio-health-checking is not installed: no health service")
+        if reflection:
+            reflection.enable_server_reflection(services + [reflection.SERVICE_NAME], self.grpc)
+        else:
+            log.warning("grpcio-reflection is not installed: no server reflection")
         bound = self.grpc.add_insecure_port(f"{self.host}:{self.port}")
         if not bound:
             raise OSError(f"cannot listen on {self.host}:{self.port}")
@@ -60,9 +76,11 @@ class Server:
             self.metrics_port = self.metrics.serve_http(self.metrics_port, addr=self.host)
         return self.port
 
-    async def _set_health(self, status):
+    async def _set_health(self, status: str):
+        if self.health is None:
+            return
         for name in ("", SERVICE_NAME):  # "" is the whole server
-            await self.health.set(name, status)
+            await self.health.set(name, health_pb2.HealthCheckResponse.ServingStatus.Value(status))
 
     async def load(self, make_llm, model_name: str = ""):
         """Build the LLM (load and warm up) on a thread of its own, then serve it."""
@@ -85,14 +103,15 @@ class Server:
             return
         self.service.ready(llm, model_name)
         self.metrics.watch_engine(llm.engine)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health("SERVING")
         log.info("serving %s on port %d", model_name or "the model", self.port)
 
     async def drain(self, grace_s: float | None = None):
         """Stop taking calls, give those under way `grace_s` to finish, abort the rest, stop."""
         grace_s = self.grace_s if grace_s is None else grace_s
         self.service.state = DRAINING
-        await self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
         deadline = time.monotonic() + grace_s
         while self.service.calls and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -149,6 +168,9 @@ def add_arguments(parser):
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9090,
                         help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights for the config.json in --model, made on the device "
+                             "(benchmarks; with no tokenizer, prompts must be token ids)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="weights' dtype (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -191,15 +213,31 @@ def llm_factory(args):
         for name in ("token_buckets", "page_buckets"):
             if getattr(args, name):
                 kwargs[name] = getattr(args, name)
-        if args.dtype:
-            kwargs["dtype"] = getattr(jnp, args.dtype)
         if getattr(args, "mesh", None):
             from ..sharding.mesh import mesh_from_args
             mesh = mesh_from_args(args)
             if mesh.devices.size > 1:  # one device needs no mesh
                 kwargs["mesh"] = mesh
+        if args.random_weights:
+            return random_llm(args.model, args.dtype, kwargs)
+        if args.dtype:
+            kwargs["dtype"] = getattr(jnp, args.dtype)
         return LLM(args.model, **kwargs)
     return make
+
+
+def random_llm(folder, dtype: str | None, kwargs):
+    """An LLM of random weights for the model that `folder`'s config.json describes."""
+    import jax
+    import jax.numpy as jnp
+    from ..model import init_params, load_config
+    from .llm import LLM
+    if folder is None:
+        raise ValueError("--random-weights needs --model, a folder with a config.json")
+    config = load_config(folder)
+    dtype = getattr(jnp, dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
+    params = jax.jit(lambda: init_params(config, 0, dtype))()  # made on the device
+    return LLM.from_params(config, params, None, **kwargs)
 
 
 def setup_logging(level: str):

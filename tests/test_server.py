@@ -370,6 +370,27 @@ def test_grace_period_over_aborts_the_rest(llm, slow_engine):
     wait_until_idle(llm, srv)
 
 
+def test_serves_without_the_health_and_reflection_packages(llm, monkeypatch):
+    """Where grpcio-health-checking and grpcio-reflection are missing, the server still serves,
+    and the client's wait_ready falls back on ModelInfo."""
+    import pallasite.serving.client as client_module
+    import pallasite.serving.server as server_module
+    monkeypatch.setattr(server_module, "health", None)
+    monkeypatch.setattr(server_module, "reflection", None)
+    srv = BackgroundServer(lambda: llm, host="127.0.0.1", port=0)
+    try:
+        with Client(f"127.0.0.1:{srv.port}", timeout=30) as c:
+            assert c.wait_ready(30) and srv.loaded.done()
+            with pytest.raises(grpc.RpcError) as err:
+                health_status(c.channel)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            monkeypatch.setattr(client_module, "_health", lambda: None)
+            assert c.health() == "SERVING"
+            assert len(c.generate("hi", max_tokens=3, **GREEDY).token_ids) == 3
+    finally:
+        srv.drain(0)
+
+
 # -- metrics and logs -------------------------------------------------------------------------
 def test_metrics(llm, server, client):
     client.generate("The quick", max_tokens=5, **GREEDY)
