@@ -48,7 +48,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
         return reference.paged_attention_reference(q, k_pages, v_pages, context_lens, page_table,
                                                    sm_scale=sm_scale)
     from . import paged
-    kw = tuning.params("decode") | blocks
+    kw = tuning.params("decode", k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         tiles = -(-page_table.shape[1] // kw["pages_per_block"])
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -65,7 +65,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     from . import paged
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
-    kw = tuning.params("decode" if T <= 2 * S else "ragged") | blocks
+    kw = tuning.params("decode" if T <= 2 * S else "ragged", k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         group = q.shape[1] // k_pages.shape[0]
         rows = max(kw["block_rows"], 16, group)

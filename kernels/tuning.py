@@ -9,18 +9,29 @@ from __future__ import annotations
 
 import jax
 
+# Keys per K/V tile (`block_k`) become pages_per_block = block_k // page_size at the call.
 _DEFAULT = {
     "flash": dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
     "flash_d64": dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
-    "decode": dict(block_rows=16, pages_per_block=8, num_warps=4, num_stages=2),
-    "ragged": dict(block_rows=64, pages_per_block=4, num_warps=4, num_stages=2),
+    "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
+    "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "splits": dict(target_programs=528, max_splits=64),
 }
 
+# H100 80GB HBM3, JAX 0.11.2, `tools/bench_kernels.py --sweep` on 2026-11-22: the best flash
+# tiles at B=4, S=4096, causal; the best decode tiles over (B=64, ctx 4k) and (B=1, ctx 32k).
+# block_rows=64 lets Triton use warpgroup MMAs even for decode (rows past the group are masked).
+_H100 = dict(
+    _DEFAULT,
+    flash=dict(block_q=128, block_k=128, num_warps=8, num_stages=3),
+    decode=dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
+    ragged=dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
+)
+
 TABLE = {
     "default": _DEFAULT,
-    "H100": _DEFAULT,
-    "H200": _DEFAULT,
+    "H100": _H100,
+    "H200": _H100,  # not swept yet: same Hopper chip, more bandwidth
 }
 
 
@@ -32,8 +43,11 @@ def gpu_key() -> str:
     return next((k for k in TABLE if k != "default" and k in kind), "default")
 
 
-def params(kernel: str) -> dict:
-    return dict(TABLE[gpu_key()][kernel])
+def params(kernel: str, page_size: int | None = None) -> dict:
+    p = dict(TABLE[gpu_key()][kernel])
+    if page_size is not None and "block_k" in p:
+        p["pages_per_block"] = max(1, p.pop("block_k") // page_size)
+    return p
 
 
 def num_splits(work_items: int, max_tiles: int) -> int:

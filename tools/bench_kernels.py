@@ -210,7 +210,7 @@ def record(kernel, **kw):
     r = dict(kernel=kernel, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
              date=DATE)
     r["params"] = tuning.params({"flash_attention": "flash", "paged_attention": "decode",
-                                 "ragged_paged_attention": "ragged"}[kernel])
+                                 "ragged_paged_attention": "ragged"}[kernel], kw.get("page_size"))
     r.update(kw)
     return r
 
@@ -305,7 +305,7 @@ def bench_decode(args, records, ceiling):
                          speedup_vs_jax_paged=(base["jax_pallas_paged"] / ours_ms)
                          if ours_ms and "jax_pallas_paged" in base else None,
                          num_splits=tuning.num_splits(B * KV, -(-(C // page_size) // tuning.params(
-                             "decode")["pages_per_block"])))
+                             "decode", page_size)["pages_per_block"])))
             records.append(rec)
             log(f"decode ps={page_size} B={B} C={C} err={err} ours={ours_ms} {base} "
                 f"tbps={tbps}")
@@ -372,7 +372,7 @@ def sweep(args):
         tuning.TABLE[key] = dict(tuning.TABLE[key], flash=best[1])
     del q, k, v
     rng = np.random.default_rng(6)
-    variants = [dict(pages_per_block=p, num_warps=w, num_stages=st, block_rows=r,
+    variants = [dict(block_k=16 * p, num_warps=w, num_stages=st, block_rows=r,
                      prefetch_pages=pf)
                 for p, w, st, r, pf in [(8, 4, 2, 16, True), (8, 4, 2, 16, False),
                                         (4, 4, 2, 16, True), (4, 4, 3, 16, True),
@@ -385,7 +385,9 @@ def sweep(args):
         q = q.reshape(B, H, D)
         kv_bytes = 2 * B * C * KV * D * 2
         for i, kw in enumerate(variants):
-            ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **kw),
+            ppb = dict(kw, pages_per_block=kw["block_k"] // 16)
+            del ppb["block_k"]
+            ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **ppb),
                           q, kp, vp, ctx, table, loop=True)
             times[i].append(ms or float("inf"))
             out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
@@ -396,7 +398,7 @@ def sweep(args):
     score = [math.prod(t) for t in times]
     kw = variants[int(np.argmin(score))]
     ragged = dict(tuning.TABLE[key]["ragged"], **{n: kw[n] for n in (
-        "pages_per_block", "num_warps", "num_stages", "prefetch_pages")})
+        "block_k", "num_warps", "num_stages", "prefetch_pages")})
     tuning.TABLE[key] = dict(tuning.TABLE[key], decode=kw, ragged=ragged)
     log(f"chosen: {tuning.TABLE[key]}")
     return out

@@ -1,0 +1,171 @@
+"""Pallas attention kernels in interpret mode against their jnp references.
+
+Interpret mode fills every output buffer with NaN before the kernel runs, so an element that no
+program writes fails the comparison. Inputs are fresh random numbers for each case (never zeros);
+shapes include lengths 1 and primes that are multiples of no block or page size, zero-length
+sequences, padding slots, GQA ratios 1, 4 and 8, shuffled pages, page sizes 16 and 32.
+Small head dims keep the interpreter fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite import kernels
+from pallasite.kernels import flash, paged, reference
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output (an element no program wrote?)"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def paged_case(seed, q_lens, cached, H, KV, D, page_size, pad_tokens=0, spare_pages=3):
+    """Random ragged batch: sequence s has q_lens[s] new tokens after cached[s] cached ones."""
+    rng = np.random.default_rng(seed)
+    q_lens, cached = np.asarray(q_lens), np.asarray(cached)
+    ctx = (q_lens + cached).astype(np.int32)
+    pps = max(1, math.ceil(max(ctx.max(), 1) / page_size)) + 1  # a spare table column
+    S = len(ctx)
+    P = S * pps + spare_pages
+    table = rng.permutation(P)[: S * pps].reshape(S, pps).astype(np.int32)
+    qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(qs[-1]) + pad_tokens
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    kp = rng.standard_normal((KV, P, page_size, D)).astype(np.float32)
+    vp = rng.standard_normal((KV, P, page_size, D)).astype(np.float32)
+    return tuple(jnp.asarray(x) for x in (q, kp, vp, qs, ctx, table))
+
+
+FLASH_CASES = [
+    # B, T, S, H, KV, D, causal, segments, block_q, block_k
+    (2, 37, 37, 4, 1, 32, True, False, 16, 16),   # MQA, prime length
+    (1, 53, 53, 8, 2, 16, False, False, 32, 16),  # GQA 4, full
+    (2, 45, 45, 8, 1, 32, True, True, 16, 32),    # GQA 8, packed documents
+    (1, 1, 1, 4, 4, 16, True, False, 16, 16),     # length 1
+    (1, 19, 61, 4, 4, 32, True, False, 16, 16),   # T < S: last query meets last key
+    (1, 29, 29, 4, 2, 64, False, True, 16, 16),   # full attention within documents
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES)
+def test_flash_attention(case):
+    B, T, S, H, KV, D, causal, segments, bq, bk = case
+    rng = np.random.default_rng(T * 31 + S)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, KV, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, KV, D)), jnp.float32)
+    seg = None
+    if segments:
+        seg = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.15, axis=1), jnp.int32)
+    out = flash.flash_attention(q, k, v, seg, causal=causal, block_q=bq, block_k=bk,
+                                interpret=True)
+    ref = reference.attention_reference(q, k, v, causal=causal, segment_ids=seg)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_flash_attention_bf16_through_dispatch():
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((1, 23, 8, 32)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 23, 2, 32)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1, 23, 2, 32)), jnp.bfloat16)
+    out = kernels.flash_attention(q, k, v, causal=True, interpret=True, block_q=16, block_k=16)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, reference.attention_reference(q, k, v, causal=True)) < 1e-2
+
+
+RAGGED_CASES = [
+    # q_lens, cached, H, KV, D, page_size, pad, splits, block_rows, pages_per_block
+    ([5, 1, 0, 17, 1], [3, 40, 7, 0, 0], 4, 1, 32, 16, 3, 1, 16, 2),   # MQA, zero-length seq
+    ([13, 1, 1, 0, 7], [29, 0, 52, 0, 31], 8, 2, 16, 16, 2, 3, 16, 1),  # GQA 4, split-K
+    ([1, 1, 1, 1], [30, 0, 63, 96], 8, 1, 32, 32, 0, 2, 16, 1),         # decode only, GQA 8
+    ([31, 2], [50, 20], 4, 4, 16, 32, 5, 1, 32, 2),                     # GQA 1, page 32
+    ([11, 1, 3], [0, 70, 41], 8, 1, 16, 16, 0, 4, 64, 4),               # 64 rows, 4 splits
+]
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES)
+def test_ragged_paged_attention(case):
+    q_lens, cached, H, KV, D, page_size, pad, splits, rows, ppb = case
+    q, kp, vp, qs, ctx, table = paged_case(sum(q_lens) + len(cached), q_lens, cached, H, KV, D,
+                                           page_size, pad_tokens=pad)
+    out = paged.ragged_paged_attention(q, kp, vp, qs, ctx, table, num_splits=splits,
+                                       block_rows=rows, pages_per_block=ppb, interpret=True)
+    ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table)
+    assert rel_err(out, ref) < 1e-5
+    assert np.all(np.asarray(out[int(qs[-1]):]) == 0)  # padding slots give zeros
+
+
+@pytest.mark.parametrize("ctx,H,KV,page_size,splits", [
+    ([1, 37, 0, 64, 17], 8, 2, 16, 1),   # context 0 gives zeros
+    ([101, 2, 53], 4, 4, 32, 3),
+    ([200], 8, 1, 16, 8),                # batch 1, many splits
+])
+def test_paged_attention(ctx, H, KV, page_size, splits):
+    cached = np.maximum(np.asarray(ctx) - 1, 0)
+    q, kp, vp, _, _, table = paged_case(sum(ctx), [1] * len(ctx), cached, H, KV, 32, page_size)
+    ctx = jnp.asarray(ctx, jnp.int32)
+    out = paged.paged_attention(q, kp, vp, ctx, table, num_splits=splits, pages_per_block=2,
+                                interpret=True)
+    ref = reference.paged_attention_reference(q, kp, vp, ctx, table)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_paged_dispatch_defaults_and_context_zero():
+    q, kp, vp, _, ctx, table = paged_case(3, [1, 1, 1], [20, 0, 45], 8, 2, 16, 16)
+    ctx = ctx.at[1].set(0)
+    out = kernels.paged_attention(q, kp, vp, ctx, table, interpret=True)
+    ref = reference.paged_attention_reference(q, kp, vp, ctx, table)
+    assert rel_err(out, ref) < 1e-5
+    assert np.all(np.asarray(out[1]) == 0)
+    out = kernels.ragged_paged_attention(q, kp, vp, jnp.arange(4, dtype=jnp.int32), ctx, table,
+                                         interpret=True)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_block_metadata():
+    qs = jnp.asarray([0, 5, 5, 6, 23, 23], jnp.int32)  # lengths 5, 0, 1, 17, 0
+    seq, tok = paged.block_metadata(qs, 25, 4, 12)
+    # blocks: seq 0 -> tokens 0, 4; seq 2 -> 5; seq 3 -> 6, 10, 14, 18, 22; then empty
+    assert list(np.asarray(seq[:8])) == [0, 0, 2, 3, 3, 3, 3, 3]
+    assert list(np.asarray(tok)) == [0, 4, 5, 6, 10, 14, 18, 22] + [25] * 4
+
+
+def test_split_combine_matches_single_pass():
+    q, kp, vp, qs, ctx, table = paged_case(11, [3, 1], [90, 40], 4, 2, 16, 16)
+    one = paged.ragged_paged_attention(q, kp, vp, qs, ctx, table, num_splits=1, block_rows=16,
+                                       pages_per_block=1, interpret=True)
+    many = paged.ragged_paged_attention(q, kp, vp, qs, ctx, table, num_splits=5, block_rows=16,
+                                        pages_per_block=1, interpret=True)
+    assert rel_err(many, one) < 1e-5
+
+
+def test_cpu_dispatch_uses_reference():
+    assert kernels.choose_impl() == "reference"
+    assert kernels.choose_impl("pallas") == "pallas"
+    with pytest.raises(ValueError):
+        kernels.choose_impl("cuda")
+    q, kp, vp, qs, ctx, table = paged_case(5, [4, 1], [6, 9], 4, 2, 16, 16, pad_tokens=2)
+    out = jax.jit(kernels.ragged_paged_attention)(q, kp, vp, qs, ctx, table)
+    ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_write_kv_drops_padding():
+    rng = np.random.default_rng(3)
+    kp = jnp.asarray(rng.standard_normal((2, 4, 16, 8)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((2, 4, 16, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32)
+    slots = jnp.asarray([37, -1, 5], jnp.int32)
+    k2, v2 = kernels.write_kv(kp, vp, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(k2[:, 2, 5]), np.asarray(k[0]))
+    np.testing.assert_array_equal(np.asarray(v2[:, 0, 5]), np.asarray(v[2]))
+    changed = np.asarray(k2 != kp).any(axis=(0, 3))
+    assert changed.sum() == 2  # the padding slot wrote nothing
