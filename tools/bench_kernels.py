@@ -407,7 +407,9 @@ def sweep(args, flash_too=True):
 # ---------------------------------------------------------------- report
 
 def table(records, ceiling):
-    lines = [f"GPU: {jax.devices()[0].device_kind}; JAX {jax.__version__}; {DATE}; "
+    r0 = records[0] if records else dict(gpu=jax.devices()[0].device_kind,
+                                         jax_version=jax.__version__)
+    lines = [f"GPU: {r0['gpu']}; JAX {r0['jax_version']}; {DATE}; "
              f"copy ceiling {ceiling:.2f} TB/s (read + written)", ""]
     lines += ["| prefill (B=4, 32/8 heads, d=128, bf16) | ours ms | TFLOP/s | cuDNN ms | "
               "vs cuDNN | JAX mha ms | JAX mgpu fp16 ms | jnp ms | rel err |",
@@ -443,6 +445,23 @@ def table(records, ceiling):
     return "\n".join(lines)
 
 
+def render(paths, out):
+    """Merge kernels.json records from several runs into one table."""
+    merged = {}
+    for p in paths:
+        for r in json.loads(Path(p).read_text()):
+            key = tuple(r.get(k) for k in ("kernel", "batch", "seq", "context", "page_size",
+                                           "causal"))
+            merged[key] = r
+    records = list(merged.values())
+    ceiling = next(r["tbps"] / r["frac_of_copy_bw"] for r in records if r.get("frac_of_copy_bw"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.json").write_text(json.dumps(records, indent=1) + "\n")
+    md = table(records, ceiling)
+    (out / "kernels.md").write_text(md + "\n")
+    print(md)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -450,7 +469,12 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="prefill,decode,mixed")
     ap.add_argument("--page-sizes", default="16")
+    ap.add_argument("--render", nargs="+", metavar="JSON",
+                    help="no GPU work: merge these kernels.json files (later ones win for the "
+                         "same case) into --out/kernels.json and kernels.md")
     args = ap.parse_args()
+    if args.render:
+        return render(args.render, Path(args.out))
     args.page_sizes = [int(x) for x in args.page_sizes.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -97,11 +97,34 @@ def decode_probe(layers, ctx=512, page_size=16, steps=50):
                 bytes_per_step=weight_bytes + kv_bytes)
 
 
+def compare_flags(args):
+    """Decode step time under each XLA_FLAGS setting, each in its own process."""
+    import subprocess
+    import sys
+    rows = []
+    for i, flags in enumerate(args.flags):
+        out = os.path.join(args.out, f"flags{i}")
+        os.makedirs(out, exist_ok=True)
+        env = {**os.environ, "XLA_FLAGS": flags}
+        subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--out", out],
+                       env=env, check=False, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "probe.json")) as f:
+            d = json.load(f)["decode"]
+        rows.append((flags or "(default)", d["step_ms_synced"], d["step_ms_pipelined"], d["roofline_ms"]))
+    print(f"{'XLA_FLAGS':70s} {'synced ms':>10s} {'pipelined':>10s} {'roofline':>9s}")
+    for r in rows:
+        print(f"{r[0][:70]:70s} {r[1]:10.2f} {r[2]:10.2f} {r[3]:9.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--flags", nargs="*", default=None,
+                    help="time decode once per XLA_FLAGS value, each in a fresh process")
     args = ap.parse_args()
+    if args.flags is not None:
+        return compare_flags(args)
     info = {"versions": versions()}
     print(json.dumps(info["versions"]), flush=True)
     bw, how = copy_bandwidth()
