@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model import ModelConfig, config_from_dict, load_config, param_shapes
+from ..model import ModelConfig, config_from_dict, load_config
 from ..sharding import MeshPlan, PlanError, param_partition_specs, shard_shape, validate_plan
-from ..sharding.rules import kv_cache_heads
+from ..sharding.rules import _param_layout, kv_cache_heads
 
 GB = 1e9
 GIB = 2 ** 30
@@ -198,9 +198,12 @@ def _flat(tree):
 
 @functools.lru_cache(maxsize=16)
 def global_shapes(config: ModelConfig) -> dict:
-    """Parameter name -> shape, from `jax.eval_shape` of the model's init (traced once)."""
+    """Parameter name -> shape: the partition rules' own trace of the init (`jax.eval_shape`),
+    so the names, shapes and specs line up leaf for leaf."""
     import jax
-    return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in _flat(param_shapes(config))}
+    treedef, shapes, _ = _param_layout(config)
+    named = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(len(shapes))))
+    return {jax.tree_util.keystr(k): tuple(shapes[i]) for k, i in named[0]}
 
 
 def param_table(config: ModelConfig, plan: MeshPlan) -> list[dict]:
