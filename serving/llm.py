@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from .engine import Engine, RequestOutput, TokenLogprob
 from .engine_loop import EngineLoop
+from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
 
 
@@ -150,8 +151,10 @@ class LLM:
             num_pages = default_num_pages(config, page_size, jax.tree.leaves(params)[0].dtype,
                                           max_model_len, engine_kwargs["max_num_seqs"])
         max_model_len = min(max_model_len, num_pages * page_size)
-        self.engine = Engine(config, params, tokenizer, num_pages=num_pages, page_size=page_size,
-                             max_model_len=max_model_len, **engine_kwargs)
+        # A mesh with data > 1 gets one engine per data slice behind one front door.
+        self.engine = engine_for_mesh(config, params, tokenizer, num_pages=num_pages,
+                                      page_size=page_size, max_model_len=max_model_len,
+                                      **engine_kwargs)
         if warmup:
             self.engine.warmup()
         self.loop = self._loop = EngineLoop(self.engine)  # `_loop`: an older name, kept for now
