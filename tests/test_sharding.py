@@ -23,11 +23,11 @@ from jax.sharding import PartitionSpec as P
 FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
 ON_8_DEVICES = FAKE_DEVICES in os.environ.get("XLA_FLAGS", "")
 mesh_test = pytest.mark.skipif(not ON_8_DEVICES, reason="runs in the 8-device child process")
+parent_only = pytest.mark.skipif(ON_8_DEVICES, reason="runs in the parent process")
 
 
+@parent_only
 def test_the_mesh_tests_pass_on_8_fake_devices():
-    if ON_8_DEVICES:
-        pytest.skip("this is the 8-device process")
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAKE_DEVICES}"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            "-p", "no:randomly", os.path.basename(__file__)], env=env,
@@ -35,8 +35,47 @@ def test_the_mesh_tests_pass_on_8_fake_devices():
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     report = done.stdout[-8000:] + done.stderr[-2000:]
     assert done.returncode == 0, report
-    # Only this test may skip there: a skipped mesh test would be a missing check.
-    assert re.search(r"\b\d+ passed, 1 skipped\b", report), report
+    # Only the parent's tests may skip there: a skipped mesh test would be a missing check.
+    assert re.search(r"\b\d+ passed, 2 skipped\b", report), report
+
+
+TWO_PROCESSES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from pallasite.sharding import Layout, MeshPlan, initialize_distributed, make_mesh
+initialize_distributed(sys.argv[1], 2, int(sys.argv[2]))
+from test_sharding import IDS, dense_model
+config, params = dense_model()
+layout = Layout(config, make_mesh(MeshPlan(1, 4, 1)))  # 2 devices in each process
+assert jax.process_count() == 2 and jax.device_count() == 4
+logits = layout.forward_logits()(layout.place_params(params), IDS)
+np.save(sys.argv[3], np.asarray(multihost_utils.process_allgather(logits, tiled=True)))
+"""
+
+
+@parent_only
+def test_two_processes_form_one_mesh(tmp_path):
+    """Two processes on loopback (jax.distributed, CPU collectives), two devices each, run one
+    tp=4 mesh: both get the one-device logits."""
+    import socket
+    from pallasite.model import forward_logits
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, f"localhost:{port}", str(i),
+                               str(tmp_path / f"{i}.npy")], env=env, cwd=here,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    config, params = dense_model()
+    want = forward_logits(params, config, IDS)
+    for i in range(2):
+        assert rel_err(np.load(tmp_path / f"{i}.npy"), want) <= 1e-5
 
 
 # -- models --------------------------------------------------------------------------------------
