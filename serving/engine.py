@@ -56,10 +56,14 @@ class RequestOutput:
 
 
 def int_layout(T: int, S: int, P: int) -> dict[str, int]:
-    """The pieces of a step's one int32 input, in order, and their sizes."""
+    """The pieces of a step's int32 input to the forward pass, in order, and their sizes."""
     return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
-                logits_indices=S, page_table=S * P, sample_rows=S,
-                rows=len(sampling.INT_FIELDS) * S)
+                logits_indices=S, page_table=S * P)
+
+
+def sample_layout(S: int) -> dict[str, int]:
+    """The pieces of a step's int32 input to the sampler."""
+    return dict(sample_rows=S, rows=len(sampling.INT_FIELDS) * S)
 
 
 def geometric(limit: int, factor: int, start: int = 1) -> list[int]:
@@ -98,7 +102,8 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
-        self._exe: dict = {}  # (T, P) -> compiled step
+        self._exe: dict = {}  # (T, P) -> compiled forward pass
+        self._samplers: dict = {}  # (S, mode) -> compiled sampler
         self._load = None  # compiled history loader
         self.compilations = 0
         self._rng = random.Random(seed)
@@ -148,6 +153,8 @@ class Engine:
         seq.stop_ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else self.eos)
         seq.penalized = (sp.repetition_penalty != 1 or sp.presence_penalty != 0
                          or sp.frequency_penalty != 0)
+        seq.mode = sampling.mode_of(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                    seq.penalized, sp.logprobs is not None)
         row = dict(temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p,
                    repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                    frequency_penalty=sp.frequency_penalty, top_k=sp.top_k, seed=seq.seed,
@@ -200,9 +207,15 @@ class Engine:
         for seq in self.scheduler.admitted:
             if seq.penalized:
                 self._load_history(seq)
-        ints, floats, key = self._pack(chunks)
+        ints, sample_ints, floats, key, mode = self._pack(chunks)
         exe = self._exe.get(key) or self._compile_now(key)
-        out, self.state = exe(self.params, self.state, ints, floats)
+        S = min(key[0], self.max_num_seqs)
+        sampler = self._samplers.get((S, mode)) or self._compile_sampler(S, mode)
+        kv, last_tokens, history = self.state
+        logits, kv = exe(self.params, kv, last_tokens, ints)
+        out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
+        out.copy_to_host_async()  # queued behind this step, not behind the next one
+        self.state = (kv, last_tokens, history)
         entry = None
         if self.step_log is not None:
             entry = dict(T=key[0], P=key[1], rows=len(chunks), tokens=sum(c.length for c in chunks),
@@ -257,9 +270,10 @@ class Engine:
             ints[HISTORY_ROW, i] = seq.slot
             if c.samples:
                 sample_row[i] = seq.slot
-        packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel(),
-                                 sample_row, ints.ravel()])  # in int_layout's order
-        return packed, floats.ravel(), (T, P)
+        mode = max((c.seq.mode for c in chunks if c.samples), default=0)
+        packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel()])
+        return (packed, np.concatenate([sample_row, ints.ravel()]), floats.ravel(), (T, P),
+                sampling.MODES[mode])
 
     def _accept(self, seq: Sequence, row) -> RequestOutput:
         token = int(row[0])
@@ -309,57 +323,88 @@ class Engine:
                              seq.arrival_time, seq.first_token_time)
 
     # -- device side --------------------------------------------------------------------------
-    def _step_fn(self, params, state, ints, floats, *, shape):
-        """The whole device step. `shape` (T, S, P) tells how `ints` is laid out."""
+    def _forward_fn(self, params, kv, last_tokens, ints, *, shape):
+        """The model over one ragged batch: logits of the sampled rows [S, V] and the new KV.
+        `shape` (T, S, P) tells how `ints` is laid out."""
         T, S, P = shape
-        kv, last_tokens, history = state
         sizes = list(int_layout(T, S, P).values())
-        tok, pos, slot, src, qstart, ctx, last, table, sample_row, rows_i = jnp.split(
-            ints, np.cumsum(sizes)[:-1])
+        tok, pos, slot, src, qstart, ctx, last, table = jnp.split(ints, np.cumsum(sizes)[:-1])
         tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
         batch = Batch(qstart, ctx, table.reshape(S, P), slot, last)
-        logits, kv = forward(params, self.config, tok, pos, kv, batch)
+        return forward(params, self.config, tok, pos, kv, batch)
+
+    @staticmethod
+    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode):
+        """Sample each row, remember the tokens on the device, and pack the results in one
+        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast)."""
+        sample_row, rows_i = jnp.split(ints, [S])
         rows = sampling.Rows.from_packed(floats.reshape(-1, S), rows_i.reshape(-1, S))
-        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history)
+        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode)
         last_tokens = last_tokens.at[jnp.where(sample_row >= 0, sample_row, -1)].set(new)
         history = sampling.record(history, sample_row, new)
         f2i = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
         out = jnp.concatenate([new[:, None], f2i(lp)[:, None], top_ids, f2i(top_lp)], axis=1)
-        return out, (kv, last_tokens, history)
+        return out, last_tokens, history
 
     def _lower(self, key):
         T, P = key
         S = min(T, self.max_num_seqs)
         n_int = sum(int_layout(T, S, P).values())
-        fn = self._jit(partial(self._step_fn, shape=(T, S, P)), donate_argnums=1)
-        n_float = len(sampling.FLOAT_FIELDS) * S
-        return fn.lower(self.params, self.state,
-                        jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs),
-                        jax.ShapeDtypeStruct((n_float,), jnp.float32, sharding=self._inputs))
+        fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=1)
+        kv, last_tokens, _ = self.state
+        return fn.lower(self.params, kv, last_tokens,
+                        jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
+
+    def _lower_sampler(self, S: int, mode: str):
+        _, last_tokens, history = self.state
+        V = self.config.vocab_size
+        fn = self._jit(partial(self._sample_fn, S=S, mode=mode), donate_argnums=(1, 2))
+        spec = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype, sharding=self._inputs)
+        return fn.lower(jax.ShapeDtypeStruct((S, V), jnp.float32, sharding=self._inputs),
+                        last_tokens, history, spec(sum(sample_layout(S).values()), jnp.int32),
+                        spec(len(sampling.FLOAT_FIELDS) * S, jnp.float32))
 
     def _compile_now(self, key):
         self._exe[key] = self._lower(key).compile()
         self.compilations += 1
         return self._exe[key]
 
+    def _compile_sampler(self, S: int, mode: str):
+        self._samplers[(S, mode)] = self._lower_sampler(S, mode).compile()
+        self.compilations += 1
+        return self._samplers[(S, mode)]
+
     def warmup(self, workers: int | None = None):
-        """Compile every bucket (in parallel threads) and the history loader, then run each step
-        once on an all-padding batch, which writes no page and no slot."""
+        """Compile every bucket and sampler variant (in parallel threads) and the history
+        loader, then run each once on an all-padding batch, which writes no page and no slot."""
         keys = [(T, P) for T in self.token_buckets for P in self.page_buckets]
         keys = [k for k in keys if k not in self._exe]
-        lowered = [self._lower(k) for k in keys]
-        with ThreadPoolExecutor(workers or min(8, len(keys) or 1)) as pool:
-            self._exe.update(zip(keys, pool.map(lambda lo: lo.compile(), lowered)))
-        self.compilations += len(keys)
+        sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
+        samplers = [(S, m) for S in sizes for m in sampling.MODES if (S, m) not in self._samplers]
+        lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
+        with ThreadPoolExecutor(workers or min(8, len(lowered) or 1)) as pool:
+            compiled = list(pool.map(lambda lo: lo.compile(), lowered))
+        self._exe.update(zip(keys, compiled[:len(keys)]))
+        self._samplers.update(zip(samplers, compiled[len(keys):]))
+        self.compilations += len(lowered)
         if self._load is None:
             self._compile_load()
         for T, P in keys:
             S = min(T, self.max_num_seqs)
+            fill = dict(kv_slots=-1, sources=-1)  # padding: no write
+            ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)
+                                   for name, n in int_layout(T, S, P).items()])
+            kv, last_tokens, history = self.state
+            _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
+            self.state = (kv, last_tokens, history)
+        for S, mode in samplers:
             floats, rows = sampling.pack_rows([], S)
-            fill = dict(kv_slots=-1, sources=-1, sample_rows=-1)  # padding: no write, no sample
-            ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32) if name != "rows"
-                                   else rows.ravel() for name, n in int_layout(T, S, P).items()])
-            _, self.state = self._exe[(T, P)](self.params, self.state, ints, floats.ravel())
+            ints = np.concatenate([np.full(S, -1, np.int32), rows.ravel()])  # -1: no sample
+            kv, last_tokens, history = self.state
+            logits = jnp.zeros((S, self.config.vocab_size), jnp.float32, device=self._inputs)
+            _, last_tokens, history = self._samplers[(S, mode)](logits, last_tokens, history,
+                                                                ints, floats.ravel())
+            self.state = (kv, last_tokens, history)
         jax.block_until_ready(self.state)
         return self
 

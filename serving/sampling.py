@@ -4,7 +4,10 @@ Each row carries its own temperature (0 = greedy), top-k, top-p, min-p, repetiti
 frequency penalties, seed and output index. A row's random noise comes from (seed, index) alone,
 so a seeded request draws the same tokens whatever shares its batch and however it was
 scheduled. The costly parts (penalties, the sort behind top-k/top-p, the noise, top-n logprobs)
-sit behind `lax.cond`s, so an all-greedy batch pays only for an argmax.
+are compiled into separate variants (`MODES`) and the host, which knows every row's
+parameters, picks one per step: an all-greedy batch pays only for an argmax, and no step holds a
+`lax.cond`, whose predicate XLA:GPU reads back on the host (a stall that would stop the host
+from running ahead of the device).
 
 Penalties need each sequence's token history. It lives on the device as `History`, one row per
 sequence slot: `seen` (prompt or output token) and `counts` (times generated). A row is loaded
@@ -19,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_LOGPROBS = 20  # top-n logprobs are computed for this many; a request may ask for fewer
+MAX_LOGPROBS = 20
+MODES = ("greedy", "sample", "filter")  # argmax only; + penalties, noise, logprobs; + top-k/p  # top-n logprobs are computed for this many; a request may ask for fewer
 
 # Per-row parameters and the value that switches each off; padding rows use these.
 FLOAT_FIELDS = dict(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
@@ -109,43 +113,49 @@ def filter_logits(scaled, rows: Rows):
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
 
-def _draw(logits, rows: Rows):
+def mode_of(temperature, top_k, top_p, min_p, penalized: bool, logprobs: bool) -> int:
+    """The cheapest variant (an index into MODES) that serves a request's rows."""
+    if temperature > 0 and (top_k > 0 or top_p < 1 or min_p > 0):
+        return 2
+    return 1 if temperature > 0 or penalized or logprobs else 0
+
+
+def _draw(logits, rows: Rows, filtering: bool):
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
     scaled = logits / t[:, None]
-    filtering = jnp.any((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0))
-    scaled = jax.lax.cond(filtering, filter_logits, lambda x, _: x, scaled, rows)
+    if filtering:
+        scaled = filter_logits(scaled, rows)
     seeds = jax.lax.bitcast_convert_type(rows.seed, jnp.uint32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, rows.index)
     noise = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)
     return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # Gumbel-max: a softmax draw
 
 
-def _full(logits, rows: Rows, history: History):
+def _full(logits, rows: Rows, history: History, filtering: bool):
     """Penalties, sampling (or argmax for greedy rows) and logprobs, for every row."""
     r = jnp.where(rows.history_row < 0, history.seen.shape[0] - 1, rows.history_row)
     penalized = apply_penalties(logits, history.seen[r], history.counts[r], rows)
-    tokens = jnp.where(rows.temperature > 0, _draw(penalized, rows),
+    tokens = jnp.where(rows.temperature > 0, _draw(penalized, rows, filtering),
                        jnp.argmax(penalized, axis=-1).astype(jnp.int32))
     lp = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
-def _greedy(logits, rows: Rows, history: History):
+def _greedy(logits):
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     n = min(MAX_LOGPROBS, logits.shape[-1])
     return (tokens, jnp.zeros(tokens.shape, jnp.float32), jnp.zeros((*tokens.shape, n), jnp.int32),
             jnp.zeros((*tokens.shape, n), jnp.float32))
 
 
-def sample(logits, rows: Rows, history: History):
+def sample(logits, rows: Rows, history: History, mode: str = "filter"):
     """logits [S, V] float32 -> tokens [S] int32, their logprobs [S], top ids [S, n] and top
     logprobs [S, n] (n = MAX_LOGPROBS). Logprobs are of the model's own distribution (before
-    penalties, temperature and filters), and zeros unless some row asked for them.
+    penalties, temperature and filters), and zeros in the "greedy" mode.
 
-    An all-greedy batch without penalties or logprobs takes a plain argmax. That choice is one
-    `lax.cond`, and only one on that path, because XLA:GPU reads a conditional's predicate back
-    on the host, a short stall each."""
-    special = jnp.any((rows.temperature > 0) | (rows.logprobs >= 0) | (rows.repetition_penalty != 1)
-                      | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0))
-    return jax.lax.cond(special, _full, _greedy, logits, rows, history)
+    `mode` (static, one of MODES) must cover every row: "greedy" ignores temperature,
+    penalties and logprobs; "sample" ignores top-k, top-p and min-p; "filter" does everything."""
+    if mode == "greedy":
+        return _greedy(logits)
+    return _full(logits, rows, history, filtering=mode == "filter")

@@ -140,3 +140,29 @@ def test_record_counts_sampled_tokens():
     assert int(history.counts[0, 5]) == 2 and int(history.counts[1, 6]) == 1
     assert bool(history.seen[0, 5]) and not bool(history.seen[0, 7])
     assert int(history.counts[:2].sum()) == 3  # the padding row went to the scratch row
+
+
+@pytest.mark.parametrize("params,mode", [
+    (dict(temperature=0.0), "greedy"),
+    (dict(temperature=0.0, top_k=3, top_p=0.5), "greedy"),  # filters only shape a random draw
+    (dict(temperature=0.0, logprobs=2), "sample"),
+    (dict(temperature=0.0, repetition_penalty=1.5), "sample"),
+    (dict(temperature=0.9, seed=4), "sample"),
+    (dict(temperature=0.9, seed=4, top_k=5), "filter"),
+    (dict(temperature=0.9, seed=4, min_p=0.2), "filter"),
+])
+def test_each_mode_draws_what_the_full_sampler_draws(params, mode):
+    """The host picks the cheapest compiled variant; for the rows it picks it for, that variant
+    gives the full sampler's tokens."""
+    p = {**dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0), **params}
+    penalized = p["repetition_penalty"] != 1
+    assert S.MODES[S.mode_of(p["temperature"], p["top_k"], p["top_p"], p["min_p"], penalized,
+                             "logprobs" in params)] == mode
+    logits = random_logits(4, seed=7)
+    history = S.record(S.init_history(4, V), jnp.arange(4), jnp.asarray(logits.argmax(-1)))
+    r = rows([{**params, "index": i, "history_row": i} for i in range(4)])
+    full = jax.jit(S.sample, static_argnums=3)(jnp.asarray(logits), r, history, "filter")
+    cheap = jax.jit(S.sample, static_argnums=3)(jnp.asarray(logits), r, history, mode)
+    np.testing.assert_array_equal(cheap[0], full[0])
+    if "logprobs" in params:
+        np.testing.assert_allclose(cheap[1], full[1], rtol=1e-6)
