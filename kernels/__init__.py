@@ -81,3 +81,18 @@ def write_kv(k_pages, v_pages, k, v, slots):
     The XLA scatter (the reference) is the implementation on every backend: it updates the
     donated pages in place and moves only the new rows."""
     return reference.write_kv_reference(k_pages, v_pages, k, v, slots)
+
+
+def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=False, **blocks):
+    """Mixture-of-experts SwiGLU: x [M, D] sorted by expert, `group_sizes` [E] rows per expert,
+    w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
+    in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`)."""
+    tile = 128
+    if not _use_pallas(impl, interpret) or w_gate.shape[-1] % tile or x.shape[-1] % tile:
+        return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down)
+    from . import grouped_matmul as gm
+    block_m = gm.block_m_for(x.shape[0], w_gate.shape[0])
+    x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
+    mm = lambda a, w: gm.grouped_matmul_padded(a, w, block_group, interpret=interpret, **blocks)
+    h = jax.nn.silu(mm(x_pad, w_gate)) * mm(x_pad, w_up)
+    return gm.unpad_groups(mm(h, w_down), dest)

@@ -113,3 +113,11 @@ def write_kv_reference(k_pages, v_pages, k, v, slots):
     k_pages = k_pages.at[:, page, offset].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[:, page, offset].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype), mode="drop")
     return k_pages, v_pages
+
+
+def grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down):
+    """SwiGLU experts over rows sorted by expert (group g's rows use expert g's weights); rows
+    past sum(group_sizes) give zeros."""
+    h = jax.nn.silu(jax.lax.ragged_dot(x, w_gate, group_sizes))
+    h = h * jax.lax.ragged_dot(x, w_up, group_sizes)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .. import kernels
 from .config import ModelConfig, RopeScaling
 
 
@@ -121,9 +122,7 @@ def route(x, router, top_k: int, renormalize: bool):
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
     """SwiGLU over tokens already sorted by expert: one grouped matmul per projection."""
-    h = jax.nn.silu(jax.lax.ragged_dot(x_sorted, w_gate, group_sizes))
-    h = h * jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    return jax.lax.ragged_dot(h, w_down, group_sizes)
+    return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
 
 
 def moe_dispatch_combine(x, weights, experts, num_experts, expert_fn):

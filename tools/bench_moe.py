@@ -1,0 +1,103 @@
+"""Mixture-of-experts SwiGLU experts on the GPU: the Pallas grouped matmul path
+(`kernels.grouped_mlp`) against `lax.ragged_dot` (XLA), in the same run, with the bytes of the
+experts that are used over the copy bandwidth as the memory floor and the routed FLOPs over the
+measured matmul rate as the compute floor.
+
+    python tools/bench_moe.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasite import kernels
+from pallasite.kernels.reference import grouped_mlp_reference
+
+SHAPES = {  # experts, hidden, expert MLP units, top-k
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+}
+
+
+def timed(fn, *args, iters=30):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def case(name, tokens, rng, copy_tbps, matmul_tflops):
+    e, d, f, k = SHAPES[name]
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    wg, wu = (jax.random.normal(kk, (e, d, f), jnp.bfloat16) * 0.02 for kk in keys[:2])
+    wd = jax.random.normal(keys[2], (e, f, d), jnp.bfloat16) * 0.02
+    x = jax.random.normal(keys[3], (tokens * k, d), jnp.bfloat16)
+    experts = np.sort(np.concatenate([rng.choice(e, k, replace=False) for _ in range(tokens)]))
+    sizes = jnp.asarray(np.bincount(experts, minlength=e), jnp.int32)
+    ours = jax.jit(lambda *a: kernels.grouped_mlp(*a, impl="pallas"))
+    xla = jax.jit(grouped_mlp_reference)
+    got, want = ours(x, sizes, wg, wu, wd), xla(x, sizes, wg, wu, wd)
+    err = float(jnp.linalg.norm((got - want).astype(jnp.float32))
+                / jnp.linalg.norm(want.astype(jnp.float32)))
+    used = int((np.asarray(sizes) > 0).sum())
+    mem_ms = used * 3 * d * f * 2 / (copy_tbps * 1e12) * 1e3
+    flop_ms = tokens * k * 3 * 2 * d * f / (matmul_tflops * 1e12) * 1e3
+    t_ours, t_xla = timed(ours, x, sizes, wg, wu, wd), timed(xla, x, sizes, wg, wu, wd)
+    return dict(model=name, tokens=tokens, rows=tokens * k, experts_used=used, ours_ms=t_ours,
+                xla_ragged_dot_ms=t_xla, speedup=t_xla / t_ours, floor_ms=max(mem_ms, flop_ms),
+                of_floor=max(mem_ms, flop_ms) / t_ours, rel_err=err)
+
+
+def matmul_rate():
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    ms = timed(jax.jit(lambda a: a @ a), a)
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tokens", default="1,32,256,2048")
+    args = ap.parse_args()
+    from pallasite.tools.probe_gpu import copy_bandwidth
+    copy_tbps, how = copy_bandwidth(gb=4)
+    tflops = matmul_rate()
+    rng = np.random.default_rng(0)
+    head = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                date=datetime.date.today().isoformat(), copy_tbps=copy_tbps, copy_how=how,
+                matmul_tflops=tflops, command="python tools/bench_moe.py --out $OUT")
+    records = []
+    for name in SHAPES:
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            try:
+                records.append({**head, **case(name, tokens, rng, copy_tbps, tflops)})
+            except Exception as e:  # record and go on
+                records.append({**head, "model": name, "tokens": tokens, "error": repr(e)[:400]})
+            Path(args.out, "moe.json").write_text(json.dumps(records, indent=1))
+    print(f"{head['gpu']}, JAX {head['jax_version']}, copy {copy_tbps:.2f} TB/s, "
+          f"matmul {tflops:.0f} TFLOP/s")
+    print("| model | tokens | experts used | ours ms | XLA ragged_dot ms | speedup | floor ms | "
+          "of floor | rel err |\n|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if "error" in r:
+            print(f"| {r['model']} | {r['tokens']} | error: {r['error'][:80]} |")
+            continue
+        print(f"| {r['model']} | {r['tokens']} | {r['experts_used']} | {r['ours_ms']:.3f} | "
+              f"{r['xla_ragged_dot_ms']:.3f} | {r['speedup']:.1f}x | {r['floor_ms']:.3f} | "
+              f"{r['of_floor']:.0%} | {r['rel_err']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
