@@ -88,7 +88,12 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=Fa
     w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
     in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`)."""
     tile = 128
-    if not _use_pallas(impl, interpret) or w_gate.shape[-1] % tile or x.shape[-1] % tile:
+    # Measured on the H100 (docs/BENCHMARKS.md, MoE experts): with fewer than ~16 rows per
+    # expert (decode) XLA's ragged_dot is as fast or faster; from there on this path wins.
+    # An explicit impl="pallas" (benchmarks) or interpret=True (tests) skips that choice.
+    few_rows = x.shape[0] < 16 * w_gate.shape[0] and impl is None and not interpret
+    if (not _use_pallas(impl, interpret) or few_rows or w_gate.shape[-1] % tile
+            or x.shape[-1] % tile):
         return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down)
     from . import grouped_matmul as gm
     block_m = gm.block_m_for(x.shape[0], w_gate.shape[0])

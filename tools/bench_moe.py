@@ -38,7 +38,7 @@ def timed(fn, *args, iters=30):
     return 1e3 * float(np.median(times))
 
 
-def case(name, tokens, rng, copy_tbps, matmul_tflops):
+def case(name, tokens, rng, copy_bps, matmul_tflops):
     e, d, f, k = SHAPES[name]
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     wg, wu = (jax.random.normal(kk, (e, d, f), jnp.bfloat16) * 0.02 for kk in keys[:2])
@@ -52,7 +52,7 @@ def case(name, tokens, rng, copy_tbps, matmul_tflops):
     err = float(jnp.linalg.norm((got - want).astype(jnp.float32))
                 / jnp.linalg.norm(want.astype(jnp.float32)))
     used = int((np.asarray(sizes) > 0).sum())
-    mem_ms = used * 3 * d * f * 2 / (copy_tbps * 1e12) * 1e3
+    mem_ms = used * 3 * d * f * 2 / copy_bps * 1e3
     flop_ms = tokens * k * 3 * 2 * d * f / (matmul_tflops * 1e12) * 1e3
     t_ours, t_xla = timed(ours, x, sizes, wg, wu, wd), timed(xla, x, sizes, wg, wu, wd)
     return dict(model=name, tokens=tokens, rows=tokens * k, experts_used=used, ours_ms=t_ours,
@@ -72,7 +72,8 @@ def main():
     ap.add_argument("--tokens", default="1,32,256,2048")
     args = ap.parse_args()
     from pallasite.tools.probe_gpu import copy_bandwidth
-    copy_tbps, how = copy_bandwidth(gb=4)
+    copy_bps, how = copy_bandwidth(gb=4)
+    copy_tbps = copy_bps / 1e12
     tflops = matmul_rate()
     rng = np.random.default_rng(0)
     head = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
@@ -82,7 +83,7 @@ def main():
     for name in SHAPES:
         for tokens in [int(t) for t in args.tokens.split(",")]:
             try:
-                records.append({**head, **case(name, tokens, rng, copy_tbps, tflops)})
+                records.append({**head, **case(name, tokens, rng, copy_bps, tflops)})
             except Exception as e:  # record and go on
                 records.append({**head, "model": name, "tokens": tokens, "error": repr(e)[:400]})
             Path(args.out, "moe.json").write_text(json.dumps(records, indent=1))

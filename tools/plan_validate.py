@@ -135,7 +135,8 @@ def time_steps(fn, params, kv, inputs, reps: int):
     (the KV cache threads through, donated, so steps queue on the device like the engine's)."""
     import jax
     tok, pos, batch = inputs
-    logits, kv = fn(params, tok, pos, kv, batch)  # compile and warm up
+    for _ in range(reps + 1):  # compile, then a trial's worth of untimed steps (clocks, caches)
+        logits, kv = fn(params, tok, pos, kv, batch)
     jax.block_until_ready(logits)
     trials = []
     for _ in range(3):
