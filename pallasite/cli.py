@@ -60,6 +60,8 @@ def add_generate_arguments(p: argparse.ArgumentParser):
                    help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    from pallasite.sharding import add_mesh_arguments
+    add_mesh_arguments(p)
     add_sampling_arguments(p)
 
 
@@ -96,6 +98,11 @@ def generate_locally(prompt: str, args) -> int:
                   max_model_len=args.max_model_len)
     if args.dtype:
         kwargs["dtype"] = getattr(jnp, args.dtype)
+    if args.mesh:
+        from pallasite.sharding import mesh_from_args
+        mesh = mesh_from_args(args)
+        if mesh.devices.size > 1:  # one device needs no mesh
+            kwargs["mesh"] = mesh
     try:
         sampling = SamplingParams(ignore_eos=args.ignore_eos,
                                   **sampling_kwargs(args, generation_defaults(folder)))

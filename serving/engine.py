@@ -331,7 +331,10 @@ class Engine:
         tok, pos, slot, src, qstart, ctx, last, table = jnp.split(ints, np.cumsum(sizes)[:-1])
         tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
         batch = Batch(qstart, ctx, table.reshape(S, P), slot, last)
-        return forward(params, self.config, tok, pos, kv, batch)
+        logits, kv = forward(params, self.config, tok, pos, kv, batch)
+        if self._inputs is not None:  # on a mesh: whole rows for the sampler (it is lowered so)
+            logits = jax.lax.with_sharding_constraint(logits, self._inputs)
+        return logits, kv
 
     @staticmethod
     def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode):

@@ -123,7 +123,7 @@ class LLM:
         path = Path(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-        config, params = load_hf(path, dtype=dtype)
+        config, params = load_hf(path, dtype=dtype, **self._placement(path, mesh, dtype))
         tokenizer = None
         if (path / "tokenizer.json").exists():
             from ..model.tokenizer import Tokenizer
@@ -135,6 +135,23 @@ class LLM:
                     page_size=page_size, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, mesh=mesh, seed=seed,
                     **engine_kwargs)
+
+    @staticmethod
+    def _placement(path, mesh, dtype) -> dict:
+        """On a mesh, check the plan (and that its weights fit where the device reports its
+        memory) before reading anything, then load each tensor straight onto its shards: no
+        device ever holds the whole model."""
+        if mesh is None:
+            return {}
+        from ..model import load_config
+        from ..sharding import check_fits, param_shardings, plan_of, validate_plan
+        config = load_config(path)
+        plan = plan_of(mesh)
+        validate_plan(config, plan)
+        limit = (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+        if limit:
+            check_fits(config, plan, limit, dtype)
+        return dict(config=config, shardings=param_shardings(config, mesh))
 
     @classmethod
     def from_params(cls, config, params, tokenizer=None, **kwargs) -> "LLM":
