@@ -83,6 +83,9 @@ def write_kv(k_pages, v_pages, k, v, slots):
     return reference.write_kv_reference(k_pages, v_pages, k, v, slots)
 
 
+GROUPED_MIN_ROWS_PER_EXPERT = 16  # below this many rows per expert, XLA's ragged_dot is used
+
+
 def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=False, **blocks):
     """Mixture-of-experts SwiGLU: x [M, D] sorted by expert, `group_sizes` [E] rows per expert,
     w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
@@ -91,7 +94,8 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=Fa
     # Measured on the H100 (docs/BENCHMARKS.md, MoE experts): with fewer than ~16 rows per
     # expert (decode) XLA's ragged_dot is as fast or faster; from there on this path wins.
     # An explicit impl="pallas" (benchmarks) or interpret=True (tests) skips that choice.
-    few_rows = x.shape[0] < 16 * w_gate.shape[0] and impl is None and not interpret
+    few_rows = x.shape[0] < GROUPED_MIN_ROWS_PER_EXPERT * w_gate.shape[0] and impl is None \
+        and not interpret
     if (not _use_pallas(impl, interpret) or few_rows or w_gate.shape[-1] % tile
             or x.shape[-1] % tile):
         return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down)

@@ -111,6 +111,8 @@ CONSTANTS = {
                               "write); see eff_hbm_weights"),
     "kv_fraction": (0.7, "share of the memory left after weights and workspace given to KV "
                          "pages: the engine's default (serving/llm.py default_num_pages)"),
+    "eff_grouped": (0.3, "the Pallas grouped matmul of the MoE experts reaches 21% to 39% of its "
+                         "floor at 256 to 2048 tokens (tools/bench_moe.py, docs/BENCHMARKS.md)"),
     "eff_link": (0.7, "estimate: NCCL bus bandwidth / link bandwidth for mid-size messages"),
     "mem_fraction": (0.75, "JAX preallocates 75% of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTION)"),
     "workspace_gb": (0.5, "estimate: XLA/cuBLAS workspace and the runtime's own buffers"),
@@ -265,15 +267,16 @@ class Step:
     t_compute: float = 0.0
     t_comm: float = 0.0
     t_fixed: float = 0.0
+    t_experts: float = 0.0  # MoE experts, which do not overlap the rest of the step
 
     @property
     def time(self) -> float:
-        return max(self.t_mem, self.t_compute) + self.t_comm + self.t_fixed
+        return max(self.t_mem, self.t_compute) + self.t_comm + self.t_fixed + self.t_experts
 
     @property
     def bound(self) -> str:
         parts = {"memory": self.t_mem, "compute": self.t_compute, "communication": self.t_comm,
-                 "overhead": self.t_fixed}
+                 "overhead": self.t_fixed, "experts": self.t_experts}
         return max(parts, key=parts.get)
 
 
@@ -319,10 +322,9 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     kv_read_tokens: cached tokens whose K/V the step reads (summed over sequences);
     attn_pairs: (query, key) pairs attended, summed over the replica's tokens."""
     t, e = plan.tensor, plan.expert
-    # Weights read: everything but the embedding table (gathered rows) and untouched experts.
-    touched = experts_touched(config, tokens)
-    w_elems = shapes.device.get("dense", 0) + shapes.device.get("head", 0) + \
-        shapes.device.get("experts", 0) * touched
+    # Weights read: everything but the embedding table (gathered rows) and the experts, which
+    # are costed apart (experts_time: they run as their own products, not overlapped).
+    w_elems = shapes.device.get("dense", 0) + shapes.device.get("head", 0)
     if config.tie_word_embeddings:
         w_elems += shapes.device.get("embed", 0)
     weight_bytes = w_elems * wl.weight_bytes
@@ -332,9 +334,8 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     # their rows are spread over the expert shards; the head runs on the logits rows only.
     g = shapes.glob
     dense = g.get("dense", 0) / t
-    experts = g.get("experts", 0) * config.num_experts_per_tok / max(config.num_experts, 1) / (t * e)
     head = g.get("head", g.get("embed", 0) if config.tie_word_embeddings else 0) / t
-    mm = 2 * tokens * (dense + experts) + 2 * seqs * head
+    mm = 2 * tokens * dense + 2 * seqs * head
     heads = config.num_heads / t
     attn = 4 * heads * config.head_dim * attn_pairs * config.num_layers
     comm = collectives(config, plan, cluster, tokens, wl.act_bytes)
@@ -348,7 +349,35 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     step.t_comm = config.num_layers * sum(s for _, s in comm.values())
     step.t_fixed = const("step_overhead_ms") * 1e-3 + \
         config.num_layers * const("layer_launch_us") * 1e-6
+    if config.is_moe:
+        step.t_experts = experts_time(config, shapes, plan, gpu, wl, tokens, step)
     return step
+
+
+def experts_time(config: ModelConfig, shapes: Shapes, plan: MeshPlan, gpu, wl: Workload,
+                 tokens: int, step: Step) -> float:
+    """The MoE experts on one device, by the path the code takes (kernels.grouped_mlp): from
+    GROUPED_MIN_ROWS_PER_EXPERT rows per expert the Pallas grouped matmul, which reads only the
+    experts routed to and runs at eff_grouped of its floor; below it XLA's ragged_dot, which
+    XLA:GPU runs as a dense product of every row with every local expert (measured: its time is
+    that weight read plus those FLOPs, one after the other)."""
+    from pallasite.kernels import GROUPED_MIN_ROWS_PER_EXPERT
+    t, e, k, E = plan.tensor, plan.expert, config.num_experts_per_tok, config.num_experts
+    local = shapes.device.get("experts", 0)  # elements of this device's experts
+    rows = tokens * k / (plan.data * e)  # (token, expert) rows this device computes
+    bw = gpu.hbm_tbps * 1e12 * const("eff_hbm_weights")
+    rate = gpu.bf16_tflops * 1e12
+    if tokens * k / E >= GROUPED_MIN_ROWS_PER_EXPERT:
+        read = local * experts_touched(config, tokens) * wl.weight_bytes
+        flops = 2 * rows * local * e / E  # each row meets one expert's weights
+        t_exp = max(read / bw, flops / rate) / const("eff_grouped")
+    else:
+        flops = 2 * rows * local  # each row meets every local expert's weights
+        read = local * wl.weight_bytes
+        t_exp = read / bw + flops / (rate * const("eff_matmul"))
+    step.hbm_bytes += read
+    step.mm_flops += flops
+    return t_exp
 
 
 def prefill_step(config, shapes, plan, cluster, wl, seqs: int, prompt: int) -> Step:

@@ -78,6 +78,8 @@ def parse(argv):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="tiny models on fake CPU devices")
     ap.add_argument("--time-limit", type=float, default=280, help="seconds for the whole run")
+    ap.add_argument("--repredict", nargs="+", metavar="JSON",
+                    help="no GPU: recompute the predictions of these records' points")
     ap.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--group-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
@@ -128,6 +130,38 @@ def make_batch(phase: str, batch: int, length: int, vocab: int, rng):
               (qstart[1:] - 1).astype(np.int32))
     tokens = rng.integers(0, vocab, batch * new).astype(np.int32)
     return tokens, pos, b, batch * pages
+
+
+def predict(rec: dict, gpu: str):
+    """The explorer's step time (ms) and bound for one measured point, with the current model."""
+    from pallasite.sharding import MeshPlan
+    from pallasite.tools import plan_model as pm
+    name, _, layers = rec["model"].rpartition("-")
+    config = load(name, int(layers.rstrip("L"))) if layers.endswith("L") else load(rec["model"], None)
+    plan = MeshPlan.parse(rec["plan"])
+    cluster = pm.Cluster(pm.GPUS[gpu], gpus_per_host=max(8, plan.size))
+    step = (pm.prefill_step if rec["phase"] == "prefill" else pm.decode_step)(
+        config, pm.shapes_of(config, plan), plan, cluster, pm.Workload(page_size=PAGE),
+        rec["batch"], rec["length"])
+    return step.time * 1e3, step.bound
+
+
+def repredict(paths, out):
+    """No GPU: the records of earlier runs with today's predictions (the measurements kept)."""
+    records = []
+    for path in paths:
+        for rec in json.loads(open(path).read()):
+            if "measured_ms" not in rec:
+                continue
+            ms, bound = predict(rec, "h200" if "H200" in rec["gpu"] else "h100")
+            records.append(rec | dict(predicted_ms=ms, predicted_bound=bound,
+                                      rel_error=(ms - rec["measured_ms"]) / rec["measured_ms"]))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "plan_validation.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    print_table(records)
+    print(json.dumps(summary(records), indent=1))
+    return 0
 
 
 def time_steps(fn, params, kv, inputs, reps: int):
@@ -246,6 +280,8 @@ def summary(records) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.repredict:
+        return repredict(args.repredict, args.out)
     groups = groups_for(args)
     if args.group is not None:  # child: one group
         records = run_group(groups[args.group], args.deadline, args.tiny)
