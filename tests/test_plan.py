@@ -193,3 +193,23 @@ def test_config_json_path_and_bad_input(tmp_path, capsys):
     assert plan.main([str(tmp_path), "--gpus-per-host", "2"]) == 0
     assert plan.main(["no-such-model"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_moe_experts_cost_follows_the_code_path():
+    """Below kernels.GROUPED_MIN_ROWS_PER_EXPERT rows per expert the step reads every expert
+    (XLA's dense ragged_dot); above it only the routed ones, at least one expert per row."""
+    from pallasite.kernels import GROUPED_MIN_ROWS_PER_EXPERT
+    config = pm.load_model("qwen3-30b-a3b", 2)
+    plan_ = MeshPlan(1, 1, 1)
+    shapes, wl = pm.shapes_of(config, plan_), pm.Workload()
+    cluster = pm.Cluster(pm.GPUS["h100"], gpus_per_host=8)
+    experts = shapes.device["experts"] * wl.weight_bytes
+    few = pm.decode_step(config, shapes, plan_, cluster, wl, 1, 1024)
+    rest = few.hbm_bytes - experts
+    assert rest > 0 and few.t_experts > experts / (cluster.gpu.hbm_tbps * 1e12)
+    k, E = config.num_experts_per_tok, config.num_experts
+    many_tokens = GROUPED_MIN_ROWS_PER_EXPERT * E // k
+    many = pm.prefill_step(config, shapes, plan_, cluster, wl, 1, many_tokens)
+    # grouped path: each row meets one expert, so expert FLOPs are k/E of the dense product's
+    dense_flops = 2 * many_tokens * k * shapes.device["experts"]
+    assert many.mm_flops < dense_flops / 4
