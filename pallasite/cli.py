@@ -1,7 +1,7 @@
 """`pallasite` command line: generate, serve, train, plan.
 
-Each subcommand's module is imported only when it runs, so `pallasite generate` does not pay for
-the server's or the planner's imports.
+`serve` and `train` define their own flags (`add_arguments` in their modules); `plan` owns its
+whole command line and is imported only when it runs.
 """
 
 from __future__ import annotations

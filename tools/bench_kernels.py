@@ -97,23 +97,11 @@ def time_ms(fn, *args, reps=15, inner=None, loop=False):
 def copy_ceiling():
     """Bytes read + written per second by a large device-to-device copy; the best of torch's
     copy_ and a jitted jnp copy."""
+    from pallasite.tools.probe_gpu import torch_copy_bps
     out = {}
     n = 2 * 2**30 // 2  # 2 GiB of bf16
     try:
-        import torch
-        a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-        b = torch.empty_like(a)
-        for _ in range(3):
-            b.copy_(a)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(20):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        out["torch_copy"] = 4 * n / float(np.median(ts)) / 1e12
-        del a, b
-        torch.cuda.empty_cache()
+        out["torch_copy"] = torch_copy_bps(gb=2) / 1e12
     except Exception as e:
         out["torch_copy_error"] = repr(e)[:200]
     x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)

@@ -133,7 +133,8 @@ def make_batch(phase: str, batch: int, length: int, vocab: int, rng):
 
 
 def predict(rec: dict, gpu: str):
-    """The explorer's step time (ms) and bound for one measured point, with the current model."""
+    """The explorer's step time (ms) and bound for one measured point ("<preset>-<N>L" names a
+    preset cut to N layers), with the current model."""
     from pallasite.sharding import MeshPlan
     from pallasite.tools import plan_model as pm
     name, _, layers = rec["model"].rpartition("-")
@@ -202,9 +203,6 @@ def run_group(group, deadline: float, tiny: bool) -> list[dict]:
     num_pages = 1 + max(make_batch(ph, b, n, 2, rng)[3] for ph, b, n in points)
     kv = layout.init_kv_cache(num_pages, PAGE, dtype)
     fn = layout.forward()
-    gpu = pm.GPUS[gpu_key()]
-    cluster = pm.Cluster(gpu, gpus_per_host=max(8, plan.size))
-    wl = pm.Workload(page_size=PAGE)
     shapes = pm.shapes_of(config, plan)
     fixed = shapes.device_total * 2 + num_pages * PAGE * pm.kv_bytes_per_token(config, plan, 2)
     records, act_peak = [], 0.0
@@ -217,16 +215,14 @@ def run_group(group, deadline: float, tiny: bool) -> list[dict]:
         tok, pos, b, _ = make_batch(phase, batch, length, config.vocab_size, rng)
         inputs = layout.replicate((jnp.asarray(tok), jnp.asarray(pos),
                                    type(b)(*(jnp.asarray(x) for x in b))))
-        step = (pm.prefill_step if phase == "prefill" else pm.decode_step)(
-            config, shapes, plan, cluster, wl, batch, length)
         reps = 2 if tiny else (5 if phase == "prefill" else 20)
         seconds, kv = time_steps(fn, params, kv, inputs, reps)
         act_peak = max(act_peak, pm.activation_bytes(config, plan, rec["tokens"], batch, 2))
         measured_peak = peak_bytes(devices)
-        predicted_ms = step.time * 1e3
+        predicted_ms, bound = predict(rec, gpu_key())
         rec.update(predicted_ms=predicted_ms, measured_ms=seconds * 1e3,
                    rel_error=(predicted_ms - seconds * 1e3) / (seconds * 1e3),
-                   predicted_bound=step.bound,
+                   predicted_bound=bound,
                    predicted_peak_gb=(fixed + act_peak) / 1e9,
                    measured_peak_gb=None if measured_peak is None else measured_peak / 1e9,
                    init_peak_gb=None if init_peak is None else init_peak / 1e9)
