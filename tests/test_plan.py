@@ -213,3 +213,152 @@ def test_moe_experts_cost_follows_the_code_path():
     # grouped path: each row meets one expert, so expert FLOPs are k/E of the dense product's
     dense_flops = 2 * many_tokens * k * shapes.device["experts"]
     assert many.mm_flops < dense_flops / 4
+
+
+# -- the step's memory and the validation harness ---------------------------------------------
+def test_activation_parts_by_hand():
+    """Llama-3-8B, a prefill of 4 prompts of 1024 tokens, bf16: the buffers the step makes."""
+    llama = pm.load_model("llama-3-8b")
+    T, S = 4096, 4
+    parts = pm.activation_parts(llama, MeshPlan(), T, S, context=1024)
+    assert parts["stream"] == 3 * T * 4096 * 2
+    assert parts["attention"] == T * (2 * 32 + 2 * 8) * 128 * 2  # one split: no partials
+    assert parts["mlp"] == 2 * T * 14336 * 2
+    assert parts["logits"] == S * 128256 * (2 + 4 + 4)
+    assert parts["workspace"] == 32 * 2 ** 20
+    total = parts["stream"] + parts["mlp"] + parts["logits"] + parts["workspace"]
+    assert pm.activation_bytes(llama, MeshPlan(), T, S, 1024) == total
+    # tp=2 halves the heads, the MLP units and the vocabulary, not the residual stream
+    half = pm.activation_parts(llama, MeshPlan(1, 2, 1), T, S, context=1024)
+    assert half["stream"] == parts["stream"]
+    assert (half["attention"], half["mlp"]) == (parts["attention"] / 2, parts["mlp"] / 2)
+    assert half["logits"] == parts["logits"] / 2
+
+
+def test_attention_splits_follow_the_kernel_rule():
+    """kernels.ragged_paged_attention with the H100 tiles (block_rows 64, 128 keys = 8 pages a
+    tile, 528 programs wanted): batch-1 decode over 65 pages has 1 block x 8 kv heads, so it
+    splits its 9 key tiles 9 ways; batch 64 or a 1024-token prefill fill the GPU unsplit."""
+    llama = pm.load_model("llama-3-8b")
+    assert pm.attention_splits(llama, MeshPlan(), 1, 1, 1025, 16) == 9
+    assert pm.attention_splits(llama, MeshPlan(), 64, 64, 1025, 16) == 1
+    assert pm.attention_splits(llama, MeshPlan(), 1024, 1, 1024, 16) == 1
+    parts = pm.activation_parts(llama, MeshPlan(), 1, 1, context=1025)
+    assert parts["attention"] == (2 * 32 + 2 * 8) * 128 * 2 + 9 * 32 * 129 * 4
+
+
+def test_expert_rows_choose_the_code_path():
+    """Qwen3-30B-A3B (128 experts, top 8): the grouped kernel from 16 rows per local expert.
+    With ep=2 the receive buffer holds both shards' rows for 64 local experts, so 128 tokens
+    take the kernel there but XLA's ragged_dot on one device."""
+    qwen = pm.load_model("qwen3-30b-a3b", 2)
+    assert pm.expert_rows(qwen, MeshPlan(), 32) == (256, False)
+    assert pm.expert_rows(qwen, MeshPlan(), 1024) == (8192, True)
+    assert pm.expert_rows(qwen, MeshPlan(), 128) == (1024, False)
+    assert pm.expert_rows(qwen, MeshPlan(1, 1, 2), 128) == (1024, True)
+    assert pm.expert_rows(qwen, MeshPlan(1, 4, 1), 1024)[1] is False  # 768 / 4 = 192 columns
+    # ragged_dot path: the rows, and the rows masked for every expert with their product
+    mlp = pm.activation_parts(qwen, MeshPlan(), 32, 32, 1025)["mlp"]
+    assert mlp == (2 * 256 * 2048 + 128 * 256 * (2048 + 768)) * 2
+    # kernel path: rows padded to 64-row blocks per expert, with their gate and up products
+    padded = -(-(8192 + 128 * 63) // 64) * 64
+    mlp = pm.activation_parts(qwen, MeshPlan(), 1024, 1, 1024)["mlp"]
+    assert mlp == (2 * 8192 * 2048 + padded * (2048 + 2 * 768)) * 2
+
+
+def test_activation_estimate_follows_xla_on_cpu():
+    """XLA's own size of the compiled paged step on CPU (float32, so no dtype copies; context
+    small so the CPU attention reference stays small) against the estimate: the residual
+    stream, the MLP's intermediates and the logits (on CPU the product is already the f32
+    logits, and one program holds no previous step's)."""
+    import numpy as np
+    import jax.numpy as jnp
+    from pallasite.model import forward
+    from pallasite.model.transformer import kv_cache_shape
+    from pallasite.tools.plan_validate import make_batch
+
+    def xla_bytes(config, tokens):
+        tok, pos, batch, pages = make_batch("decode", tokens, 15, config.vocab_size,
+                                            np.random.default_rng(0))
+        spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+        page = jax.ShapeDtypeStruct(kv_cache_shape(config, pages + 1, 16), jnp.float32)
+        step = jax.jit(lambda p, t, q, kv, b: forward(p, config, t, q, kv, b), donate_argnums=3)
+        m = step.lower(param_shapes(config), spec(tok), spec(pos),
+                       [(page, page)] * config.num_layers,
+                       type(batch)(*map(spec, batch))).compile().memory_analysis()
+        return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+    sizes = {}
+    for width, tokens in ((8192, 64), (16384, 64), (24576, 64), (16384, 128)):
+        config = config_from_dict(dict(TINY_DENSE, vocab_size=8192, hidden_size=256,
+                                       intermediate_size=width, num_attention_heads=4))
+        p = pm.activation_parts(config, MeshPlan(), tokens, tokens, 16, act_bytes=4)
+        mlp_phase = p["stream"] + max(p["attention"], p["mlp"])
+        estimate = mlp_phase + tokens * 8192 * 4
+        sizes[width, tokens] = xla_bytes(config, tokens)
+        # XLA packs the logits into buffers the MLP freed when it can: between the two
+        assert 0.97 * mlp_phase <= sizes[width, tokens] <= 1.01 * estimate
+    # the MLP term's slope is exact (2 x tokens x width x 4 bytes), and it grows with tokens
+    assert sizes[24576, 64] - sizes[16384, 64] == 2 * 64 * 8192 * 4
+    assert sizes[16384, 128] == pytest.approx(2 * sizes[16384, 64], rel=1e-3)
+
+
+def test_embedding_lookup_adds_one_all_reduce_per_step():
+    """The vocab-parallel embedding sums its shards' rows once per step, beside the two
+    all-reduces of each layer; one device or an odd vocabulary has none."""
+    llama = pm.load_model("llama-3-8b", 8)
+    cluster, wl, plan_ = pm.Cluster(pm.GPUS["h100"]), pm.Workload(), MeshPlan(1, 2, 1)
+    step = pm.decode_step(llama, pm.shapes_of(llama, plan_), plan_, cluster, wl, 16, 1024)
+    bw, lat = cluster.link(2)
+    one = 16 * 4096 * 2 / bw + lat  # ring over 2: each device sends half of the message twice
+    assert lat == pytest.approx(pm.GPUS["h100"].nvlink_latency_us * 1e-6)
+    assert step.t_comm == pytest.approx(8 * 2 * one + one)
+    assert pm.embedding_all_reduce(llama, MeshPlan(), cluster, 16, 2) == 0
+    odd = config_from_dict(dict(TINY_DENSE))  # vocabulary 250 is not split over 4
+    assert pm.embedding_all_reduce(odd, MeshPlan(1, 4, 1), cluster, 16, 2) == 0
+
+
+def test_validation_predicts_the_peak_from_its_parts():
+    """A point's predicted peak: exact weights, the KV pool the run allocated, activations."""
+    from pallasite.tools import plan_validate as pv
+    rec = dict(model="llama-3-8b-8L", plan="dp=1,tp=1,ep=1", phase="decode", batch=16,
+               length=1024, tokens=16, num_pages=4161)
+    peak = pv.predict_peak(rec)
+    act = pm.activation_bytes(pm.load_model("llama-3-8b", 8), MeshPlan(), 16, 16, 1025)
+    assert peak["predicted_weights_gb"] == 5.591146496
+    assert peak["predicted_kv_gb"] == 4161 * 16 * (2 * 8 * 8 * 128 * 2) / 1e9
+    assert peak["predicted_peak_gb"] == pytest.approx(5.591146496 + 4161 * 16 * 32768 / 1e9 +
+                                                      act / 1e9)
+
+
+def test_repredict_keeps_measurements(tmp_path, capsys):
+    from pallasite.tools import plan_validate as pv
+    old = dict(model="llama-3-8b-8L", plan="dp=1,tp=1,ep=1", phase="prefill", batch=1,
+               length=1024, tokens=1024, measured_ms=7.0, predicted_ms=1.0, rel_error=-0.9,
+               predicted_peak_gb=1.0, measured_peak_gb=8.0, gpu="NVIDIA H100 80GB HBM3")
+    new = old | dict(num_pages=65)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps([old, new, dict(kind=pv.MICRO, plan="dp=1,tp=1,ep=1")]))
+    assert pv.main(["--repredict", str(path), "--out", str(tmp_path / "out")]) == 0
+    got = json.loads((tmp_path / "out" / "plan_validation.json").read_text())
+    assert len(got) == 2 and all(r["measured_ms"] == 7.0 for r in got)
+    assert got[0]["rel_error"] == pytest.approx(got[0]["predicted_ms"] / 7.0 - 1)
+    assert got[0]["predicted_peak_gb"] == 1.0  # no KV pool recorded: kept
+    assert got[1]["predicted_peak_gb"] == pytest.approx(pv.predict_peak(new)["predicted_peak_gb"])
+    assert "llama-3-8b-8L" in capsys.readouterr().out
+
+
+def test_weights_made_one_tensor_at_a_time():
+    import jax.numpy as jnp
+    from pallasite.sharding import Layout, make_mesh
+    from pallasite.tools import plan_validate as pv
+    config = config_from_dict(TINY_DENSE)
+    layout = Layout(config, make_mesh(MeshPlan(), jax.devices()[:1]))
+    params = pv.make_weights(config, layout, jnp.bfloat16)
+    want = param_shapes(config, jnp.bfloat16)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == \
+        jax.tree.map(lambda x: (x.shape, x.dtype), want)
+    assert bool(jnp.all(params["final_norm"]["scale"] == 1))
+    w = params["layers_0"]["mlp"]["w_up"].astype(jnp.float32)
+    assert 0.015 < float(jnp.std(w)) < 0.025
+    assert not bool(jnp.all(w == params["layers_1"]["mlp"]["w_up"].astype(jnp.float32)))

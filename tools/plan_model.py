@@ -82,16 +82,25 @@ class GPU:
     source: str
 
 
+# NVLink latency and link efficiency: from the 2x H200 run of tools/bench_sharding.py
+# (docs/benchmarks/sharding.json, Llama-3-8B shape, 16 layers): tp=2 minus tp=1 step time, less
+# this model's halved weight, KV and FLOP terms, leaves what its 33 all-reduces cost. Decode at
+# batch 32: 0.25 ms, 7.7 us each, of which 0.8 us is bandwidth -> 7 us latency. Prefill of 2048
+# tokens: 80 us each for 16.8 MB -> 231 GB/s after the latency, eff_link 0.51. (Decode at batch
+# 1 leaves 83 us each: not a latency, see docs/plan.md.) plan_validate --devices 2 measures
+# both directly (microbench allreduce_us).
+_NVLINK = "NVLink 450 GB/s one way: datasheet (900 GB/s bidirectional); latency 7 us: " \
+          "docs/benchmarks/sharding.json, tp=2 vs tp=1 decode at batch 32 (see CONSTANTS)"
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", 79.6, 3.00, 798.0, 450.0, 8.0,
+    "h100": GPU("H100 SXM 80GB", 79.6, 3.00, 798.0, 450.0, 7.0,
                 "memory 79.6 GiB: reported by the device; hbm 3.00 TB/s: torch copy_ measured "
                 "(docs/benchmarks/probe_h100.json, DESIGN.md); bf16 798 TFLOP/s: measured matmul "
-                "(docs/kernels_notes.md); NVLink 450 GB/s one way: datasheet (900 GB/s "
-                "bidirectional); latency 8 us: estimate"),
-    "h200": GPU("H200 SXM 141GB", 139.8, 4.04, 798.0, 450.0, 8.0,
-                "memory 139.8 GiB (141 GB): datasheet; HBM 4.8 TB/s: datasheet, scaled by the H100's measured/datasheet "
-                "copy ratio (3.00/3.35) to 4.04; bf16: as the H100 (same SM, datasheet equal); "
-                "NVLink 450 GB/s one way: datasheet; latency 8 us: estimate"),
+                "(docs/kernels_notes.md); " + _NVLINK),
+    "h200": GPU("H200 SXM 141GB", 139.8, 4.04, 798.0, 450.0, 7.0,
+                "memory 139.8 GiB (141 GB): datasheet; HBM 4.8 TB/s: datasheet, scaled by the "
+                "H100's measured/datasheet copy ratio (3.00/3.35) to 4.04 (plan_validate "
+                "--devices 2 measures it: microbench copy_tbps); bf16: as the H100 (same SM, "
+                "datasheet equal); " + _NVLINK),
 }
 
 # Calibration constants: value, source. One table so a measurement updates one place.
@@ -113,9 +122,14 @@ CONSTANTS = {
                          "pages: the engine's default (serving/llm.py default_num_pages)"),
     "eff_grouped": (0.3, "the Pallas grouped matmul of the MoE experts reaches 21% to 39% of its "
                          "floor at 256 to 2048 tokens (tools/bench_moe.py, docs/BENCHMARKS.md)"),
-    "eff_link": (0.7, "estimate: NCCL bus bandwidth / link bandwidth for mid-size messages"),
+    "eff_link": (0.51, "all-reduce bandwidth / NVLink one way: 16.8 MB all-reduces of a 2048-token "
+                       "tp=2 prefill at 231 GB/s (docs/benchmarks/sharding.json; see GPUS)"),
     "mem_fraction": (0.75, "JAX preallocates 75% of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTION)"),
-    "workspace_gb": (0.5, "estimate: XLA/cuBLAS workspace and the runtime's own buffers"),
+    "workspace_gb": (0.5, "estimate: memory compiling a step needs beyond the step (XLA's "
+                          "autotuner runs GEMMs on scratch copies of their operands); "
+                          "plan_validate measures it (compile_peak_gb)"),
+    "gemm_workspace_mb": (32.0, "cuBLAS workspace of XLA's GEMMs on Hopper, in the step's temp "
+                                "buffer: the size the cuBLAS docs recommend (cublasSetWorkspace)"),
 }
 
 
@@ -308,11 +322,23 @@ def collectives(config: ModelConfig, plan: MeshPlan, cluster: Cluster, tokens: i
         out["all-reduce x2"] = (2 * sent, 2 * (sent / bw + lat))
     if e > 1:
         bw, lat = cluster.link(t * e)
-        rows = tokens * config.num_experts_per_tok / (plan.data * e)
+        rows = tokens * config.num_experts_per_tok / e  # this shard's tokens' rows
         sent = rows * config.hidden_size * act_bytes * (e - 1) / e
         # counts all-gather (latency only) + dispatch + combine
         out["all-to-all x2"] = (2 * sent, 2 * (sent / bw + lat) + lat)
     return out
+
+
+def embedding_all_reduce(config: ModelConfig, plan: MeshPlan, cluster: Cluster, tokens: int,
+                         act_bytes: int) -> float:
+    """Seconds of the step's one all-reduce outside its layers: with the vocabulary split over
+    tensor, each shard looks up the rows it holds and the shards sum the [T, D] result (the
+    compiled tp=2 step holds 2 L + 1 all-reduces)."""
+    t = plan.tensor
+    if t == 1 or config.vocab_size % t:
+        return 0.0
+    bw, lat = cluster.link(t)
+    return 2 * (t - 1) / t * tokens * config.hidden_size * act_bytes / bw + lat
 
 
 def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Cluster,
@@ -346,7 +372,8 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     step.t_mem = w_time + kv_time
     step.t_compute = mm / (gpu.bf16_tflops * 1e12 * const("eff_matmul")) + \
         attn / (const("attn_tflops") * 1e12)
-    step.t_comm = config.num_layers * sum(s for _, s in comm.values())
+    step.t_comm = config.num_layers * sum(s for _, s in comm.values()) + \
+        embedding_all_reduce(config, plan, cluster, tokens, wl.act_bytes)
     step.t_fixed = const("step_overhead_ms") * 1e-3 + \
         config.num_layers * const("layer_launch_us") * 1e-6
     if config.is_moe:
@@ -356,23 +383,23 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
 
 def experts_time(config: ModelConfig, shapes: Shapes, plan: MeshPlan, gpu, wl: Workload,
                  tokens: int, step: Step) -> float:
-    """The MoE experts on one device, by the path the code takes (kernels.grouped_mlp): from
-    GROUPED_MIN_ROWS_PER_EXPERT rows per expert the Pallas grouped matmul, which reads only the
-    experts routed to and runs at eff_grouped of its floor; below it XLA's ragged_dot, which
-    XLA:GPU runs as a dense product of every row with every local expert (measured: its time is
-    that weight read plus those FLOPs, one after the other)."""
-    from pallasite.kernels import GROUPED_MIN_ROWS_PER_EXPERT
+    """The MoE experts on one device, by the path the code takes (`expert_rows`): the Pallas
+    grouped matmul reads only the experts routed to, each row meeting one expert, at
+    eff_grouped of its floor; XLA's ragged_dot runs as a dense product of every row of its
+    buffer (padding included) with every local expert (measured: its time is that weight read
+    plus those FLOPs, one after the other)."""
     t, e, k, E = plan.tensor, plan.expert, config.num_experts_per_tok, config.num_experts
     local = shapes.device.get("experts", 0)  # elements of this device's experts
-    rows = tokens * k / (plan.data * e)  # (token, expert) rows this device computes
+    buffer_rows, pallas = expert_rows(config, plan, tokens)
     bw = gpu.hbm_tbps * 1e12 * const("eff_hbm_weights")
     rate = gpu.bf16_tflops * 1e12
-    if tokens * k / E >= GROUPED_MIN_ROWS_PER_EXPERT:
+    if pallas:
+        rows = tokens * k / e  # the rows routed to this device's experts (uniform routing)
         read = local * experts_touched(config, tokens) * wl.weight_bytes
         flops = 2 * rows * local * e / E  # each row meets one expert's weights
         t_exp = max(read / bw, flops / rate) / const("eff_grouped")
     else:
-        flops = 2 * rows * local  # each row meets every local expert's weights
+        flops = 2 * buffer_rows * local  # each row meets every local expert's weights
         read = local * wl.weight_bytes
         t_exp = read / bw + flops / (rate * const("eff_matmul"))
     step.hbm_bytes += read
@@ -393,20 +420,89 @@ def decode_step(config, shapes, plan, cluster, wl, seqs: int, context: float) ->
 
 
 # -- memory ------------------------------------------------------------------------------------
-def activation_bytes(config: ModelConfig, plan: MeshPlan, tokens: int, seqs: int,
-                     act_bytes: int) -> float:
-    """Peak live activations of a step on one device: the residual and its norm, q/k/v, the
-    MLP's gate, up and product (or the MoE's routed rows), and the f32 logits of `seqs` rows."""
-    t, d = plan.tensor, config.hidden_size
-    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim / t
-    if config.is_moe:
-        k, f = config.num_experts_per_tok, config.moe_intermediate_size / t
-        rows = tokens * k / (plan.data * plan.expert)
-        mlp = (rows * (3 * f + 3 * d) + (plan.expert - 1) * rows * d) / max(tokens, 1)
+def attention_splits(config: ModelConfig, plan: MeshPlan, tokens: int, seqs: int, context: int,
+                     page_size: int) -> int:
+    """Split-K factor the ragged paged attention kernel picks for this step (the rule of
+    `kernels.ragged_paged_attention`, with the H100 tiles of `kernels.tuning`)."""
+    from pallasite.kernels import tuning
+    table = tuning.TABLE["H100"]
+    tiles = table["decode" if tokens <= 2 * seqs else "ragged"]
+    pages_per_block = max(1, tiles["block_k"] // page_size)
+    kv = kv_cache_heads(config, plan) // plan.tensor
+    group = config.num_heads // plan.tensor // kv
+    rows = max(tiles["block_rows"], 16, group)
+    blocks = max(-(-tokens * group // rows), seqs)
+    key_tiles = -(-(-(-context // page_size)) // pages_per_block)
+    want = max(1, table["splits"]["target_programs"] // max(1, blocks * kv))
+    return int(max(1, min(want, table["splits"]["max_splits"], key_tiles)))
+
+
+def expert_rows(config: ModelConfig, plan: MeshPlan, tokens: int) -> tuple[int, bool]:
+    """(rows the device's expert products run over, whether they take the Pallas grouped
+    kernel), as `sharding.experts` and `kernels.grouped_mlp` lay them out: a shard routes the k
+    rows of its tokens / e tokens; with expert parallelism its receive buffer holds e times
+    that. Below GROUPED_MIN_ROWS_PER_EXPERT rows per local expert, or with widths that are not
+    whole 128-column tiles, XLA's ragged_dot runs."""
+    from pallasite.kernels import GROUPED_MIN_ROWS_PER_EXPERT
+    e = plan.expert
+    rows = -(-tokens // e) * config.num_experts_per_tok * e
+    tiles = (config.moe_intermediate_size // plan.tensor) % 128 == 0 and \
+        config.hidden_size % 128 == 0
+    return rows, tiles and rows >= GROUPED_MIN_ROWS_PER_EXPERT * (config.num_experts // e)
+
+
+def _expert_bytes(config: ModelConfig, plan: MeshPlan, tokens: int, act_bytes: int) -> float:
+    """The MoE layer's buffers: the sorted and the returned rows, and the products. The Pallas
+    path pads each local expert's rows to whole blocks (`grouped_matmul.padded_rows`) and keeps
+    the padded rows, their gate and up products; XLA's ragged_dot expands the rows over every
+    local expert (masked copies of the rows, and their product) before it sums them."""
+    from pallasite.kernels.grouped_matmul import block_m_for, padded_rows
+    d, f = config.hidden_size, config.moe_intermediate_size / plan.tensor
+    local = config.num_experts // plan.expert
+    rows, pallas = expert_rows(config, plan, tokens)
+    if pallas:
+        padded = padded_rows(rows, local, block_m_for(rows, local))
+        work = padded * (d + 2 * f)
     else:
-        mlp = 3 * config.intermediate_size / t
-    per_token = (3 * d + qkv + mlp) * act_bytes
-    return tokens * per_token + seqs * config.vocab_size * 4 * 2
+        work = local * rows * (d + f)
+    return (2 * rows * d + work) * act_bytes
+
+
+def activation_parts(config: ModelConfig, plan: MeshPlan, tokens: int, seqs: int, context: int,
+                     act_bytes: int = 2, page_size: int = 16) -> dict:
+    """Bytes of one step's transient buffers on one device, by part, from the shapes the step
+    makes (XLA reuses a layer's buffers for the next, so one layer's worth counts):
+
+    stream     the residual [T, D], its norm and the sublayer's output (or its all-reduce)
+    attention  q, k, v and the attention output [T, heads, hd]; split-K partials (f32)
+    mlp        gate and up [T, F] (their product reuses one); MoE: see _expert_bytes
+    logits     the head's product [S, V] in the weights' dtype and its f32 copy, plus the
+               previous step's f32 logits, still held while the next step runs
+    workspace  the GEMMs' cuBLAS workspace (gemm_workspace_mb)
+
+    Attention and MLP run one after the other, so the step holds the larger."""
+    t, a, hd, d = plan.tensor, act_bytes, config.head_dim, config.hidden_size
+    heads = config.num_heads // t
+    kv = kv_cache_heads(config, plan) // t
+    attention = tokens * (2 * heads + 2 * kv) * hd * a
+    splits = attention_splits(config, plan, tokens, seqs, context, page_size)
+    if splits > 1:  # each split's normalized output and log-sum-exp, merged after
+        attention += splits * tokens * heads * (hd + 1) * 4
+    if config.is_moe:
+        mlp = _expert_bytes(config, plan, tokens, a)
+    else:
+        mlp = 2 * tokens * (config.intermediate_size // t) * a
+    vocab = config.vocab_size // t if config.vocab_size % t == 0 else config.vocab_size
+    return dict(stream=3 * tokens * d * a, attention=attention, mlp=mlp,
+                logits=seqs * vocab * (a + 4 + 4),
+                workspace=const("gemm_workspace_mb") * 2 ** 20)
+
+
+def activation_bytes(config: ModelConfig, plan: MeshPlan, tokens: int, seqs: int, context: int,
+                     act_bytes: int = 2, page_size: int = 16) -> float:
+    """Peak transient bytes of a step on one device (see activation_parts)."""
+    p = activation_parts(config, plan, tokens, seqs, context, act_bytes, page_size)
+    return p["stream"] + max(p["attention"], p["mlp"]) + p["logits"] + p["workspace"]
 
 
 @dataclasses.dataclass
@@ -431,7 +527,8 @@ def memory(config, shapes, plan, cluster, wl, kv_fraction: float | None = None) 
     budget = cluster.gpu.memory_gib * GIB * const("mem_fraction")
     weights = shapes.device_total * wl.weight_bytes
     chunk = min(wl.chunk, max(wl.max_len, 1))
-    work = activation_bytes(config, plan, chunk, max(1, chunk // wl.prompt.lo), wl.act_bytes) + \
+    work = activation_bytes(config, plan, chunk, max(1, chunk // wl.prompt.lo),
+                            min(chunk, wl.prompt.hi), wl.act_bytes, wl.page_size) + \
         const("workspace_gb") * GB
     kv_tok = kv_bytes_per_token(config, plan, wl.kv_bytes)
     kv_fraction = const("kv_fraction") if kv_fraction is None else kv_fraction
