@@ -362,3 +362,24 @@ def test_weights_made_one_tensor_at_a_time():
     w = params["layers_0"]["mlp"]["w_up"].astype(jnp.float32)
     assert 0.015 < float(jnp.std(w)) < 0.025
     assert not bool(jnp.all(w == params["layers_1"]["mlp"]["w_up"].astype(jnp.float32)))
+
+
+def test_all_reduce_microbenchmark_keeps_every_all_reduce():
+    """The chain the validation run times holds as many all-reduces as it asks for (none is
+    folded away), and the microbenchmark reports one time per message size."""
+    script = textwrap.dedent("""
+        import json, re, jax, jax.numpy as jnp
+        from pallasite.tools import plan_validate as pv
+        mesh, fn = pv.allreduce_chain(2, 8)
+        text = fn.lower(jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)).compile().as_text()
+        count = len(re.findall(r" all-reduce(?:-start)?\\(", text))
+        print(json.dumps(dict(count=count, us=pv.allreduce_us(2, 64, (1, 4), chain=4, reps=2))))
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["count"] == 8
+    assert set(out["us"]) == {"1", "4"} and all(v > 0 for v in out["us"].values())

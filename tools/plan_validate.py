@@ -371,23 +371,35 @@ def run_group(group, deadline: float, tiny: bool) -> list[dict]:
 
 
 # -- microbenchmarks the constants need ----------------------------------------------------------
-def allreduce_us(devices: int, hidden: int, rows_list, chain: int = 32, reps: int = 10) -> dict:
-    """Microseconds per all-reduce of [rows, hidden] bf16 over `devices` GPUs, in a chain of
-    `chain` dependent ones in one program (each with the elementwise op that feeds it), as a
-    tensor-parallel step runs them: rows -> us."""
+def allreduce_chain(devices: int, chain: int):
+    """A jitted program of `chain` dependent all-reduces over `devices` devices, each fed by an
+    elementwise op, as a tensor-parallel step runs them."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, PartitionSpec as P
     from pallasite.sharding.parallel import shard_map
 
     mesh = Mesh(np.array(jax.devices()[:devices]), ("tensor",))
 
     def body(x):
+        # Each device scales by its own weight (summing to one), so no operand is provably the
+        # same on every device and XLA cannot fold an all-reduce into a multiplication.
+        w = (jax.lax.axis_index("tensor") + 1).astype(x.dtype) / (devices * (devices + 1) / 2)
         for _ in range(chain):
-            x = jax.lax.psum(x * (1.0 / devices), "tensor")
+            x = jax.lax.psum(x * w, "tensor")
         return x
 
-    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    return mesh, jax.jit(shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(),
+                                   check_vma=False))
+
+
+def allreduce_us(devices: int, hidden: int, rows_list, chain: int = 32, reps: int = 10) -> dict:
+    """Microseconds per all-reduce of [rows, hidden] bf16 over `devices` devices in a chain of
+    `chain` (`allreduce_chain`): rows -> us."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh, fn = allreduce_chain(devices, chain)
     out = {}
     for rows in rows_list:
         x = jax.device_put(jnp.ones((rows, hidden), jnp.bfloat16), NamedSharding(mesh, P()))
