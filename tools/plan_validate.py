@@ -7,8 +7,8 @@ random bf16 weights one tensor at a time straight onto their shards, a paged KV 
 steps (B sequences with C cached tokens, one new token each), reading the device's memory after
 each point. Models are the presets with fewer layers (named e.g. "llama-3-8b-8L").
 
-    python3 tools/plan_validate.py --devices 1 --out $OUT     # one GPU, about 3 minutes
-    python3 tools/plan_validate.py --devices 2 --out $OUT     # two GPUs, about 3 minutes
+    python3 tools/plan_validate.py --devices 1 --time-limit 260 --out $OUT  # one GPU, ~3 min
+    python3 tools/plan_validate.py --devices 2 --time-limit 170 --out $OUT  # two GPUs, ~3 min
     python3 tools/plan_validate.py --tiny --out /tmp/pv       # tiny models on 8 fake CPU devices
     python3 tools/plan_validate.py --repredict OLD.json ...   # no GPU: today's predictions
 
@@ -99,7 +99,8 @@ def parse(argv):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="tiny models on fake CPU devices")
     ap.add_argument("--time-limit", type=float, default=None,
-                    help="seconds for the whole run (default 300 on one GPU, 200 on two)")
+                    help="seconds after which no group or point starts; the run ends by this "
+                         "+ 60 at worst (default 260 on one GPU, 170 on two)")
     ap.add_argument("--repredict", nargs="+", metavar="JSON",
                     help="no GPU: recompute the predictions of these records' points")
     ap.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
@@ -107,7 +108,7 @@ def parse(argv):
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.time_limit is None:
-        args.time_limit = 600 if args.tiny else (300 if args.devices in (None, [1]) else 200)
+        args.time_limit = 600 if args.tiny else (260 if args.devices in (None, [1]) else 170)
     return args
 
 
