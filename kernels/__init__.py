@@ -3,6 +3,8 @@
 `impl` is "reference" (plain jnp, any backend) or "pallas" (GPU kernels); None picks "pallas" on
 GPU and "reference" elsewhere. `PALLASITE_ATTENTION_IMPL` overrides the automatic choice.
 `interpret=True` runs the Pallas kernels in Pallas's interpreter (any backend; used by the tests).
+Flash attention has two Pallas backends, Mosaic GPU on Hopper and Triton elsewhere
+(`flash_backend`).
 Extra keywords (block sizes, num_splits, ...) reach the Pallas kernels; defaults come from
 `tuning.py`.
 """
@@ -29,12 +31,43 @@ def _use_pallas(impl, interpret):
     return interpret or choose_impl(impl) == "pallas"
 
 
+def _is_hopper() -> bool:
+    try:
+        return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+    except Exception:
+        return False
+
+
+def flash_backend(q, k, *, causal=True, segment_ids=None, backend=None) -> str:
+    """"mosaic" (Hopper: wgmma, TMA, warp specialization; `flash_mgpu.py`) or "triton"
+    (any GPU; `flash.py`). None picks Mosaic GPU on Hopper wherever it takes the call and
+    Triton otherwise; `PALLASITE_FLASH_BACKEND` overrides. Asking for "mosaic" where it cannot
+    run raises with the reason."""
+    from . import flash_mgpu
+    backend = backend or os.environ.get("PALLASITE_FLASH_BACKEND")
+    blocks = tuning.params("flash_mosaic")
+    why = flash_mgpu.supported(q, k, causal=causal, segment_ids=segment_ids,
+                               block_q=blocks["block_q"], block_kv=blocks["block_kv"])
+    if backend is None:
+        return "mosaic" if why is None and _is_hopper() else "triton"
+    if backend not in ("mosaic", "triton"):
+        raise ValueError(f"flash backend {backend!r} is not one of 'mosaic', 'triton'")
+    if backend == "mosaic" and why:
+        raise ValueError(f"the Mosaic GPU flash kernel cannot take this call: {why}")
+    return backend
+
+
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl=None,
-                    interpret=False, **blocks):
+                    backend=None, interpret=False, **blocks):
     """Prefill / no-cache attention. q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D]."""
     if not _use_pallas(impl, interpret):
         return reference.attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
                                              sm_scale=sm_scale)
+    if flash_backend(q, k, causal=causal, segment_ids=segment_ids, backend=backend) == "mosaic":
+        from . import flash_mgpu
+        kw = tuning.params("flash_mosaic") | blocks
+        return flash_mgpu.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale,
+                                          interpret=interpret, **kw)
     from . import flash
     kw = tuning.params("flash" if q.shape[-1] > 64 else "flash_d64") | blocks
     return flash.flash_attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale,

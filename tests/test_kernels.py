@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallasite import kernels
-from pallasite.kernels import flash, paged, reference
+from pallasite.kernels import flash, flash_mgpu, paged, reference
 
 
 def rel_err(out, ref):
@@ -78,6 +78,45 @@ def test_flash_attention_bf16_through_dispatch():
     out = kernels.flash_attention(q, k, v, causal=True, interpret=True, block_q=16, block_k=16)
     assert out.dtype == jnp.bfloat16
     assert rel_err(out, reference.attention_reference(q, k, v, causal=True)) < 1e-2
+
+
+MOSAIC_CASES = [
+    # B, T, S, H, KV, D, causal, block_kv, num_stages, dtype
+    (1, 128, 128, 4, 1, 64, False, 64, 2, jnp.bfloat16),   # full, GQA 4
+    (1, 128, 256, 2, 2, 64, True, 64, 2, jnp.float16),     # S > T: consumer 0 drains a tile
+    (1, 256, 256, 1, 1, 64, True, 64, 3, jnp.bfloat16),    # heaviest tile first, ring wraps
+    (2, 128, 192, 2, 1, 128, False, 64, 2, jnp.bfloat16),  # batch 2, head_dim 128
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES)
+def test_flash_mosaic_interpret(case):
+    """The Mosaic GPU kernel's grid, TMA ring, barriers (every phase observed by every
+    warpgroup, as the interpreter checks), masks and online softmax; its wgmma calls run as
+    plain dots here and are checked on the GPU only."""
+    B, T, S, H, KV, D, causal, bk, stages, dtype = case
+    rng = np.random.default_rng(T + S + H)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
+               for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
+    out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
+                                     num_stages=stages, interpret=True)
+    assert out.dtype == dtype
+    assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
+
+
+def test_flash_backend_choice():
+    q = jnp.zeros((1, 256, 8, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    assert kernels.flash_backend(q, k) == "triton"  # no Hopper GPU here
+    assert kernels.flash_backend(q, k, backend="mosaic") == "mosaic"
+    with pytest.raises(ValueError, match="segment ids"):
+        kernels.flash_backend(q, k, segment_ids=jnp.zeros((1, 256), jnp.int32), backend="mosaic")
+    with pytest.raises(ValueError, match="not a multiple"):
+        kernels.flash_backend(q[:, :100], k, backend="mosaic")
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.flash_backend(q.astype(jnp.float32), k.astype(jnp.float32), backend="mosaic")
+    with pytest.raises(ValueError, match="one of"):
+        kernels.flash_backend(q, k, backend="cuda")
 
 
 RAGGED_CASES = [
