@@ -88,20 +88,24 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
             plgpu.set_max_registers(40, action="decrease")
         kv_head = h // group
 
-        def load(step, slot):
+        def load(src, dst, full, step, slot):
             keys = (b, pl.ds(step * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_full.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
+            plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], full.at[slot])
 
         for i in range(num_stages):
-            pl.when(i < cta_steps)(functools.partial(load, i, i))
+            @pl.when(i < cta_steps)
+            def _():
+                load(k_ref, k_smem, k_full, i, i)
+                load(v_ref, v_smem, v_full, i, i)
 
         @pl.loop(num_stages, jnp.maximum(cta_steps, num_stages))
         def _refill(step):
+            # K is released half a step before V (after S, not after P V): refill it at once.
             slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(k_free.at[slot])
+            load(k_ref, k_smem, k_full, step, slot)
             plgpu.barrier_wait(v_free.at[slot])
-            load(step, slot)
+            load(v_ref, v_smem, v_full, step, slot)
 
         for i in range(num_stages):  # leave once the ring is empty: every release is awaited
             @pl.when(i < cta_steps)

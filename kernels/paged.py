@@ -128,55 +128,49 @@ def _combine(o, lse):
     return jnp.sum(w[..., None] * o, axis=0) / jnp.where(den == 0, 1.0, den)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
-    "num_blocks", "one_token_per_seq", "prefetch_pages", "interpret"))
-def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
-                           num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
-                           prefetch_pages=True, interpret=False):
-    """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference."""
+def pack(q, num_kv_heads):
+    """[T, H, D] -> [KV, T * G, D]: the G query heads of a kv head become rows of one block."""
     T, H, D = q.shape
-    KV, P, page_size, _ = k_pages.shape
-    S, pages_per_seq = page_table.shape
-    if H % KV:
-        raise ValueError(f"{H=} query heads is not a multiple of {KV=} kv heads")
-    for name, x in (("head_dim", D), ("page_size", page_size), ("block_rows", block_rows),
-                    ("pages_per_block", pages_per_block)):
-        if x & (x - 1):
-            raise ValueError(f"{name} {x} must be a power of two")
-    G = H // KV
-    block_rows = max(block_rows, 16, pl.next_power_of_2(G))
-    tpb = block_rows // G
-    if num_blocks is None:  # enough for any split of T tokens into S sequences
-        num_blocks = pl.cdiv(T, tpb) + S
-    if one_token_per_seq:  # decode: block b is sequence b's one token
-        num_blocks = S
-        seq = tok = jnp.arange(S, dtype=jnp.int32)
-    else:
-        seq, tok = block_metadata(query_start.astype(jnp.int32), T, tpb, num_blocks)
+    G = H // num_kv_heads
+    return q.reshape(T, num_kv_heads, G, D).transpose(1, 0, 2, 3).reshape(num_kv_heads, T * G, D)
 
-    qp = q.reshape(T, KV, G, D).transpose(1, 0, 2, 3).reshape(KV, T * G, D)
+
+def pack_decode(q, num_kv_heads):
+    """Decode (one token per sequence): packed q and the (seq, tok, query_start) metadata."""
+    S = q.shape[0]
+    ids = jnp.arange(S, dtype=jnp.int32)
+    return pack(q, num_kv_heads), (ids, ids, jnp.arange(S + 1, dtype=jnp.int32))
+
+
+def attend(qp, k_pages, v_pages, seq, tok, query_start, context_lens, page_table, *, group,
+           sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1, num_warps=4,
+           num_stages=2, prefetch_pages=True, interpret=False):
+    """The kernel launch alone, on packed q [KV, T * G, D] and per-block (seq, tok): one
+    output [1, KV, T * G, D], or with splits per-split outputs and base-2 log-sum-exps."""
+    KV, P, page_size, D = k_pages.shape
+    S, pages_per_seq = page_table.shape
+    TG, num_blocks = qp.shape[1], seq.shape[0]
+    block_rows = max(block_rows, 16, pl.next_power_of_2(group))
     grid = (num_blocks, KV, num_splits)
     whole = lambda n: pl.BlockSpec((n,), lambda b, h, sp: (0,))
     in_specs = [
         whole(num_blocks), whole(num_blocks), whole(S + 1), whole(S), whole(S * pages_per_seq),
-        pl.BlockSpec((None, T * G, D), lambda b, h, sp: (h, 0, 0)),
+        pl.BlockSpec((None, TG, D), lambda b, h, sp: (h, 0, 0)),
         pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0)),
         pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0)),
     ]
     if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((1, KV, T * G, D), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((1, KV, TG, D), qp.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((num_splits, KV, T * G, D), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, KV, T * G), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, T * G, D), lambda b, h, sp: (sp, h, 0, 0)),
-                 pl.BlockSpec((None, None, T * G), lambda b, h, sp: (sp, h, 0))][:len(out_shape)]
+        out_shape = [jax.ShapeDtypeStruct((num_splits, KV, TG, D), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, KV, TG), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, TG, D), lambda b, h, sp: (sp, h, 0, 0)),
+                 pl.BlockSpec((None, None, TG), lambda b, h, sp: (sp, h, 0))][:len(out_shape)]
     kernel = functools.partial(
-        _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G,
+        _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=group,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         num_splits=num_splits, prefetch_pages=prefetch_pages)
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
@@ -187,6 +181,38 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         name="pallasite_ragged_paged_attention",
     )(seq, tok, query_start.astype(jnp.int32), context_lens.astype(jnp.int32),
       page_table.astype(jnp.int32).reshape(-1), qp, k_pages, v_pages)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
+    "num_blocks", "one_token_per_seq", "prefetch_pages", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
+                           sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
+                           num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
+                           prefetch_pages=True, interpret=False):
+    """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference."""
+    T, H, D = q.shape
+    KV, P, page_size, _ = k_pages.shape
+    S = page_table.shape[0]
+    if H % KV:
+        raise ValueError(f"{H=} query heads is not a multiple of {KV=} kv heads")
+    for name, x in (("head_dim", D), ("page_size", page_size), ("block_rows", block_rows),
+                    ("pages_per_block", pages_per_block)):
+        if x & (x - 1):
+            raise ValueError(f"{name} {x} must be a power of two")
+    G = H // KV
+    tpb = max(block_rows, 16, pl.next_power_of_2(G)) // G
+    if one_token_per_seq:  # decode: block b is sequence b's one token
+        qp, (seq, tok, _) = pack_decode(q, KV)
+    else:
+        if num_blocks is None:  # enough for any split of T tokens into S sequences
+            num_blocks = pl.cdiv(T, tpb) + S
+        qp = pack(q, KV)
+        seq, tok = block_metadata(query_start.astype(jnp.int32), T, tpb, num_blocks)
+    outs = attend(qp, k_pages, v_pages, seq, tok, query_start, context_lens, page_table,
+                  group=G, sm_scale=sm_scale, block_rows=block_rows,
+                  pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
+                  num_stages=num_stages, prefetch_pages=prefetch_pages, interpret=interpret)
     o = outs[0][0] if num_splits == 1 else _combine(*outs)
     o = o.reshape(KV, T, G, D).transpose(1, 0, 2, 3).reshape(T, H, D)
     live = jnp.arange(T) < query_start[-1]  # rows no block wrote hold garbage: zero them
