@@ -10,7 +10,9 @@ One CTA owns 2 * block_q query rows of one head and runs three warpgroups:
   tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded into one FMA),
   then O += P V with P straight from registers. A shared "schedule" barrier staggers the two
   consumers by half a step, so one's softmax runs while the other's matrix products hold the
-  tensor cores.
+  tensor cores. With `overlap=True` each consumer is also software-pipelined: it issues
+  S(j+1) = Q K(j+1)^T and O += P(j) V(j) together and runs tile j+1's softmax while P(j) V(j)
+  is still on the tensor cores.
 Causal CTAs take the heaviest query tiles first (the grid runs from the last tile backwards) and
 mask only the tiles that cross the diagonal. GQA is an index map: q head h reads kv head
 h // (H // KV); the q heads of one group are neighbouring CTAs, so their K/V tiles hit L2.
@@ -59,7 +61,7 @@ def supported(q, k, *, causal, segment_ids=None, block_q=64, block_kv=128) -> st
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, block_kv,
-            num_stages, group, interpret):
+            num_stages, group, overlap, interpret):
     (qo_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), sched = scratch
     T, S, D = q_ref.shape[1], k_ref.shape[1], q_ref.shape[-1]
     offset = S - T  # query row r sees keys <= r + offset
@@ -80,7 +82,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
         _consume(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, k_full, v_full, q_full.at[wg],
                  k_free, v_free, sched, b=b, h=h, wg=wg, row0=cta_rows + wg * block_q,
                  cta_steps=cta_steps, offset=offset, causal=causal, scale=scale,
-                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, interpret=interpret)
+                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, overlap=overlap,
+                 interpret=interpret)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -116,7 +119,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
 
 def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_free, v_free,
              sched, *, b, h, wg, row0, cta_steps, offset, causal, scale, block_q, block_kv,
-             num_stages, interpret):
+             num_stages, overlap, interpret):
     D = q_ref.shape[-1]
     dtype = q_ref.dtype
 
@@ -138,39 +141,28 @@ def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_fr
     l = layout(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = layout(jnp.full((block_q, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-    @pl.when(steps > 0)
-    def _():
-        plgpu.barrier_wait(k_full.at[0])
-
     pl.when(wg == 1)(schedule)  # consumer 1 starts half a step behind consumer 0
 
-    def step(j, carry, masked):
-        acc, m, l = carry
-        slot = lax.rem(j, num_stages)
-        s = _qk(qo_smem, k_smem.at[slot], schedule, block_q, block_kv, interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
+    iota = functools.partial(_iota, (block_q, block_kv), interpret=interpret)
+    rows, cols = row0 + offset + iota(0), iota(1)
+
+    def softmax(s, t, m, l, masked):
+        """Online softmax of key tile t: P (in the input dtype), new max, new sum, rescale."""
         if masked:
-            iota = functools.partial(_iota, (block_q, block_kv), interpret=interpret)
-            s = jnp.where(row0 + offset + iota(0) >= j * block_kv + iota(1), s, -jnp.inf)
+            s = jnp.where(rows >= t * block_kv + cols, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1) * scale)
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p = p.astype(dtype)
-        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-        plgpu.barrier_arrive(sched)  # softmax done
-        plgpu.barrier_wait(v_full.at[slot])
-        plgpu.barrier_wait(sched)  # tensor cores free
-        nxt = j + 1
-        wait_next = lambda: pl.when(nxt < steps)(
-            lambda: plgpu.barrier_wait(k_full.at[lax.rem(nxt, num_stages)]))
-        acc = _pv(acc, p, v_smem.at[slot], wait_next, interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+        return p, m_new, l * alpha + p.sum(axis=1), alpha
 
-    carry = lax.fori_loop(0, free, functools.partial(step, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(free, steps, functools.partial(step, masked=True), carry)
+    tiles = dict(qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full,
+                 k_free=k_free, v_free=v_free, schedule=schedule, sched=sched, steps=steps,
+                 free=free, num_stages=num_stages, block_q=block_q, block_kv=block_kv,
+                 dtype=dtype, causal=causal, interpret=interpret)
+    if overlap:
+        acc, l = _overlapped_loop(softmax, acc, m, l, diagonal0=rows >= cols, **tiles)
+    else:
+        acc, l = _staggered_loop(softmax, acc, m, l, **tiles)
 
     @pl.loop(steps, cta_steps)
     def _drain(j):  # tiles only the other consumer needs: release them, keep the stagger
@@ -187,6 +179,84 @@ def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_fr
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(row0, block_q), h])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _staggered_loop(softmax, acc, m, l, *, qo_smem, k_smem, v_smem, k_full, v_full, k_free,
+                    v_free, schedule, sched, steps, free, num_stages, block_q, block_kv, dtype,
+                    causal, interpret):
+    """One tile per step: S = Q K^T, softmax, O += P V, the two consumers half a step apart
+    so that one's softmax overlaps the other's matrix products."""
+    def step(j, carry, masked):
+        acc, m, l = carry
+        slot = lax.rem(j, num_stages)
+        s = _qk(qo_smem, k_smem.at[slot], schedule, block_q, block_kv, interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m_new, l, alpha = softmax(s, j, m, l, masked)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(dtype)
+        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+        plgpu.barrier_arrive(sched)  # softmax done
+        plgpu.barrier_wait(v_full.at[slot])
+        plgpu.barrier_wait(sched)  # tensor cores free
+        nxt = j + 1
+        wait_next = lambda: pl.when(nxt < steps)(
+            lambda: plgpu.barrier_wait(k_full.at[lax.rem(nxt, num_stages)]))
+        acc = _pv(acc, p, v_smem.at[slot], wait_next, interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+    @pl.when(steps > 0)
+    def _():
+        plgpu.barrier_wait(k_full.at[0])
+
+    carry = lax.fori_loop(0, free, functools.partial(step, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(free, steps, functools.partial(step, masked=causal), carry)
+    return acc, l
+
+
+def _overlapped_loop(softmax, acc, m, l, *, diagonal0, qo_smem, k_smem, v_smem, k_full, v_full,
+                     k_free, v_free, schedule, sched, steps, free, num_stages, block_q, block_kv,
+                     dtype, causal, interpret):
+    """Software-pipelined: step j issues S(j+1) = Q K(j+1)^T and O += P(j) V(j) together and
+    runs the softmax of tile j + 1 while P(j) V(j) is still on the tensor cores. The two
+    consumers still alternate: one issues while the other runs its softmax."""
+    del sched
+    rem = lambda j: lax.rem(j, num_stages)
+    plgpu.barrier_wait(k_full.at[0])
+    s = _qk(qo_smem, k_smem.at[0], schedule, block_q, block_kv, interpret)
+    plgpu.barrier_arrive(k_free.at[0])
+    if causal:  # tile 0 crosses the diagonal only when no tile is free of the mask
+        s = jnp.where((free > 0) | diagonal0, s, -jnp.inf)
+    p, m, l, _ = softmax(s, 0, m, l, masked=False)
+    p = p.astype(dtype)
+    schedule()
+
+    def step(j, carry, masked):
+        acc, p, m, l = carry
+        slot, nxt = rem(j), rem(j + 1)
+        plgpu.barrier_wait(k_full.at[nxt])
+        plgpu.barrier_wait(v_full.at[slot])
+
+        def after_issue(s):
+            plgpu.barrier_arrive(k_free.at[nxt])
+            p_new, m_new, l_new, alpha = softmax(s, j + 1, m, l, masked)
+            return p_new.astype(dtype), m_new, l_new, alpha
+        acc, (p_new, m, l, alpha) = _qk_pv(acc, p, qo_smem, k_smem.at[nxt], v_smem.at[slot],
+                                           schedule, after_issue, (p, m, l, m), block_q,
+                                           block_kv, interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        schedule()
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_new, m, l
+
+    last = steps - 1
+    split = jnp.clip(free - 1, 0, last) if causal else last
+    carry = lax.fori_loop(0, split, functools.partial(step, masked=False), (acc, p, m, l))
+    acc, p, m, l = lax.fori_loop(split, last, functools.partial(step, masked=causal), carry)
+    plgpu.barrier_wait(v_full.at[rem(last)])
+    acc = _pv(acc, p, v_smem.at[rem(last)], schedule, interpret)
+    plgpu.barrier_arrive(v_free.at[rem(last)])
+    schedule()
+    return acc, l
 
 
 def _iota(shape, dim, *, interpret):
@@ -222,10 +292,36 @@ def _pv(acc, p, v_tile, wait_next, interpret):
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def _qk_pv(acc, p, q_smem, k_tile, v_tile, schedule, after_issue, like, block_q, block_kv,
+           interpret):
+    """Issue S = Q K^T and O = acc + P V together, hand the tensor cores over (`schedule`),
+    then `after_issue(S)` as soon as S is ready, while P V may still run. Returns (O, what
+    after_issue returned, shaped as `like`)."""
+    if interpret:
+        s = jnp.dot(q_smem[...].astype(jnp.float32), k_tile[...].astype(jnp.float32).T)
+        acc = acc + jnp.dot(p.astype(jnp.float32), v_tile[...].astype(jnp.float32))
+        schedule()
+        return acc, after_issue(s)
+
+    def body(refs):
+        o_ref, out_refs = refs
+
+        def with_s(s_ref):
+            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+            plgpu.wgmma(o_ref, p, v_tile)
+            schedule()
+            return after_issue(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+        out = pl.run_scoped(with_s, plgpu.ACC((block_q, block_kv), jnp.float32))
+        for r, x in zip(out_refs, out):
+            r[...] = x
+    acc, out = pl.run_state(body)((plgpu.ACC.init(acc), like))
+    return acc, out
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "overlap", "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, interpret=False):
+                    num_stages=2, overlap=False, interpret=False):
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
@@ -245,7 +341,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             interpret=interpret)
+                             overlap=overlap, interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,

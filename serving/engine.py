@@ -29,6 +29,11 @@ from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
+# XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
+# the k and v projections) into a multiply and a reduction that stream the weights at a quarter
+# of HBM speed (tools/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
+# product. So the token axis is never shorter than two slots.
+MIN_TOKEN_BUCKET = 2
 INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
 HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
 
@@ -91,8 +96,8 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         max_pages = self.pages.pages_for(self.max_model_len)
-        self.token_buckets = sorted(set(token_buckets or geometric(
-            max_num_batched_tokens, 4) + [max_num_seqs]))
+        self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or geometric(
+            max_num_batched_tokens, 4) + [max_num_seqs]})
         self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"

@@ -251,3 +251,14 @@ def test_no_compilation_after_warmup(big, small):
     # (T, P) forward buckets + one sampler per mode and sequence-axis size + the history loader.
     assert big.compilations == big.warm == 2 * 2 + 1 * 3 + 1
     assert small.compilations == small.warm == 2 * 1 + 1 * 3 + 1
+
+
+def test_token_buckets_start_at_two_slots():
+    # A one-row step would run the small projections as slow multiply-reduces on GPU (see
+    # MIN_TOKEN_BUCKET); a lone decode token is padded to two slots instead.
+    engine = Engine(CONFIG, PARAMS, num_pages=8, page_size=4, max_num_seqs=1,
+                    max_num_batched_tokens=16, max_model_len=32, page_buckets=[8])
+    assert engine.token_buckets == [2, 4, 16]
+    engine.warmup()
+    out = run(engine, [("solo", [3, 1, 4], SamplingParams(**GREEDY, max_tokens=5), 0)])
+    assert tokens(out["solo"]) == solo([3, 1, 4], 5)[0]

@@ -55,6 +55,9 @@ K = import_kernels()
 from pallasite.kernels import flash, paged, reference, tuning  # noqa: E402
 
 LOG = []
+# Mosaic flash (block_kv, num_stages, overlap) tried by --sweep; pipelined ones join after
+# their smoke test passes.
+MOSAIC_VARIANTS = [(128, 2, False), (128, 3, False)]
 
 
 def log(*a):
@@ -369,8 +372,8 @@ def sweep(args, flash_too=True):
         tuning.TABLE[key] = dict(tuning.TABLE[key], flash=best[1])
     best = None
     mosaic = flash_too and os.environ.get("PALLASITE_FLASH_BACKEND") != "triton"
-    for bk, st in [(128, 2), (128, 3), (64, 3), (64, 4)] if mosaic else []:
-        kw = dict(block_q=64, block_kv=bk, num_stages=st)
+    for bk, st, ov in MOSAIC_VARIANTS if mosaic else []:
+        kw = dict(block_q=64, block_kv=bk, num_stages=st, overlap=ov)
         for causal in (True, False):
             ms = try_time("sweep", lambda q, k, v: K.flash_attention(
                 q, k, v, causal=causal, impl="pallas", backend="mosaic", **kw), q, k, v)
@@ -382,6 +385,8 @@ def sweep(args, flash_too=True):
     if best:
         tuning.TABLE[key] = dict(tuning.TABLE[key], flash_mosaic=best[1])
     del q, k, v
+    if "decode" not in args.sweep_parts:
+        return out
     rng = np.random.default_rng(6)
     variants = [dict(block_k=16 * p, num_warps=w, num_stages=st, block_rows=r,
                      prefetch_pages=pf)
@@ -447,20 +452,22 @@ def sweep_long_decode(rng, base):
     return out
 
 
-def mosaic_smoke(timeout=240):
+def mosaic_smoke(overlap=False, timeout=150):
     """Run the Mosaic GPU flash kernel once in a child process: a kernel that hangs or fails
     to build then costs a few minutes, not the run. Returns (ok, what it printed)."""
     import subprocess
-    code = ("import jax, jax.numpy as jnp, sys; sys.argv=['x']; "
+    code = (f"overlap = {overlap}\n"
+            "import jax, jax.numpy as jnp, sys; sys.argv=['x']; "
             "from pallasite.kernels import flash_attention, reference; "
             "ks = jax.random.split(jax.random.PRNGKey(0), 3); "
             "q, k, v = (jax.random.normal(x, (1, 256, 4, 128), jnp.bfloat16) for x in ks); "
             "k, v = k[:, :, :2], v[:, :, :2]\n"
             "for c in (True, False):\n"
-            "  o = flash_attention(q, k, v, causal=c, impl='pallas', backend='mosaic')\n"
+            "  o = flash_attention(q, k, v, causal=c, impl='pallas', backend='mosaic',"
+            " overlap=overlap)\n"
             "  r = reference.attention_reference(q, k, v, causal=c)\n"
             "  e = float(jnp.linalg.norm((o - r).astype(float)) / jnp.linalg.norm(r.astype(float)))\n"
-            "  print('mosaic smoke causal', c, 'rel err', e, flush=True)\n"
+            "  print('mosaic smoke overlap', overlap, 'causal', c, 'rel err', e, flush=True)\n"
             "  assert e < 2e-2, e\n")
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -536,6 +543,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-parts", default="flash,decode", help="what --sweep tunes")
     ap.add_argument("--only", default="prefill,decode,mixed")
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--render", nargs="+", metavar="JSON",
@@ -555,12 +563,16 @@ def main():
         if not ok:  # everything below then runs the Triton kernel
             log("Mosaic GPU flash kernel FAILED its smoke test: prefill falls back to Triton")
             os.environ["PALLASITE_FLASH_BACKEND"] = "triton"
+        elif args.sweep:
+            ok, said = mosaic_smoke(overlap=True)
+            log(said)
+            MOSAIC_VARIANTS.extend([(128, 2, True), (128, 3, True)] if ok else [])
     ceil = copy_ceiling()
     log(f"copy ceiling {ceil}")
     records, sweeps = [], []
     if args.sweep:
         try:
-            sweeps = sweep(args, flash_too="prefill" in args.only)
+            sweeps = sweep(args, flash_too="flash" in args.sweep_parts)
         except Exception:
             log(traceback.format_exc())
     parts = args.only.split(",")

@@ -188,9 +188,11 @@ def random_params(config, dtype, seed=0):
 def cases(w):
     """name -> (batch, context, (T, P) bucket, first page of its page runs). Page tables are as
     wide as the context plus `gen` tokens (the batch-1 one as in tools/bench_serving.py)."""
+    from pallasite.serving.engine import MIN_TOKEN_BUCKET
     (b1, ctx1), (b2, ctx2), ps = w["b1"], w["b64"], PAGE
     p1, p2 = -(-(ctx1 + w["gen"]) // ps), -(-(ctx2 + w["gen"]) // ps)
-    return {"b1": (b1, ctx1, (b1, p1), 1), "b64": (b2, ctx2, (b2, p2), 1 + p1)}
+    t1 = max(b1, MIN_TOKEN_BUCKET)  # the engine pads a lone token to its smallest bucket
+    return {"b1": (b1, ctx1, (t1, p1), 1), "b64": (b2, ctx2, (b2, p2), 1 + p1)}
 
 
 def make_engine(config, params, w):
