@@ -12,8 +12,9 @@ Lengths need not be multiples of the blocks: loads past the end are masked and r
 end are never stored. head_dim must be a power of two (Triton tiles).
 
 What bounds it: on H100 the Triton lowering issues warpgroup MMAs but does not warp-specialize
-or overlap the softmax of one tile with the MMAs of the next, so it runs well below cuDNN
-(see docs/BENCHMARKS.md). A Mosaic GPU kernel is the way past that; not written yet.
+or overlap the softmax of one tile with the MMAs of the next, so it runs at 0.7x-0.8x cuDNN
+(docs/BENCHMARKS.md). On Hopper `flash_mgpu.py` takes the calls it can; this kernel is the
+portable path and serves segment ids and any length.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Limits: page_size, block_rows and pages_per_block are powers of two, head_dim to
 offsets must fit int32 (KV * num_pages * page_size * D < 2**31).
 What bounds decode: one pass over K/V at HBM speed is the floor; tile loads go through the page
 table, so each tile costs a dependent index load first, hidden only by num_stages pipelining.
+On the H100 that reaches 91%-98% of the copy ceiling for large batches and 66% at batch 1 with
+a 32k context, where 128 programs cannot keep enough pointer loads in flight
+(docs/kernels_notes.md).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-DATE = "2026-11-22"
+DATE = time.strftime("%Y-%m-%d")  # the day of the run
 
 
 def import_kernels():
