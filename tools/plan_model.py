@@ -82,25 +82,34 @@ class GPU:
     source: str
 
 
-# NVLink latency and link efficiency: from the 2x H200 run of tools/bench_sharding.py
-# (docs/benchmarks/sharding.json, Llama-3-8B shape, 16 layers): tp=2 minus tp=1 step time, less
-# this model's halved weight, KV and FLOP terms, leaves what its 33 all-reduces cost. Decode at
-# batch 32: 0.25 ms, 7.7 us each, of which 0.8 us is bandwidth -> 7 us latency. Prefill of 2048
-# tokens: 80 us each for 16.8 MB -> 231 GB/s after the latency, eff_link 0.51. (Decode at batch
-# 1 leaves 83 us each: not a latency, see docs/plan.md.) plan_validate --devices 2 measures
-# both directly (microbench allreduce_us).
-_NVLINK = "NVLink 450 GB/s one way: datasheet (900 GB/s bidirectional); latency 7 us: " \
-          "docs/benchmarks/sharding.json, tp=2 vs tp=1 decode at batch 32 (see CONSTANTS)"
+# NVLink latency and link efficiency: from the collectives alone of tools/bench_sharding.py on
+# 2x H200, 2026-11-23 (docs/benchmarks/sharding.json, run 2026-11-23-B; all-reduce and
+# all-to-all over the two GPUs, each op timed in a chain of 3 to 20 in one program,
+# (t(n) - t(1)) / (n - 1)). Latency: the eight all-reduces of 4 KiB to 256 KiB, whose bytes take
+# at most 1.2 us, took 6.7 to 21.4 us an op (16 KiB: 8.1, 17.5, 21.4; 128 KiB: 10.5, 16.3),
+# median 15 us (run 2026-11-23-C: 8.4 to 20.6 us, median 15). Bandwidth: 64 MiB in 328.6 us,
+# 214 GB/s after the latency, eff_link 0.48 of the 450 GB/s datasheet link (16 MiB: 80.6 us;
+# the 64 MiB all-to-all, 33.6 MB crossing in 183 us, 0.44; run C's 64 MiB all-reduce took
+# 411.9 us, 0.38). The H100 has the same NVLink 4 and is taken to be equal: no H100 pair
+# measured yet. Inside a tp=2 decode step collectives take far longer than alone (at batch 1,
+# one all-gather a step held GPU 0 for 3.8 ms in that run's trace): the model does not capture
+# that (docs/plan.md, Results).
+_NVLINK = "NVLink 450 GB/s one way: datasheet (900 GB/s bidirectional); latency 15 us: " \
+          "all-reduce alone, 4 KiB to 256 KiB, 2x H200, docs/benchmarks/sharding.json run " \
+          "2026-11-23-B (see the comment above GPUS)"
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", 79.6, 3.00, 798.0, 450.0, 7.0,
-                "memory 79.6 GiB: reported by the device; hbm 3.00 TB/s: torch copy_ measured "
-                "(docs/benchmarks/probe_h100.json, DESIGN.md); bf16 798 TFLOP/s: measured matmul "
-                "(docs/kernels_notes.md); " + _NVLINK),
-    "h200": GPU("H200 SXM 141GB", 139.8, 4.04, 798.0, 450.0, 7.0,
-                "memory 139.8 GiB (141 GB): datasheet; HBM 4.8 TB/s: datasheet, scaled by the "
-                "H100's measured/datasheet copy ratio (3.00/3.35) to 4.04 (plan_validate "
-                "--devices 2 measures it: microbench copy_tbps); bf16: as the H100 (same SM, "
-                "datasheet equal); " + _NVLINK),
+    "h100": GPU("H100 SXM 80GB", 79.6, 2.98, 798.0, 450.0, 15.0,
+                "memory 79.6 GiB: reported by the device; hbm 2.98 TB/s: torch copy_ measured "
+                "by plan_validate's microbenchmark (copy_tbps 2.984, "
+                "docs/benchmarks/plan_validation_x1.json, 2026-11-23; earlier H100s 3.00 to "
+                "3.02: docs/benchmarks/probe_h100.json, moe.json); bf16 798 TFLOP/s: measured "
+                "matmul (docs/kernels_notes.md); " + _NVLINK),
+    "h200": GPU("H200 SXM 141GB", 139.8, 4.04, 798.0, 450.0, 15.0,
+                "memory 139.8 GiB (141 GB): datasheet; HBM 4.04 TB/s: estimate, 0.84 of the "
+                "4.8 TB/s datasheet (the H100's copy/datasheet ratio, 2.98/3.35, would give "
+                "4.27; no H200 copy measured yet: plan_validate --devices 2 measures it, "
+                "microbench copy_tbps); bf16: as the H100 (same SM, datasheet equal); "
+                + _NVLINK),
 }
 
 # Calibration constants: value, source. One table so a measurement updates one place.
@@ -122,8 +131,9 @@ CONSTANTS = {
                          "pages: the engine's default (serving/llm.py default_num_pages)"),
     "eff_grouped": (0.3, "the Pallas grouped matmul of the MoE experts reaches 21% to 39% of its "
                          "floor at 256 to 2048 tokens (tools/bench_moe.py, docs/BENCHMARKS.md)"),
-    "eff_link": (0.51, "all-reduce bandwidth / NVLink one way: 16.8 MB all-reduces of a 2048-token "
-                       "tp=2 prefill at 231 GB/s (docs/benchmarks/sharding.json; see GPUS)"),
+    "eff_link": (0.48, "all-reduce bandwidth / NVLink one way: a 64 MiB all-reduce alone over "
+                       "2x H200 in 328.6 us, 214 GB/s after the 15 us latency "
+                       "(docs/benchmarks/sharding.json, run 2026-11-23-B; see GPUS)"),
     "mem_fraction": (0.75, "JAX preallocates 75% of GPU memory (XLA_PYTHON_CLIENT_MEM_FRACTION)"),
     "workspace_gb": (0.5, "estimate: memory compiling a step needs beyond the step (XLA's "
                           "autotuner runs GEMMs on scratch copies of their operands); "
