@@ -10,9 +10,7 @@ One CTA owns 2 * block_q query rows of one head and runs three warpgroups:
   tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded into one FMA),
   then O += P V with P straight from registers. A shared "schedule" barrier staggers the two
   consumers by half a step, so one's softmax runs while the other's matrix products hold the
-  tensor cores. With `overlap=True` each consumer is also software-pipelined: it issues
-  S(j+1) = Q K(j+1)^T and O += P(j) V(j) together and runs tile j+1's softmax while P(j) V(j)
-  is still on the tensor cores.
+  tensor cores.
 Causal CTAs take the heaviest query tiles first (the grid runs from the last tile backwards) and
 mask only the tiles that cross the diagonal. GQA is an index map: q head h reads kv head
 h // (H // KV); the q heads of one group are neighbouring CTAs, so their K/V tiles hit L2.
@@ -21,8 +19,9 @@ Limits (callers fall back to `flash.py` otherwise): T a multiple of 2 * block_q,
 S >= T when causal, no segment ids.
 
 What bounds it (H100, docs/kernels_notes.md): 69%-71% of the bf16 matrix-product rate at
-S=4096, 1.04x cuDNN causal and 0.96x full. The pipelined consumers (`overlap=True`) measured
-slower on causal attention and are off by default.
+S=4096, 1.04x cuDNN causal and 0.96x full. Each consumer runs its S, softmax and P V in turn;
+a software-pipelined consumer (S of the next tile issued with P V of this one) measured slower
+and was dropped.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -65,7 +64,7 @@ def supported(q, k, *, causal, segment_ids=None, block_q=64, block_kv=128) -> st
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, block_kv,
-            num_stages, group, overlap, interpret):
+            num_stages, group, interpret):
     (qo_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), sched = scratch
     T, S, D = q_ref.shape[1], k_ref.shape[1], q_ref.shape[-1]
     offset = S - T  # query row r sees keys <= r + offset
@@ -86,8 +85,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
         _consume(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, k_full, v_full, q_full.at[wg],
                  k_free, v_free, sched, b=b, h=h, wg=wg, row0=cta_rows + wg * block_q,
                  cta_steps=cta_steps, offset=offset, causal=causal, scale=scale,
-                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, overlap=overlap,
-                 interpret=interpret)
+                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, interpret=interpret)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -123,7 +121,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
 
 def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_free, v_free,
              sched, *, b, h, wg, row0, cta_steps, offset, causal, scale, block_q, block_kv,
-             num_stages, overlap, interpret):
+             num_stages, interpret):
     D = q_ref.shape[-1]
     dtype = q_ref.dtype
 
@@ -159,14 +157,11 @@ def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_fr
         p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
         return p, m_new, l * alpha + p.sum(axis=1), alpha
 
-    tiles = dict(qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full,
-                 k_free=k_free, v_free=v_free, schedule=schedule, sched=sched, steps=steps,
-                 free=free, num_stages=num_stages, block_q=block_q, block_kv=block_kv,
-                 dtype=dtype, causal=causal, interpret=interpret)
-    if overlap:
-        acc, l = _overlapped_loop(softmax, acc, m, l, diagonal0=rows >= cols, **tiles)
-    else:
-        acc, l = _staggered_loop(softmax, acc, m, l, **tiles)
+    acc, l = _staggered_loop(softmax, acc, m, l, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
+                             k_full=k_full, v_full=v_full, k_free=k_free, v_free=v_free,
+                             schedule=schedule, sched=sched, steps=steps, free=free,
+                             num_stages=num_stages, block_q=block_q, block_kv=block_kv,
+                             dtype=dtype, causal=causal, interpret=interpret)
 
     @pl.loop(steps, cta_steps)
     def _drain(j):  # tiles only the other consumer needs: release them, keep the stagger
@@ -218,51 +213,6 @@ def _staggered_loop(softmax, acc, m, l, *, qo_smem, k_smem, v_smem, k_full, v_fu
     return acc, l
 
 
-def _overlapped_loop(softmax, acc, m, l, *, diagonal0, qo_smem, k_smem, v_smem, k_full, v_full,
-                     k_free, v_free, schedule, sched, steps, free, num_stages, block_q, block_kv,
-                     dtype, causal, interpret):
-    """Software-pipelined: step j issues S(j+1) = Q K(j+1)^T and O += P(j) V(j) together and
-    runs the softmax of tile j + 1 while P(j) V(j) is still on the tensor cores. The two
-    consumers still alternate: one issues while the other runs its softmax."""
-    del sched
-    rem = lambda j: lax.rem(j, num_stages)
-    plgpu.barrier_wait(k_full.at[0])
-    s = _qk(qo_smem, k_smem.at[0], schedule, block_q, block_kv, interpret)
-    plgpu.barrier_arrive(k_free.at[0])
-    if causal:  # tile 0 crosses the diagonal only when no tile is free of the mask
-        s = jnp.where((free > 0) | diagonal0, s, -jnp.inf)
-    p, m, l, _ = softmax(s, 0, m, l, masked=False)
-    p = p.astype(dtype)
-    schedule()
-
-    def step(j, carry, masked):
-        acc, p, m, l = carry
-        slot, nxt = rem(j), rem(j + 1)
-        plgpu.barrier_wait(k_full.at[nxt])
-        plgpu.barrier_wait(v_full.at[slot])
-
-        def after_issue(s):
-            plgpu.barrier_arrive(k_free.at[nxt])
-            p_new, m_new, l_new, alpha = softmax(s, j + 1, m, l, masked)
-            return p_new.astype(dtype), m_new, l_new, alpha
-        acc, (p_new, m, l, alpha) = _qk_pv(acc, p, qo_smem, k_smem.at[nxt], v_smem.at[slot],
-                                           schedule, after_issue, (p, m, l, m), block_q,
-                                           block_kv, interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        schedule()
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_new, m, l
-
-    last = steps - 1
-    split = jnp.clip(free - 1, 0, last) if causal else last
-    carry = lax.fori_loop(0, split, functools.partial(step, masked=False), (acc, p, m, l))
-    acc, p, m, l = lax.fori_loop(split, last, functools.partial(step, masked=causal), carry)
-    plgpu.barrier_wait(v_full.at[rem(last)])
-    acc = _pv(acc, p, v_smem.at[rem(last)], schedule, interpret)
-    plgpu.barrier_arrive(v_free.at[rem(last)])
-    schedule()
-    return acc, l
-
-
 def _iota(shape, dim, *, interpret):
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
@@ -296,36 +246,10 @@ def _pv(acc, p, v_tile, wait_next, interpret):
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def _qk_pv(acc, p, q_smem, k_tile, v_tile, schedule, after_issue, like, block_q, block_kv,
-           interpret):
-    """Issue S = Q K^T and O = acc + P V together, hand the tensor cores over (`schedule`),
-    then `after_issue(S)` as soon as S is ready, while P V may still run. Returns (O, what
-    after_issue returned, shaped as `like`)."""
-    if interpret:
-        s = jnp.dot(q_smem[...].astype(jnp.float32), k_tile[...].astype(jnp.float32).T)
-        acc = acc + jnp.dot(p.astype(jnp.float32), v_tile[...].astype(jnp.float32))
-        schedule()
-        return acc, after_issue(s)
-
-    def body(refs):
-        o_ref, out_refs = refs
-
-        def with_s(s_ref):
-            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-            plgpu.wgmma(o_ref, p, v_tile)
-            schedule()
-            return after_issue(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-        out = pl.run_scoped(with_s, plgpu.ACC((block_q, block_kv), jnp.float32))
-        for r, x in zip(out_refs, out):
-            r[...] = x
-    acc, out = pl.run_state(body)((plgpu.ACC.init(acc), like))
-    return acc, out
-
-
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "overlap", "interpret"))
+                                             "num_stages", "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, overlap=False, interpret=False):
+                    num_stages=2, interpret=False):
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
@@ -345,7 +269,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             overlap=overlap, interpret=interpret)
+                             interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,

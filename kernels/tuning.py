@@ -14,7 +14,7 @@ _DEFAULT = {
     "flash": dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
     "flash_d64": dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
     # Mosaic GPU flash (Hopper): block_q rows per consumer warpgroup, two per CTA.
-    "flash_mosaic": dict(block_q=64, block_kv=128, num_stages=2, overlap=False),
+    "flash_mosaic": dict(block_q=64, block_kv=128, num_stages=2),
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs

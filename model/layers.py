@@ -22,7 +22,8 @@ from .config import ModelConfig, RopeScaling
 # -- device hooks --------------------------------------------------------------------------------
 # A layer above (sharding/) installs an object here while it traces a step on a device mesh; the
 # model then hands it the three things that must know about devices: attention per shard of heads
-# (`attention`), the experts' dispatch (`moe`) and sharding hints on activations (`constrain`).
+# (`attention`), the experts' dispatch (`moe`), the embedding lookup (`embed`) and sharding hints
+# on activations (`constrain`).
 # With none installed the model runs as written on one device. The model never imports that
 # layer: it only calls these methods. Installed inside the traced function, so a jit cache never
 # mixes traces made with and without it.
@@ -40,6 +41,13 @@ def use_device_hooks(hooks):
         yield hooks
     finally:
         _HOOKS.reset(token)
+
+
+def embed_lookup(table, tokens):
+    """Rows of the embedding table for `tokens` (on a mesh, the shards of a split vocabulary
+    each look up their own rows)."""
+    hooks = _HOOKS.get()
+    return table[tokens] if hooks is None else hooks.embed(table, tokens)
 
 
 def constrain(x, logical_axes: tuple):

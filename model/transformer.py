@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .attention import Attention, Batch
 from .config import ModelConfig
-from .layers import MLP, MoE, RMSNorm, constrain, param
+from .layers import MLP, MoE, RMSNorm, constrain, embed_lookup, param
 
 
 class Block(nn.Module):
@@ -53,7 +53,7 @@ class Decoder(nn.Module):
     def __call__(self, tokens, positions, segment_ids=None, kv_cache=None, batch=None):
         # The residual stream: [batch, length, embed] dense, or [tokens, embed] on a flat batch.
         axes = ("batch", "length", "embed") if tokens.ndim == 2 else ("tokens", "embed")
-        x = constrain(self.embed[tokens], axes)
+        x = constrain(embed_lookup(self.embed, tokens), axes)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, segment_ids,

@@ -71,6 +71,23 @@ class MeshHooks:
         return attend(args["q"], k, v, args.get("segment_ids"), args.get("layer_cache"),
                       args.get("batch"))
 
+    def embed(self, table, tokens):
+        """Vocabulary-parallel lookup: each tensor shard takes the tokens that fall in its rows
+        of the table (zeros for the rest) and one all-reduce of [tokens, embed] sums them.
+        Left to GSPMD, a decode step of one token gathered the whole table every step
+        (docs/benchmarks/x2_run.md)."""
+        if logical_to_spec(("vocab", "embed"), table.shape, self.plan)[0] != "tensor":
+            return table[tokens]
+        rows = P(*(("data",) if tokens.ndim == 2 and tokens.shape[0] % self.plan.data == 0
+                   else (None,)), *(None,) * (tokens.ndim - 1))
+
+        def lookup(table, tokens):
+            local = tokens - jax.lax.axis_index("tensor") * table.shape[0]
+            mine = (local >= 0) & (local < table.shape[0])
+            x = table[jax.numpy.where(mine, local, 0)]
+            return jax.lax.psum(jax.numpy.where(mine[..., None], x, 0), "tensor")
+        return self._map(lookup, (P("tensor", None), rows), P(*rows, None))(table, tokens)
+
     def moe(self, x, router, w_gate, w_up, w_down):
         """x [N, D] -> [N, D]: tokens split over data x expert, experts over expert, their MLP
         units over tensor (see `experts.py`)."""
