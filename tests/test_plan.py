@@ -23,6 +23,17 @@ TINY_DENSE = dict(model_type="llama", vocab_size=250, hidden_size=64, intermedia
 PLANS = ["1x4x1", "2x4x1", "1x2x2", "2x1x4"]
 
 
+def run_on_fake_devices(script: str, devices: int):
+    """Run `script` in a child process with `devices` fake CPU devices; its last stdout line
+    is JSON, returned parsed."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_shard_shapes_match_real_sharded_arrays():
     """Place real params on 8 fake CPU devices under each plan; every shard's shape must be the
     one the tool computes (kv heads copied at tp=4 > 2 kv heads, odd vocabulary replicated)."""
@@ -46,12 +57,7 @@ def test_shard_shapes_match_real_sharded_arrays():
                                     for s in v.addressable_shards] for k, v in flat}}
         print(json.dumps(out))
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    real = run_on_fake_devices(script, 8)
     checked = 0
     for key, shards in real.items():
         name, text = key[:-5], key[-5:]
@@ -376,11 +382,6 @@ def test_all_reduce_microbenchmark_keeps_every_all_reduce():
         count = len(re.findall(r" all-reduce(?:-start)?\\(", text))
         print(json.dumps(dict(count=count, us=pv.allreduce_us(2, 64, (1, 4), chain=4, reps=2))))
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_on_fake_devices(script, 2)
     assert out["count"] == 8
     assert set(out["us"]) == {"1", "4"} and all(v > 0 for v in out["us"].values())
