@@ -21,7 +21,7 @@ from .config import ModelConfig, RopeScaling
 
 # -- device hooks --------------------------------------------------------------------------------
 # A layer above (sharding/) installs an object here while it traces a step on a device mesh; the
-# model then hands it the three things that must know about devices: attention per shard of heads
+# model then hands it the four things that must know about devices: attention per shard of heads
 # (`attention`), the experts' dispatch (`moe`), the embedding lookup (`embed`) and sharding hints
 # on activations (`constrain`).
 # With none installed the model runs as written on one device. The model never imports that
