@@ -3,25 +3,31 @@
 q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D], bf16 or fp16, D 64 or 128; causal masks
 align the last query with the last key, as `reference.attention_reference` does.
 
-One CTA owns 2 * block_q query rows of one head and runs three warpgroups:
+The grid is persistent: one CTA per SM (`num_ctas`) loops over (batch, head, query tile) work
+items, heaviest causal tiles first and in snake order over rounds so that the CTAs' loads even
+out. Each work item is 2 * block_q query rows of one head, run by three warpgroups:
 - a producer that streams K/V tiles of `block_kv` keys into a ring of `num_stages` shared-memory
-  slots with TMA copies, refilling a slot once both consumers have released it;
+  slots with TMA copies, refilling a slot once both consumers have released it. The ring runs on
+  across work items, so the next item's first tiles load while the consumers finish this one;
 - two consumers of block_q rows each (Q in shared memory, the accumulator in registers). Each
   tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded into one FMA),
   then O += P V with P straight from registers. A shared "schedule" barrier staggers the two
   consumers by half a step, so one's softmax runs while the other's matrix products hold the
-  tensor cores.
-Causal CTAs take the heaviest query tiles first (the grid runs from the last tile backwards) and
-mask only the tiles that cross the diagonal. GQA is an index map: q head h reads kv head
-h // (H // KV); the q heads of one group are neighbouring CTAs, so their K/V tiles hit L2.
+  tensor cores. The next item's Q is copied in as soon as the last Q K^T has read the old one,
+  and the output leaves through its own shared-memory buffer without being waited for.
+Only the key tiles that cross the diagonal are masked. GQA is an index map: q head h reads kv
+head h // (H // KV); the q heads of one group are neighbouring work items, so their K/V tiles
+hit L2.
 
 Limits (callers fall back to `flash.py` otherwise): T a multiple of 2 * block_q, S of block_kv,
 S >= T when causal, no segment ids.
 
-What bounds it (H100, docs/kernels_notes.md): 69%-71% of the bf16 matrix-product rate at
-S=4096, 1.04x cuDNN causal and 0.96x full. Each consumer runs its S, softmax and P V in turn;
-a software-pipelined consumer (S of the next tile issued with P V of this one) measured slower
-and was dropped.
+What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 545-560 TFLOP/s, 55%-57% of
+the 989 TFLOP/s bf16 tensor-core peak (a large matrix product reaches 798): ~1.9 us per
+128-key step of a work item against ~1.1 us of tensor-core work. That is 1.02x-1.04x cuDNN
+causal and 0.96x-1.0x full. Each consumer still runs its S, softmax and P V in turn: only the other
+consumer hides its softmax. A software-pipelined consumer (S of the next tile issued with P V
+of this one) measured slower and was dropped.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -63,72 +69,103 @@ def supported(q, k, *, causal, segment_ids=None, block_q=64, block_kv=128) -> st
     return None
 
 
+def _tiles(T, H, B, block_q, causal, num_ctas):
+    """Work list of one CTA: its i-th tile, in snake order over rounds of `num_ctas` tiles so
+    that the heaviest causal tiles go first and the load evens out. Returns `locate(cta, i)`
+    -> (valid, b, h, q tile) and the number of rounds."""
+    q_tiles = T // (CONSUMERS * block_q)
+    total = q_tiles * H * B
+
+    def locate(cta, i):
+        w = i * num_ctas + jnp.where(lax.rem(i, 2) == 0, cta, num_ctas - 1 - cta)
+        level, r = lax.div(w, H * B), lax.rem(w, H * B)
+        tile = q_tiles - 1 - level if causal else level
+        return w < total, lax.div(r, H), lax.rem(r, H), tile
+
+    return locate, pl.cdiv(total, num_ctas)
+
+
 def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, block_kv,
-            num_stages, group, interpret):
-    (qo_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), sched = scratch
-    T, S, D = q_ref.shape[1], k_ref.shape[1], q_ref.shape[-1]
+            num_stages, group, num_ctas, interpret):
+    (q_smem, o_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), sched = scratch
+    B, T, H, _ = q_ref.shape
+    S = k_ref.shape[1]
     offset = S - T  # query row r sees keys <= r + offset
-    b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile = lax.axis_index("q_seq")
-    if causal:  # heaviest tiles first
-        tile = T // (CONSUMERS * block_q) - 1 - tile
-    cta_rows = tile * CONSUMERS * block_q
-    if causal:
-        cta_steps = pl.cdiv(cta_rows + CONSUMERS * block_q + offset, block_kv)
-    else:
-        cta_steps = S // block_kv
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    locate, rounds = _tiles(T, H, B, block_q, causal, num_ctas)
+
+    def cta_steps(tile):  # key tiles the CTA's 2 * block_q rows need
+        if causal:
+            return pl.cdiv((tile + 1) * CONSUMERS * block_q + offset, block_kv)
+        return S // block_kv
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
-        _consume(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, k_full, v_full, q_full.at[wg],
-                 k_free, v_free, sched, b=b, h=h, wg=wg, row0=cta_rows + wg * block_q,
-                 cta_steps=cta_steps, offset=offset, causal=causal, scale=scale,
-                 block_q=block_q, block_kv=block_kv, num_stages=num_stages, interpret=interpret)
+        consume = functools.partial(
+            _consume, q_ref, o_ref, q_smem.at[wg], o_smem.at[wg], k_smem, v_smem, k_full,
+            v_full, q_full.at[wg], k_free, v_free, sched, wg=wg, offset=offset, causal=causal,
+            scale=scale, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+            interpret=interpret)
+        load_q = lambda b, h, tile: plgpu.copy_gmem_to_smem(
+            q_ref.at[b, pl.ds((tile * CONSUMERS + wg) * block_q, block_q), h], q_smem.at[wg],
+            q_full.at[wg])
+        valid, b, h, tile = locate(cta, 0)
+        pl.when(valid)(lambda: load_q(b, h, tile))
+
+        @pl.loop(0, rounds, init_carry=jnp.int32(0))
+        def _tile(i, g):  # g: the ring position of this tile's first key tile
+            valid, b, h, tile = locate(cta, i)
+            nxt = locate(cta, i + 1)
+            prefetch_q = lambda: pl.when(nxt[0])(lambda: load_q(*nxt[1:]))
+            pl.when(valid)(lambda: consume(b=b, h=h, tile=tile, g=g, cta_steps=cta_steps(tile),
+                                           prefetch_q=prefetch_q))
+            return g + jnp.where(valid, cta_steps(tile), 0)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
-        kv_head = h // group
 
-        def load(src, dst, full, step, slot):
-            keys = (b, pl.ds(step * block_kv, block_kv), kv_head)
+        def load(src, dst, full, free, b, h, step, g):
+            slot = lax.rem(g, num_stages)
+            pl.when(g >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+            keys = (b, pl.ds(step * block_kv, block_kv), h // group)
             plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], full.at[slot])
 
-        for i in range(num_stages):
-            @pl.when(i < cta_steps)
-            def _():
-                load(k_ref, k_smem, k_full, i, i)
-                load(v_ref, v_smem, v_full, i, i)
+        @pl.loop(0, rounds, init_carry=jnp.int32(0))
+        def g_end(i, g):
+            valid, b, h, tile = locate(cta, i)
+            steps = jnp.where(valid, cta_steps(tile), 0)
 
-        @pl.loop(num_stages, jnp.maximum(cta_steps, num_stages))
-        def _refill(step):
-            # K is released half a step before V (after S, not after P V): refill it at once.
-            slot = lax.rem(step, num_stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            load(k_ref, k_smem, k_full, step, slot)
-            plgpu.barrier_wait(v_free.at[slot])
-            load(v_ref, v_smem, v_full, step, slot)
+            @pl.loop(0, steps)
+            def _step(j):  # K is released half a step before V: refill it at once
+                load(k_ref, k_smem, k_full, k_free, b, h, j, g + j)
+                load(v_ref, v_smem, v_full, v_free, b, h, j, g + j)
+            return g + steps
 
         for i in range(num_stages):  # leave once the ring is empty: every release is awaited
-            @pl.when(i < cta_steps)
+            g = g_end - num_stages + i
+
+            @pl.when(g >= 0)
             def _():
-                plgpu.barrier_wait(k_free.at[i])
-                plgpu.barrier_wait(v_free.at[i])
+                plgpu.barrier_wait(k_free.at[lax.rem(g, num_stages)])
+                plgpu.barrier_wait(v_free.at[lax.rem(g, num_stages)])
 
 
-def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_free, v_free,
-             sched, *, b, h, wg, row0, cta_steps, offset, causal, scale, block_q, block_kv,
-             num_stages, interpret):
+def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_full, k_free,
+             v_free, sched, *, b, h, tile, g, cta_steps, prefetch_q, wg, offset, causal, scale,
+             block_q, block_kv, num_stages, interpret):
+    """One consumer's block_q rows of one tile: the key loop, then the output through o_smem."""
     D = q_ref.shape[-1]
     dtype = q_ref.dtype
+    row0 = (tile * CONSUMERS + wg) * block_q
 
     def schedule():  # meet the other consumer
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, block_q), h], qo_smem, q_full)
     plgpu.barrier_wait(q_full)
     if causal:  # key tiles [0, free) need no mask, [free, steps) cross the diagonal
         steps = pl.cdiv(row0 + block_q + offset, block_kv)
@@ -157,56 +194,55 @@ def _consume(q_ref, o_ref, qo_smem, k_smem, v_smem, k_full, v_full, q_full, k_fr
         p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
         return p, m_new, l * alpha + p.sum(axis=1), alpha
 
-    acc, l = _staggered_loop(softmax, acc, m, l, qo_smem=qo_smem, k_smem=k_smem, v_smem=v_smem,
+    slot = lambda j: lax.rem(g + j, num_stages)
+    acc, l = _staggered_loop(softmax, acc, m, l, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
                              k_full=k_full, v_full=v_full, k_free=k_free, v_free=v_free,
-                             schedule=schedule, sched=sched, steps=steps, free=free,
-                             num_stages=num_stages, block_q=block_q, block_kv=block_kv,
-                             dtype=dtype, causal=causal, interpret=interpret)
+                             schedule=schedule, sched=sched, slot=slot, steps=steps, free=free,
+                             block_q=block_q, block_kv=block_kv, dtype=dtype, causal=causal,
+                             interpret=interpret)
+    prefetch_q()  # the last Q K^T has read q_smem: the next tile's rows can land there
 
     @pl.loop(steps, cta_steps)
     def _drain(j):  # tiles only the other consumer needs: release them, keep the stagger
-        slot = lax.rem(j, num_stages)
         for full, free in ((k_full, k_free), (v_full, v_free)):
-            plgpu.barrier_wait(full.at[slot])  # keeps this thread's barrier phases in step
-            plgpu.barrier_arrive(free.at[slot])
+            plgpu.barrier_wait(full.at[slot(j)])  # keeps this thread's barrier phases in step
+            plgpu.barrier_arrive(free.at[slot(j)])
         schedule()
         schedule()
 
     pl.when(wg == 0)(schedule)
     acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-    qo_smem[...] = acc.astype(dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left o_smem
+    o_smem[...] = acc.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(row0, block_q), h])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(row0, block_q), h])
 
 
-def _staggered_loop(softmax, acc, m, l, *, qo_smem, k_smem, v_smem, k_full, v_full, k_free,
-                    v_free, schedule, sched, steps, free, num_stages, block_q, block_kv, dtype,
+def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_full, k_free,
+                    v_free, schedule, sched, slot, steps, free, block_q, block_kv, dtype,
                     causal, interpret):
     """One tile per step: S = Q K^T, softmax, O += P V, the two consumers half a step apart
     so that one's softmax overlaps the other's matrix products."""
     def step(j, carry, masked):
         acc, m, l = carry
-        slot = lax.rem(j, num_stages)
-        s = _qk(qo_smem, k_smem.at[slot], schedule, block_q, block_kv, interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
+        s = _qk(q_smem, k_smem.at[slot(j)], schedule, block_q, block_kv, interpret)
+        plgpu.barrier_arrive(k_free.at[slot(j)])
         p, m_new, l, alpha = softmax(s, j, m, l, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p = p.astype(dtype)
         acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
         plgpu.barrier_arrive(sched)  # softmax done
-        plgpu.barrier_wait(v_full.at[slot])
+        plgpu.barrier_wait(v_full.at[slot(j)])
         plgpu.barrier_wait(sched)  # tensor cores free
-        nxt = j + 1
-        wait_next = lambda: pl.when(nxt < steps)(
-            lambda: plgpu.barrier_wait(k_full.at[lax.rem(nxt, num_stages)]))
-        acc = _pv(acc, p, v_smem.at[slot], wait_next, interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
+        wait_next = lambda: pl.when(j + 1 < steps)(
+            lambda: plgpu.barrier_wait(k_full.at[slot(j + 1)]))
+        acc = _pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
+        plgpu.barrier_arrive(v_free.at[slot(j)])
         return acc, m_new, l
 
     @pl.when(steps > 0)
     def _():
-        plgpu.barrier_wait(k_full.at[0])
+        plgpu.barrier_wait(k_full.at[slot(0)])
 
     carry = lax.fori_loop(0, free, functools.partial(step, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(free, steps, functools.partial(step, masked=causal), carry)
@@ -246,22 +282,34 @@ def _pv(acc, p, v_tile, wait_next, interpret):
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the first device (132 on an H100 SXM)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except Exception:
+        return 132
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "num_ctas", "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, interpret=False):
+                    num_stages=2, num_ctas=None, interpret=False):
+    """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
+    CTAs as tiles each runs one, as a plain grid would."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     num_stages = max(1, min(num_stages, S // block_kv))
+    tiles = B * H * T // (CONSUMERS * block_q)
+    num_ctas = min(num_ctas or sm_count(), tiles)
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=(
         plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = [
-        (smem((CONSUMERS, block_q, D)), smem((num_stages, block_kv, D)),
-         smem((num_stages, block_kv, D))),
+        (smem((CONSUMERS, block_q, D)), smem((CONSUMERS, block_q, D)),
+         smem((num_stages, block_kv, D)), smem((num_stages, block_kv, D))),
         (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
          plgpu.Barrier(num_barriers=CONSUMERS)),
         (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),) * 2,
@@ -269,7 +317,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             interpret=interpret)
+                             num_ctas=num_ctas, interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,
@@ -282,8 +330,8 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(H, T // (CONSUMERS * block_q), B),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=(num_ctas,),
+        grid_names=("cta",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

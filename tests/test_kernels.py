@@ -81,26 +81,27 @@ def test_flash_attention_bf16_through_dispatch():
 
 
 MOSAIC_CASES = [
-    # B, T, S, H, KV, D, causal, block_kv, num_stages, dtype
-    (1, 128, 128, 4, 1, 64, False, 64, 2, jnp.bfloat16),   # full, GQA 4
-    (1, 128, 256, 2, 2, 64, True, 64, 2, jnp.float16),     # S > T: consumer 0 drains a tile
-    (1, 256, 256, 1, 1, 64, True, 64, 3, jnp.bfloat16),    # heaviest tile first, ring wraps
-    (2, 128, 192, 2, 1, 128, False, 64, 2, jnp.bfloat16),  # batch 2, head_dim 128
-    (1, 128, 64, 1, 1, 64, False, 64, 2, jnp.bfloat16),    # a single key tile
+    # B, T, S, H, KV, D, causal, block_kv, num_stages, dtype, num_ctas
+    (1, 128, 128, 4, 1, 64, False, 64, 2, jnp.bfloat16, None),  # full, GQA 4, a tile per CTA
+    (1, 128, 256, 2, 2, 64, True, 64, 2, jnp.float16, 1),       # S > T: consumer 0 drains a tile
+    (1, 256, 256, 1, 1, 64, True, 64, 3, jnp.bfloat16, 1),      # heaviest first, ring wraps
+    (2, 128, 192, 2, 1, 128, False, 64, 2, jnp.bfloat16, 3),    # head_dim 128, idle CTA slot
+    (2, 256, 320, 2, 1, 64, True, 64, 2, jnp.bfloat16, 3),      # snake order over 8 tiles
+    (1, 128, 64, 1, 1, 64, False, 64, 2, jnp.bfloat16, None),   # a single key tile
 ]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES)
 def test_flash_mosaic_interpret(case):
-    """The Mosaic GPU kernel's grid, TMA ring, barriers (every phase observed by every
-    warpgroup, as the interpreter checks), masks and online softmax; its wgmma calls run as
-    plain dots here and are checked on the GPU only."""
-    B, T, S, H, KV, D, causal, bk, stages, dtype = case
+    """The Mosaic GPU kernel's persistent tile loop, TMA ring (carried across tiles), barriers
+    (every phase observed by every warpgroup, as the interpreter checks), masks and online
+    softmax; its wgmma calls run as plain dots here and are checked on the GPU only."""
+    B, T, S, H, KV, D, causal, bk, stages, dtype, ctas = case
     rng = np.random.default_rng(T + S + H)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
                for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
     out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
-                                     num_stages=stages, interpret=True)
+                                     num_stages=stages, num_ctas=ctas, interpret=True)
     assert out.dtype == dtype
     assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
 

@@ -55,8 +55,10 @@ K = import_kernels()
 from pallasite.kernels import flash, paged, reference, tuning  # noqa: E402
 
 LOG = []
-# Mosaic flash (block_kv, num_stages) tried by --sweep.
-MOSAIC_VARIANTS = [(128, 2), (128, 3)]
+# Mosaic flash variants tried by --sweep: persistent (one CTA per SM looping over the query
+# tiles) against one CTA per tile (num_ctas past the tile count), 128- and 64-key tiles.
+MOSAIC_VARIANTS = [dict(block_kv=128, num_stages=2), dict(block_kv=128, num_stages=2,
+                   num_ctas=1 << 20), dict(block_kv=64, num_stages=3)]
 
 
 def log(*a):
@@ -350,14 +352,15 @@ def bench_mixed(args, records, ceiling):
     log(f"mixed err={err} err_apart={err_apart} ours={ours_ms} {base}")
 
 
-def sweep(args, flash_too=True):
+def sweep(args):
     """Block sizes at the target cases. The best ones replace this GPU's entries in the tuning
     table for the rest of the run (copy them into kernels/tuning.py afterwards)."""
     H, KV, D, dtype = 32, 8, 128, jnp.bfloat16
     out, key = [], tuning.gpu_key()
     q, k, v = dense_inputs(jax.random.PRNGKey(5), 4, 4096, 4096, H, KV, D, dtype)
     best = None
-    for bq, bk, w, st in [] if not flash_too else [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
+    parts = args.sweep_parts.split(",")
+    for bq, bk, w, st in [] if "flash" not in parts else [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
                           (64, 128, 4, 3), (128, 32, 4, 4)]:
         kw = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
         ms = try_time("sweep", lambda q, k, v: K.flash_attention(
@@ -370,9 +373,10 @@ def sweep(args, flash_too=True):
     if best:
         tuning.TABLE[key] = dict(tuning.TABLE[key], flash=best[1])
     best = None
-    mosaic = flash_too and os.environ.get("PALLASITE_FLASH_BACKEND") != "triton"
-    for bk, st in MOSAIC_VARIANTS if mosaic else []:
-        kw = dict(block_q=64, block_kv=bk, num_stages=st)
+    mosaic = ("flash" in parts or "mosaic" in parts) and \
+        os.environ.get("PALLASITE_FLASH_BACKEND") != "triton"
+    for variant in MOSAIC_VARIANTS if mosaic else []:
+        kw = dict(block_q=64, **variant)
         for causal in (True, False):
             ms = try_time("sweep", lambda q, k, v: K.flash_attention(
                 q, k, v, causal=causal, impl="pallas", backend="mosaic", **kw), q, k, v)
@@ -384,7 +388,7 @@ def sweep(args, flash_too=True):
     if best:
         tuning.TABLE[key] = dict(tuning.TABLE[key], flash_mosaic=best[1])
     del q, k, v
-    if "decode" not in args.sweep_parts:
+    if "decode" not in parts:
         return out
     rng = np.random.default_rng(6)
     variants = [dict(block_k=16 * p, num_warps=w, num_stages=st, block_rows=r,
@@ -461,12 +465,12 @@ def mosaic_smoke(timeout=150, **variant):
             "ks = jax.random.split(jax.random.PRNGKey(0), 3); "
             "q, k, v = (jax.random.normal(x, (1, 256, 4, 128), jnp.bfloat16) for x in ks); "
             "k, v = k[:, :, :2], v[:, :, :2]\n"
-            "for c in (True, False):\n"
+            "for c, n in ((True, None), (False, None), (True, 3), (False, 3)):\n"
             "  o = flash_attention(q, k, v, causal=c, impl='pallas', backend='mosaic',"
-            " **variant)\n"
+            " **dict(dict(num_ctas=n), **variant))\n"
             "  r = reference.attention_reference(q, k, v, causal=c)\n"
             "  e = float(jnp.linalg.norm((o - r).astype(float)) / jnp.linalg.norm(r.astype(float)))\n"
-            "  print('mosaic smoke', variant, 'causal', c, 'rel err', e, flush=True)\n"
+            "  print('mosaic smoke', variant, 'causal', c, 'ctas', n, 'rel err', e, flush=True)\n"
             "  assert e < 2e-2, e\n")
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -542,7 +546,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-parts", default="flash,decode", help="what --sweep tunes")
+    ap.add_argument("--sweep-parts", default="flash,decode", help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
     ap.add_argument("--only", default="prefill,decode,mixed")
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--render", nargs="+", metavar="JSON",
@@ -567,7 +571,7 @@ def main():
     records, sweeps = [], []
     if args.sweep:
         try:
-            sweeps = sweep(args, flash_too="flash" in args.sweep_parts)
+            sweeps = sweep(args)
         except Exception:
             log(traceback.format_exc())
     parts = args.only.split(",")
