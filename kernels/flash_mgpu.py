@@ -23,11 +23,13 @@ Limits (callers fall back to `flash.py` otherwise): T a multiple of 2 * block_q,
 S >= T when causal, no segment ids.
 
 What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 545-560 TFLOP/s, 55%-57% of
-the 989 TFLOP/s bf16 tensor-core peak (a large matrix product reaches 798): ~1.9 us per
-128-key step of a work item against ~1.1 us of tensor-core work. That is 1.02x-1.04x cuDNN
-causal and 0.96x-1.0x full. Each consumer still runs its S, softmax and P V in turn: only the other
-consumer hides its softmax. A software-pipelined consumer (S of the next tile issued with P V
-of this one) measured slower and was dropped.
+the 989 TFLOP/s bf16 tensor-core peak (a large matrix product reaches 798): 1.02x-1.04x cuDNN
+causal and 0.96x-1.0x full. A work item's 128-key step takes ~1.9 us against ~1.1 us of
+tensor-core work at peak. `tools/profile_flash.py` shows why: the softmax is 45%-47% of a
+consumer's time, about twice one product's, and each consumer runs its S, softmax and P V in
+turn, so a step lasts at least one softmax plus two products; the tensor cores idle meanwhile.
+A software-pipelined consumer (S of the next tile issued with P V of this one) measured slower
+and was dropped (commit 114bdfd).
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -166,7 +168,8 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
     def schedule():  # meet the other consumer
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
-    plgpu.barrier_wait(q_full)
+    with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_full)
     if causal:  # key tiles [0, free) need no mask, [free, steps) cross the diagonal
         steps = pl.cdiv(row0 + block_q + offset, block_kv)
         free = (row0 + offset + 1) // block_kv
@@ -211,11 +214,12 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
         schedule()
 
     pl.when(wg == 0)(schedule)
-    acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left o_smem
-    o_smem[...] = acc.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(row0, block_q), h])
+    with jax.named_scope("epilogue"):
+        acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store left o_smem
+        o_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(row0, block_q), h])
 
 
 def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_full, k_free,
@@ -223,20 +227,24 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
                     causal, interpret):
     """One tile per step: S = Q K^T, softmax, O += P V, the two consumers half a step apart
     so that one's softmax overlaps the other's matrix products."""
-    def step(j, carry, masked):
+    def step(j, carry, masked):  # the scopes name the phases in a profile (profile_flash)
         acc, m, l = carry
-        s = _qk(q_smem, k_smem.at[slot(j)], schedule, block_q, block_kv, interpret)
+        with jax.named_scope("qk"):
+            s = _qk(q_smem, k_smem.at[slot(j)], schedule, block_q, block_kv, interpret)
         plgpu.barrier_arrive(k_free.at[slot(j)])
-        p, m_new, l, alpha = softmax(s, j, m, l, masked)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p = p.astype(dtype)
-        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-        plgpu.barrier_arrive(sched)  # softmax done
-        plgpu.barrier_wait(v_full.at[slot(j)])
-        plgpu.barrier_wait(sched)  # tensor cores free
+        with jax.named_scope("softmax"):
+            p, m_new, l, alpha = softmax(s, j, m, l, masked)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p = p.astype(dtype)
+            acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+        with jax.named_scope("wait_tc"):
+            plgpu.barrier_arrive(sched)  # softmax done
+            plgpu.barrier_wait(v_full.at[slot(j)])
+            plgpu.barrier_wait(sched)  # tensor cores free
         wait_next = lambda: pl.when(j + 1 < steps)(
             lambda: plgpu.barrier_wait(k_full.at[slot(j + 1)]))
-        acc = _pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
+        with jax.named_scope("pv"):
+            acc = _pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
         plgpu.barrier_arrive(v_free.at[slot(j)])
         return acc, m_new, l
 
@@ -282,6 +290,13 @@ def _pv(acc, p, v_tile, wait_next, interpret):
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def _profile_params(profile_dir):
+    if not profile_dir:
+        return {}
+    # The event buffer lives in shared memory next to the K/V ring: room for ~60 steps.
+    return dict(profile_space=512, profile_dir=profile_dir, profile_bounds_check=True)
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the first device (132 on an H100 SXM)."""
     try:
@@ -291,11 +306,13 @@ def sm_count() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "num_ctas", "interpret"))
+                                             "num_stages", "num_ctas", "profile_dir",
+                                             "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, num_ctas=None, interpret=False):
+                    num_stages=2, num_ctas=None, profile_dir=None, interpret=False):
     """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
-    CTAs as tiles each runs one, as a plain grid would."""
+    CTAs as tiles each runs one, as a plain grid would. `profile_dir` (GPU) writes a trace of
+    each warpgroup's named phases there (`tools/profile_flash.py` reads it)."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
@@ -334,6 +351,6 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
         grid_names=("cta",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(profile_dir)),
         interpret=interp,
     )(q, k, v)
