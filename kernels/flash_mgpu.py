@@ -185,7 +185,7 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
 
     pl.when(wg == 1)(schedule)  # consumer 1 starts half a step behind consumer 0
 
-    iota = functools.partial(_iota, (block_q, block_kv), interpret=interpret)
+    iota = functools.partial(wgmma_iota, (block_q, block_kv), interpret=interpret)
     rows, cols = row0 + offset + iota(0), iota(1)
 
     def softmax(s, t, m, l, masked):
@@ -230,7 +230,7 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
     def step(j, carry, masked):  # the scopes name the phases in a profile (profile_flash)
         acc, m, l = carry
         with jax.named_scope("qk"):
-            s = _qk(q_smem, k_smem.at[slot(j)], schedule, block_q, block_kv, interpret)
+            s = wgmma_qk(q_smem, k_smem.at[slot(j)], interpret, between=schedule)
         plgpu.barrier_arrive(k_free.at[slot(j)])
         with jax.named_scope("softmax"):
             p, m_new, l, alpha = softmax(s, j, m, l, masked)
@@ -244,7 +244,7 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
         wait_next = lambda: pl.when(j + 1 < steps)(
             lambda: plgpu.barrier_wait(k_full.at[slot(j + 1)]))
         with jax.named_scope("pv"):
-            acc = _pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
+            acc = wgmma_pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
         plgpu.barrier_arrive(v_free.at[slot(j)])
         return acc, m_new, l
 
@@ -257,27 +257,30 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
     return acc, l
 
 
-def _iota(shape, dim, *, interpret):
+def wgmma_iota(shape, dim, *, interpret):
+    """An iota in the layout of a wgmma accumulator (a plain one in interpret mode)."""
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _qk(q_smem, k_tile, schedule, block_q, block_kv, interpret):
-    """S = Q K^T in float32; the schedule barrier sits between issuing and reading it."""
+def wgmma_qk(q_smem, k_tile, interpret, between=None):
+    """S = Q K^T in float32 from two shared-memory tiles; `between` runs after the product is
+    issued and before it is read (the flash consumers meet there)."""
+    between = between or (lambda: None)
     if interpret:
         s = jnp.dot(q_smem[...].astype(jnp.float32), k_tile[...].astype(jnp.float32).T)
-        schedule()
+        between()
         return s
 
     def body(acc):
         plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-        schedule()
+        between()
         return acc[...]
-    return pl.run_scoped(body, plgpu.ACC((block_q, block_kv), jnp.float32))
+    return pl.run_scoped(body, plgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
 
 
-def _pv(acc, p, v_tile, wait_next, interpret):
+def wgmma_pv(acc, p, v_tile, wait_next, interpret):
     """acc += P V, P from registers; `wait_next` runs while the product is in flight."""
     if interpret:
         acc = acc + jnp.dot(p.astype(jnp.float32), v_tile[...].astype(jnp.float32))

@@ -106,6 +106,21 @@ def test_flash_mosaic_interpret(case):
     assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
 
 
+@pytest.mark.parametrize("B,T,H,KV,D,causal,dtype,kw", [
+    (4, 4096, 32, 8, 128, True, jnp.bfloat16, {}),                 # the benchmark shape
+    (2, 1024, 8, 8, 64, False, jnp.float16, dict(num_ctas=1 << 20)),  # one CTA per tile
+    (1, 512, 4, 1, 128, True, jnp.bfloat16, dict(block_kv=64, num_stages=3)),
+])
+def test_flash_mosaic_lowers_for_hopper(B, T, H, KV, D, causal, dtype, kw):
+    """Mosaic GPU's lowering for sm_90 without a GPU: TMA descriptors, smem tiling, register
+    layouts and the wgmma calls that interpret mode replaces, though not the final compile."""
+    q = jax.ShapeDtypeStruct((B, T, H, D), dtype)
+    k = jax.ShapeDtypeStruct((B, T, KV, D), dtype)
+    lowered = flash_mgpu.flash_attention.trace(q, k, k, causal=causal, **kw).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_flash_backend_choice():
     q = jnp.zeros((1, 256, 8, 128), jnp.bfloat16)
     k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
@@ -210,3 +225,20 @@ def test_write_kv_drops_padding():
     np.testing.assert_array_equal(np.asarray(v2[:, 0, 5]), np.asarray(v[2]))
     changed = np.asarray(k2 != kp).any(axis=(0, 3))
     assert changed.sum() == 2  # the padding slot wrote nothing
+
+
+def test_profile_phase_times_pairs_nested_events():
+    """tools/profile_flash.py's reading of a trace: begin/end pairs per warpgroup thread,
+    nested phases closed innermost first, warpgroups told apart by their trace id."""
+    from pallasite.tools.profile_flash import phase_times
+    ev = lambda name, ph, ts, tid: dict(name=name, ph=ph, ts=ts, tid=tid, pid=1)
+    trace = {"traceEvents": [
+        ev("qk", "B", 0.0, 1), ev("softmax", "B", 1.0, 1), ev("softmax", "E", 3.5, 1),
+        ev("qk", "E", 4.0, 1),
+        ev("pv", "B", 2.0, 2), ev("pv", "E", 2.5, 2),
+        ev("pv", "B", 0.5, 5), ev("pv", "E", 1.0, 5),  # second CTA, its consumer 1
+    ]}
+    t = phase_times(trace)
+    assert t[("consumer 0", "qk")] == [4.0]
+    assert t[("consumer 0", "softmax")] == [2.5]
+    assert sorted(t[("consumer 1", "pv")]) == [0.5, 0.5]

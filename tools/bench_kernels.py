@@ -52,9 +52,12 @@ def import_kernels():
 
 
 K = import_kernels()
-from pallasite.kernels import flash, paged, reference, tuning  # noqa: E402
+from pallasite.kernels import paged, reference, tuning  # noqa: E402
 
 LOG = []
+# The Mosaic GPU decode kernel (kernels/paged_mgpu.py) is timed beside ours once its smoke
+# test passed in a child process; `params` are its tiles (split count from the heuristic).
+MOSAIC_DECODE = dict(ok=False, params=dict(block_k=64, num_stages=4))
 # Mosaic flash variants tried by --sweep: persistent (one CTA per SM looping over the query
 # tiles) against one CTA per tile (num_ctas past the tile count), 128- and 64-key tiles.
 MOSAIC_VARIANTS = [dict(block_kv=128, num_stages=2), dict(block_kv=128, num_stages=2,
@@ -290,6 +293,9 @@ def bench_decode(args, records, ceiling):
             t = {"ours": try_time("ours", ours, q, kp, vp, ctx, table, loop=True)}
             t["jax_pallas_paged"] = try_time("jax paged", jax_paged_reference, q, kp, vp, ctx,
                                              table, loop=True)
+            if MOSAIC_DECODE["ok"]:
+                t["ours_mosaic"], err_mosaic = time_mosaic_decode(q, kp, vp, ctx, table,
+                                                                  check=err is not None)
             kd, vd = dense_from_pages(kp, table), dense_from_pages(vp, table)
             t["jnp_dense"] = try_time("dense", lambda q, k, v, c: dense_decode(q, k, v, c),
                                       q, kd, vd, ctx, loop=True)
@@ -298,9 +304,12 @@ def bench_decode(args, records, ceiling):
             ours_ms = t.pop("ours")
             base = {n: v for n, v in t.items() if v is not None}
             tbps = kv_bytes / (ours_ms / 1e3) / 1e12 if ours_ms else None
+            if MOSAIC_DECODE["ok"]:
+                log(f"  mosaic decode rel err {err_mosaic}")
             rec = record("paged_attention", batch=B, context=C, page_size=page_size, heads=H,
                          kv_heads=KV, head_dim=D, causal=True, dtype="bfloat16", ours_ms=ours_ms,
                          baselines=base, rel_err=err, tbps=tbps,
+                         rel_err_mosaic=err_mosaic if MOSAIC_DECODE["ok"] else None,
                          frac_of_copy_bw=tbps / ceiling if tbps else None,
                          speedup_vs_jax_paged=(base["jax_pallas_paged"] / ours_ms)
                          if ours_ms and "jax_pallas_paged" in base else None,
@@ -310,6 +319,23 @@ def bench_decode(args, records, ceiling):
             log(f"decode ps={page_size} B={B} C={C} err={err} ours={ours_ms} {base} "
                 f"tbps={tbps}")
             del q, kp, vp
+
+
+def time_mosaic_decode(q, kp, vp, ctx, table, check=True, **kw):
+    """(ms, rel err against the reference) of kernels/paged_mgpu.py with the tiles in
+    MOSAIC_DECODE (or `kw`) and the split count the Triton kernel's heuristic gives."""
+    from pallasite.kernels import paged_mgpu
+    p = dict(MOSAIC_DECODE["params"], **kw)
+    if "num_splits" not in p:
+        tiles = -(-table.shape[1] * kp.shape[2] // p["block_k"])
+        p["num_splits"] = tuning.num_splits(q.shape[0] * kp.shape[0], tiles)
+    fn = lambda q, kp, vp, ctx, table: paged_mgpu.paged_attention(q, kp, vp, ctx, table, **p)
+    err = None
+    if check:
+        poison()
+        err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table),
+                      jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table))
+    return try_time("mosaic decode", fn, q, kp, vp, ctx, table, loop=True), err
 
 
 def bench_mixed(args, records, ceiling):
@@ -445,6 +471,14 @@ def sweep_long_decode(rng, base):
                             tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
             log(f"sweep long decode {kw}: {ms} ms {kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
             best = min(best, (ms or float("inf"), ppb), key=lambda x: x[0])
+    for splits in (8, 16, 32) if MOSAIC_DECODE["ok"] else []:
+        for bk, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3)):
+            kw = dict(block_k=bk, num_stages=st, num_splits=splits)
+            ms, err = time_mosaic_decode(q, kp, vp, ctx, table, check=splits == 16, **kw)
+            out.append(dict(kernel="paged_attention", backend="mosaic", batch=B, context=C,
+                            ms=ms, rel_err=err, tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
+            log(f"sweep long decode mosaic {kw}: {ms} ms err {err} "
+                f"{kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
     if best[1]:  # the kernel launch alone, without packing q or merging the splits
         ppb = best[1]
         qp, meta = paged.pack_decode(q, kp.shape[0])
@@ -456,23 +490,44 @@ def sweep_long_decode(rng, base):
     return out
 
 
-def mosaic_smoke(timeout=150, **variant):
-    """Run the Mosaic GPU flash kernel once in a child process: a kernel that hangs or fails
-    to build then costs a few minutes, not the run. Returns (ok, what it printed)."""
+FLASH_SMOKE = """
+import jax, jax.numpy as jnp
+from pallasite.kernels import flash_attention, reference
+ks = jax.random.split(jax.random.PRNGKey(0), 3)
+q, k, v = (jax.random.normal(x, (1, 256, 4, 128), jnp.bfloat16) for x in ks)
+k, v = k[:, :, :2], v[:, :, :2]
+for c, n in ((True, None), (False, None), (True, 3), (False, 3)):
+    o = flash_attention(q, k, v, causal=c, impl="pallas", backend="mosaic", num_ctas=n)
+    r = reference.attention_reference(q, k, v, causal=c)
+    e = float(jnp.linalg.norm((o - r).astype(float)) / jnp.linalg.norm(r.astype(float)))
+    print("mosaic smoke flash causal", c, "ctas", n, "rel err", e, flush=True)
+    assert e < 2e-2, e
+"""
+
+PAGED_SMOKE = """
+import jax, jax.numpy as jnp, numpy as np
+from pallasite.kernels import paged_mgpu, reference
+rng = np.random.default_rng(0)
+S, H, KV, D, ps, pps = 3, 32, 8, 128, 16, 40
+ctx = jnp.asarray([1, 333, 640], jnp.int32)
+table = jnp.asarray(rng.permutation(S * pps + 5)[:S * pps].reshape(S, pps), jnp.int32)
+q = jnp.asarray(rng.standard_normal((S, H, D)), jnp.bfloat16)
+kp, vp = (jnp.asarray(rng.standard_normal((KV, S * pps + 5, ps, D)), jnp.bfloat16)
+          for _ in range(2))
+r = reference.paged_attention_reference(q, kp, vp, ctx, table)
+for splits, stages in ((1, 4), (4, 2), (16, 3)):
+    o = paged_mgpu.paged_attention(q, kp, vp, ctx, table, num_splits=splits,
+                                   num_stages=stages)
+    e = float(jnp.linalg.norm((o - r).astype(float)) / jnp.linalg.norm(r.astype(float)))
+    print("mosaic smoke paged splits", splits, "stages", stages, "rel err", e, flush=True)
+    assert e < 2e-2, e
+"""
+
+
+def mosaic_smoke(code=FLASH_SMOKE, timeout=150):
+    """Run a Mosaic GPU kernel once in a child process: a kernel that hangs or fails to build
+    then costs a few minutes, not the run. Returns (ok, its verdict lines)."""
     import subprocess
-    code = (f"variant = {variant!r}\n"
-            "import jax, jax.numpy as jnp, sys; sys.argv=['x']; "
-            "from pallasite.kernels import flash_attention, reference; "
-            "ks = jax.random.split(jax.random.PRNGKey(0), 3); "
-            "q, k, v = (jax.random.normal(x, (1, 256, 4, 128), jnp.bfloat16) for x in ks); "
-            "k, v = k[:, :, :2], v[:, :, :2]\n"
-            "for c, n in ((True, None), (False, None), (True, 3), (False, 3)):\n"
-            "  o = flash_attention(q, k, v, causal=c, impl='pallas', backend='mosaic',"
-            " **dict(dict(num_ctas=n), **variant))\n"
-            "  r = reference.attention_reference(q, k, v, causal=c)\n"
-            "  e = float(jnp.linalg.norm((o - r).astype(float)) / jnp.linalg.norm(r.astype(float)))\n"
-            "  print('mosaic smoke', variant, 'causal', c, 'ctas', n, 'rel err', e, flush=True)\n"
-            "  assert e < 2e-2, e\n")
     # The parent already holds most of the GPU's memory: the child allocates as it goes.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     try:
@@ -508,7 +563,8 @@ def table(records, ceiling):
                          f"{f(b.get('jnp_reference'))} | "
                          f"{f(r['rel_err'] or r.get('rel_err_vs_cudnn'), 4)} |")
     lines += ["", "| decode (32/8 heads, d=128, bf16) | ours ms | TB/s | of copy | JAX paged ms | "
-              "vs JAX | jnp dense ms | rel err |", "|---|---|---|---|---|---|---|---|"]
+              "vs JAX | jnp dense ms | ours Mosaic ms | rel err |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["kernel"] == "paged_attention":
             b = r["baselines"]
@@ -517,6 +573,7 @@ def table(records, ceiling):
                          f"{f(r['frac_of_copy_bw'] and 100 * r['frac_of_copy_bw'], 0)}% | "
                          f"{f(b.get('jax_pallas_paged'), 4)} | "
                          f"{f(r['speedup_vs_jax_paged'], 2)}x | {f(b.get('jnp_dense'), 4)} | "
+                         f"{f(b.get('ours_mosaic'), 4)} | "
                          f"{f(r['rel_err'], 4)} |")
     for r in records:
         if r["kernel"] == "ragged_paged_attention":
@@ -566,11 +623,16 @@ def main():
     log(f"jax {jax.__version__} devices {jax.devices()} tuning key {tuning.gpu_key()}")
     if K.flash_backend(jnp.zeros((1, 256, 4, 128), jnp.bfloat16),
                        jnp.zeros((1, 256, 2, 128), jnp.bfloat16)) == "mosaic":
-        ok, said = mosaic_smoke()
+        ok, said = mosaic_smoke(FLASH_SMOKE)
         log(said)
         if not ok:  # everything below then runs the Triton kernel
             log("Mosaic GPU flash kernel FAILED its smoke test: prefill falls back to Triton")
             os.environ["PALLASITE_FLASH_BACKEND"] = "triton"
+        ok, said = mosaic_smoke(PAGED_SMOKE)
+        log(said)
+        MOSAIC_DECODE["ok"] = ok
+        if not ok:
+            log("Mosaic GPU paged decode kernel FAILED its smoke test: not timed")
     ceil = copy_ceiling()
     log(f"copy ceiling {ceil}")
     records, sweeps = [], []

@@ -1,0 +1,317 @@
+"""Paged attention decode for Hopper, Pallas with the Mosaic GPU backend.
+
+q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D], context_lens [S],
+page_table [S, pages_per_seq] -> [S, H, D]; bf16 or fp16 with float32 softmax and accumulation;
+the same results as `reference.paged_attention_reference`.
+
+One CTA per (kv head, split, sequence) runs two warpgroups:
+- a producer that streams the split's key tiles (`block_k` keys each) into a ring of
+  `num_stages` shared-memory slots for K and for V: one TMA copy per page (or per `block_k`
+  rows of a page larger than the tile), the page id read from the page table in global memory.
+  A slot's "full" barrier expects one arrival per copy, so it completes when the whole tile has
+  landed; a slot is refilled once the consumer released it (K right after S, V after P V);
+- a consumer whose 64 rows are the G = H // KV query heads of the kv head (q is packed to
+  [S, KV, 64, D] outside, zero rows past G), so each K/V page is read once for the whole group.
+  Each tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded in), then
+  O += P V with P straight from registers.
+Split-K: a split takes an even share of the sequence's key tiles and writes a normalized float32
+output and its base-2 log-sum-exp, merged by `paged._combine`; a split with no tiles writes zeros
+and NEG_INF. With one split the kernel writes the output in q's dtype. Outputs keep only the
+group's rows, rounded up to 8 (the shared-memory tile), not all 64.
+
+Keys at or past context_lens[s] contribute nothing whatever the pool holds there (stale or NaN
+slots): table entries past the sequence's last page are never read (those copies fetch the last
+page again), scores of such keys are -inf, and on the one tile that crosses context_lens[s] the
+consumer zeroes the V rows past it in shared memory before P V, so 0 * NaN cannot reach O.
+
+Limits (`supported`): bf16/fp16, head_dim 64 or 128, G <= 64, block_k a multiple of 64,
+page_size a multiple of 8 that divides block_k or is a multiple of it, the ring within shared
+memory. Context lengths past pages_per_seq * page_size are clamped to it.
+
+In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
+memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
+else (grid, page-table reads, TMA ring, barriers, masks, V zeroing, online softmax, stores) runs
+as written. The wgmma calls and register layouts are checked only on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .flash_mgpu import wgmma_iota, wgmma_pv, wgmma_qk
+from .paged import _combine
+from .reference import NEG_INF
+
+LOG2E = math.log2(math.e)
+ROWS = 64  # query rows per CTA: the wgmma M; a kv head's G query heads, zero-padded
+SMEM_BYTES = 227 * 1024  # shared memory one Hopper CTA may use
+
+
+def _smem_bytes(D, itemsize, block_k, num_stages, num_splits):
+    ring = 2 * num_stages * block_k * D * itemsize
+    q = ROWS * D * itemsize
+    out = ROWS * D * 4 + ROWS * 4 if num_splits > 1 else 0
+    return ring + q + out
+
+
+def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1) -> str | None:
+    """Why this kernel cannot take the call (None if it can)."""
+    S, H, D = q.shape
+    KV, _, page_size, Dk = k_pages.shape
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+        return f"dtype {q.dtype} (k/v {k_pages.dtype})"
+    if D not in (64, 128) or Dk != D:
+        return f"head_dim {D}"
+    if H % KV:
+        return f"{H} heads over {KV} kv heads"
+    if H // KV > ROWS:
+        return f"group of {H // KV} query heads per kv head (at most {ROWS})"
+    if block_k % 64:
+        return f"block_k {block_k} not a multiple of 64"
+    if page_size % 8 or (block_k % page_size and page_size % block_k):
+        return f"page_size {page_size} (a multiple of 8 dividing block_k or a multiple of it)"
+    if num_splits < 1 or num_stages < 1:
+        return f"num_splits {num_splits}, num_stages {num_stages}"
+    need = _smem_bytes(D, q.dtype.itemsize, block_k, num_stages, num_splits)
+    if need > SMEM_BYTES:
+        return f"{need} bytes of shared memory (block_k or num_stages too large)"
+    return None
+
+
+def _split_tiles(ctx, split, *, block_k, num_splits):
+    """Key tiles [lo, hi) of this split: an even share of the sequence's tiles."""
+    n_tiles = pl.cdiv(ctx, block_k)
+    share = pl.cdiv(n_tiles, num_splits)
+    lo = jnp.minimum(split * share, n_tiles)
+    return lo, jnp.minimum(lo + share, n_tiles)
+
+
+def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_stages,
+            num_splits, interpret):
+    out_refs, scratch = refs[:-1], refs[-1]
+    kv, split, s = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("seq")
+    ctx = ctx_ref[s]
+    lo, hi = _split_tiles(ctx, split, block_k=block_k, num_splits=num_splits)
+    wg = lax.axis_index("wg")
+    smem, (k_full, v_full, q_full), (k_free, v_free) = scratch
+    q_smem, k_smem, v_smem, o_smem = smem
+    ring = dict(k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full, k_free=k_free,
+                v_free=v_free, lo=lo, hi=hi, block_k=block_k, num_stages=num_stages)
+
+    @pl.when(wg == 0)
+    def _consumer():
+        _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, s=s, ctx=ctx,
+                 scale=scale, interpret=interpret, **ring)
+
+    @pl.when(wg == 1)
+    def _producer():
+        _produce(pt_ref, k_ref, v_ref, kv=kv, s=s, ctx=ctx, **ring)
+
+
+def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full, k_free,
+             v_free, lo, hi, block_k, num_stages):
+    page_size = k_ref.shape[2]
+    chunk = min(page_size, block_k)  # keys per TMA copy: a page, or a tile's part of a page
+    copies = block_k // chunk
+    last_page = jnp.maximum(ctx - 1, 0) // page_size
+    steps = hi - lo
+
+    def page_ids(step):
+        """Table entries of this tile's copies; copies past the last page fetch it again (their
+        keys are masked), so entries past the sequence are never read."""
+        first = (lo + step) * block_k
+        return [pt_ref[s, jnp.minimum((first + c * chunk) // page_size, last_page)]
+                for c in range(copies)]
+
+    def issue(src, dst, full, ids, step, slot):
+        if page_size > block_k:  # the tile is rows [row, row + block_k) of one page
+            rows = pl.ds(lax.rem((lo + step) * block_k, page_size), chunk)
+        else:
+            rows = pl.ds(0, chunk)
+        for c, page in enumerate(ids):
+            tile_rows = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(c * chunk, chunk)]
+            plgpu.copy_gmem_to_smem(src.at[kv, page, rows], tile_rows, full.at[slot])
+
+    for i in range(num_stages):
+        @pl.when(i < steps)
+        def _():
+            ids = page_ids(i)
+            issue(k_ref, k_smem, k_full, ids, i, i)
+            issue(v_ref, v_smem, v_full, ids, i, i)
+
+    @pl.loop(num_stages, jnp.maximum(steps, num_stages))
+    def _refill(step):
+        ids = page_ids(step)  # table reads in flight while waiting for the slot
+        slot = lax.rem(step, num_stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        issue(k_ref, k_smem, k_full, ids, step, slot)
+        plgpu.barrier_wait(v_free.at[slot])
+        issue(v_ref, v_smem, v_full, ids, step, slot)
+
+    for i in range(num_stages):  # leave once the ring is empty: every release is awaited
+        @pl.when(i < steps)
+        def _():
+            plgpu.barrier_wait(k_free.at[i])
+            plgpu.barrier_wait(v_free.at[i])
+
+
+def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, s, ctx, scale, k_smem,
+             v_smem, k_full, v_full, k_free, v_free, lo, hi, block_k, num_stages, interpret):
+    D = q_ref.shape[-1]
+    plgpu.copy_gmem_to_smem(q_ref.at[s, kv], q_smem, q_full)
+    plgpu.barrier_wait(q_full)
+
+    def layout(x, lay):
+        return x if interpret else plgpu.layout_cast(x, lay)
+
+    m = layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l = layout(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = layout(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    cols = wgmma_iota((ROWS, block_k), 1, interpret=interpret)
+    v_rows = wgmma_iota((block_k, D), 0, interpret=interpret)
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        slot = lax.rem(j - lo, num_stages)
+        sc = wgmma_qk(q_smem, k_smem.at[slot], interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        valid = ctx - j * block_k  # keys of this tile before the context end
+        if masked:
+            sc = jnp.where(cols < valid, sc, -jnp.inf)
+        m_new = jnp.maximum(m, sc.max(axis=1) * scale)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_full.at[slot])
+        if masked:
+            _zero_rows_from(v_smem.at[slot], valid, v_rows)
+        nxt = j + 1
+        wait_next = lambda: pl.when(nxt < hi)(
+            lambda: plgpu.barrier_wait(k_full.at[lax.rem(nxt - lo, num_stages)]))
+        acc = wgmma_pv(acc, p.astype(q_smem.dtype), v_smem.at[slot], wait_next, interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+    @pl.when(hi > lo)
+    def _():
+        plgpu.barrier_wait(k_full.at[0])
+
+    # Tiles before ctx // block_k hold only live keys; at most one tile crosses the end.
+    whole = jnp.clip(ctx // block_k, lo, hi)
+    carry = lax.fori_loop(lo, whole, functools.partial(step, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(whole, hi, functools.partial(step, masked=True), carry)
+
+    empty = l == 0.0  # a split without tiles (or context 0)
+    acc = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+    live = pl.ds(0, out_refs[0].shape[-2])  # the group's rows, rounded up to a tile of 8
+    if len(out_refs) == 1:  # one split: the final output, through q's buffer
+        q_smem[...] = acc.astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[live], out_refs[0].at[s, kv])
+    else:
+        o_tile, lse_tile = o_smem
+        o_tile[...] = acc
+        lse_tile[...] = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_tile.at[live], out_refs[0].at[split, s, kv])
+        plgpu.copy_smem_to_gmem(lse_tile.at[live], out_refs[1].at[split, s, kv])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _zero_rows_from(v_tile, valid, rows):
+    """Zero the V rows at and past `valid` in shared memory: their P is 0, but a NaN left in a
+    stale pool slot would still turn 0 * NaN into NaN in P V. Runs once per sequence."""
+    v = v_tile[...]
+    v_tile[...] = jnp.where(rows < valid, v, jnp.zeros((), v.dtype))
+    plgpu.commit_smem()  # the wgmma reads these rows through the async proxy
+
+
+def pack(q, num_kv_heads):
+    """[S, H, D] -> [S, KV, 64, D]: a kv head's G query heads are the CTA's rows, zeros after."""
+    S, H, D = q.shape
+    G = H // num_kv_heads
+    q = q.reshape(S, num_kv_heads, G, D)
+    return jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - G), (0, 0)))
+
+
+def out_rows(group):
+    """Output rows per (sequence, kv head): the group rounded up to the 8-row smem tile, so
+    split outputs for small groups do not carry 64 rows each."""
+    return min(ROWS, -(-group // 8) * 8)
+
+
+def unpack(o, num_heads):
+    """[S, KV, out_rows, D] -> [S, H, D]."""
+    S, KV, _, D = o.shape
+    return o[:, :, :num_heads // KV].reshape(S, num_heads, D)
+
+
+def _scratch(dtype, D, block_k, num_stages, num_splits, copies):
+    tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=(
+        plgpu.TilingTransform((8, 128 // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(128)))
+    out = None
+    if num_splits > 1:
+        out = (tiled((ROWS, D), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32))
+    smem = (tiled((ROWS, D), dtype), tiled((num_stages, block_k, D), dtype),
+            tiled((num_stages, block_k, D), dtype), out)
+    full = (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+            plgpu.Barrier())
+    free = (plgpu.Barrier(num_barriers=num_stages),) * 2
+    return [smem, full, free]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "num_splits",
+                                             "interpret"))
+def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
+                    block_k=64, num_stages=4, num_splits=1, interpret=False):
+    """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D],
+    context_lens [S] int32, page_table [S, pages_per_seq] int32 -> [S, H, D]."""
+    why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits)
+    if why:
+        raise ValueError(f"paged_mgpu cannot take this call: {why}")
+    S, H, D = q.shape
+    KV, _, page_size, _ = k_pages.shape
+    pages_per_seq = page_table.shape[1]
+    max_tiles = pl.cdiv(pages_per_seq * page_size, block_k)
+    num_stages = max(1, min(num_stages, pl.cdiv(max_tiles, num_splits)))
+    ctx = jnp.minimum(context_lens.astype(jnp.int32), pages_per_seq * page_size)
+    scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
+    scratch = _scratch(q.dtype, D, block_k, num_stages, num_splits,
+                       copies=block_k // min(page_size, block_k))
+    body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
+                             num_splits=num_splits, interpret=interpret)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
+
+    rows = out_rows(H // KV)
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct((S, KV, rows, D), q.dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((num_splits, S, KV, rows, D), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, S, KV, rows), jnp.float32))
+    interp = interpret or None
+    if interpret is True:  # or an InterpretGPUParams, e.g. with detect_races=True
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+    out = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(KV, num_splits, S),
+        grid_names=("kv", "split", "seq"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interp,
+    )(ctx, page_table.astype(jnp.int32), pack(q, KV), k_pages, v_pages)
+    o = out if num_splits == 1 else _combine(*out)
+    return unpack(o, H).astype(q.dtype)

@@ -1,0 +1,128 @@
+"""The Mosaic GPU paged decode kernel in Pallas's Mosaic GPU interpreter against the jnp reference.
+
+The interpreter runs the grid, the page-table reads, the TMA ring and its barriers (it checks that
+every warpgroup observes every phase of the barriers it waits on), the masks and the online
+softmax as written; the two wgmma products run as plain dots, so they are checked on the GPU
+only. Inputs are fresh random numbers (never zeros) on shuffled pages; contexts include 0, 1,
+primes and exact multiples of the key tile. Every interpreted CTA costs about a second, so the
+grids stay small. A last test lowers the kernel for Hopper (sm_90) without a GPU: that runs the
+Mosaic GPU lowering rules (TMA descriptors, smem tiling and slicing, register layouts, wgmma)
+that interpret mode skips, though not the final compile.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+from pallasite.kernels import paged_mgpu, reference
+from test_kernels import paged_case, rel_err
+
+
+def decode_case(seed, ctx, H, KV, D, page_size, dtype):
+    """q [S, H, D] and a shuffled page pool holding sequences of lengths `ctx`."""
+    cached = np.maximum(np.asarray(ctx) - 1, 0)
+    q, kp, vp, _, _, table = paged_case(seed, [1] * len(ctx), cached, H, KV, D, page_size)
+    return (q.astype(dtype), kp.astype(dtype), vp.astype(dtype), jnp.asarray(ctx, jnp.int32),
+            table)
+
+
+def poison_stale_slots(pages, ctx, table):
+    """NaN in every pool slot that holds no live key: the rest of each last page, the pages the
+    table lists past a sequence's end, and the pages no sequence owns."""
+    page_size = pages.shape[2]
+    live = np.zeros(pages.shape[1:3], bool)
+    for s, n in enumerate(np.asarray(ctx)):
+        for i in range(int(n)):
+            live[table[s, i // page_size], i % page_size] = True
+    return jnp.where(jnp.asarray(live)[None, :, :, None], pages, jnp.nan).astype(pages.dtype)
+
+
+CASES = [
+    # ctx, H, KV, D, page_size, splits, block_k, stages, dtype
+    ([1, 37, 0], 8, 2, 64, 16, 1, 64, 4, jnp.bfloat16),      # GQA 4, context 0 and 1
+    ([200], 2, 2, 64, 16, 1, 64, 2, jnp.float16),            # GQA 1, 4 tiles through 2 slots
+    ([53], 8, 1, 128, 32, 3, 64, 4, jnp.bfloat16),           # GQA 8, more splits than tiles
+    ([131, 64], 4, 1, 64, 32, 2, 64, 2, jnp.bfloat16),       # split-K, ctx a tile multiple
+    ([97], 4, 1, 64, 16, 1, 128, 2, jnp.float16),            # 128-key tiles: 8 pages a tile
+    ([150], 4, 1, 64, 128, 2, 64, 2, jnp.bfloat16),          # pages of two tiles each
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_paged_mgpu_interpret(case):
+    ctx, H, KV, D, page_size, splits, bk, stages, dtype = case
+    q, kp, vp, ctx, table = decode_case(sum(ctx) + H, ctx, H, KV, D, page_size, dtype)
+    out = paged_mgpu.paged_attention(q, kp, vp, ctx, table, num_splits=splits, block_k=bk,
+                                     num_stages=stages, interpret=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference.paged_attention_reference(q, kp, vp, ctx, table)
+    assert rel_err(out, ref) < 1e-2
+    for s in np.flatnonzero(np.asarray(ctx) == 0):
+        assert np.all(np.asarray(out[s]) == 0)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_mgpu_nan_in_stale_slots(splits):
+    """Keys past a sequence's length weigh nothing even when the pool holds NaN there."""
+    q, kp, vp, ctx, table = decode_case(17, [45, 1, 83], 4, 2, 64, 16, jnp.bfloat16)
+    ref = reference.paged_attention_reference(q, kp, vp, ctx, table)
+    t = np.asarray(table)
+    kp_nan, vp_nan = poison_stale_slots(kp, ctx, t), poison_stale_slots(vp, ctx, t)
+    assert np.isnan(np.asarray(vp_nan, np.float32)).any()
+    # Table entries past a sequence's pages are garbage: the kernel must not follow them.
+    n_pages = -(-np.asarray(ctx) // kp.shape[2])
+    t = np.where(np.arange(t.shape[1])[None] < n_pages[:, None], t, 2**30).astype(np.int32)
+    out = paged_mgpu.paged_attention(q, kp_nan, vp_nan, ctx, jnp.asarray(t),
+                                     num_splits=splits, interpret=True)
+    assert rel_err(out, ref) < 1e-2  # rel_err fails on any non-finite element
+
+
+def test_paged_mgpu_supported():
+    q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+    kp = jnp.zeros((2, 10, 16, 128), jnp.bfloat16)
+    assert paged_mgpu.supported(q, kp) is None
+    assert paged_mgpu.supported(q, jnp.zeros((2, 10, 256, 128), jnp.bfloat16)) is None
+    why = lambda q, kp, **kw: paged_mgpu.supported(q, kp, **kw) or ""
+    assert "dtype" in why(q.astype(jnp.float32), kp.astype(jnp.float32))
+    assert "dtype" in why(q, kp.astype(jnp.float16))
+    assert "head_dim" in why(q[..., :96], kp[..., :96])
+    assert "kv heads" in why(q[:, :6], jnp.zeros((4, 10, 16, 128), jnp.bfloat16))
+    assert "group" in why(jnp.zeros((1, 128, 64), jnp.bfloat16), kp[:1, ..., :64])
+    assert "page_size" in why(q, jnp.zeros((2, 10, 12, 128), jnp.bfloat16))
+    assert "page_size" in why(q, jnp.zeros((2, 10, 48, 128), jnp.bfloat16))
+    assert "block_k" in why(q, kp, block_k=32)
+    assert "shared memory" in why(q, kp, block_k=128, num_stages=4)
+    with pytest.raises(ValueError, match="cannot take this call: head_dim"):
+        paged_mgpu.paged_attention(q[..., :32], kp[..., :32], kp[..., :32],
+                                   jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32))
+
+
+def test_paged_mgpu_no_races():
+    """The interpreter's race detector over a ring that wraps and a tile crossing the end."""
+    q, kp, vp, ctx, table = decode_case(23, [300], 4, 1, 64, 16, jnp.bfloat16)
+    out = paged_mgpu.paged_attention(q, kp, vp, ctx, table, num_stages=2,
+                                     interpret=InterpretGPUParams(detect_races=True))
+    assert not gpu_callbacks.get_races().races_found
+    assert rel_err(out, reference.paged_attention_reference(q, kp, vp, ctx, table)) < 1e-2
+
+
+@pytest.mark.parametrize("S,H,KV,D,page_size,kw", [
+    (1, 32, 8, 128, 16, dict(num_splits=16)),          # batch 1, long context
+    (64, 32, 8, 128, 16, dict(num_stages=3)),          # large batch, one split
+    (4, 8, 8, 64, 32, dict(num_splits=2)),             # groups of 1: 8-row outputs
+    (4, 8, 1, 64, 128, dict(num_splits=2)),            # pages of two tiles
+    (4, 16, 2, 64, 16, dict(block_k=128, num_stages=3)),  # 8 copies a tile
+])
+def test_paged_mgpu_lowers_for_hopper(S, H, KV, D, page_size, kw):
+    pps = 64
+    q = jax.ShapeDtypeStruct((S, H, D), jnp.bfloat16)
+    kp = jax.ShapeDtypeStruct((KV, S * pps + 3, page_size, D), jnp.bfloat16)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    lowered = paged_mgpu.paged_attention.trace(q, kp, kp, ints(S), ints(S, pps), **kw).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
