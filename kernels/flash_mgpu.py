@@ -28,8 +28,12 @@ causal and 0.96x-1.0x full. A work item's 128-key step takes ~1.9 us against ~1.
 tensor-core work at peak. `tools/profile_flash.py` shows why: the softmax is 45%-47% of a
 consumer's time, about twice one product's, and each consumer runs its S, softmax and P V in
 turn, so a step lasts at least one softmax plus two products; the tensor cores idle meanwhile.
-A software-pipelined consumer (S of the next tile issued with P V of this one) measured slower
-and was dropped (commit 114bdfd).
+`overlap=True` takes the softmax off that chain as FlashAttention-3 does: a consumer issues
+S(j) and P(j-1) V(j-1) in one turn and runs tile j's softmax while P V is in flight; the two
+consumers hand the tensor cores to each other through a pair of turn barriers, so their issue
+phases alternate. An earlier pipelined variant (commit 114bdfd) met the other consumer twice a
+step, which lines both softmaxes up, and measured slower; this one has not run on a GPU yet,
+so it stays off until `tools/bench_kernels.py --sweep` picks it.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -88,8 +92,9 @@ def _tiles(T, H, B, block_q, causal, num_ctas):
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, block_kv,
-            num_stages, group, num_ctas, interpret):
-    (q_smem, o_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), sched = scratch
+            num_stages, group, num_ctas, overlap, interpret):
+    (q_smem, o_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), \
+        (sched, turn) = scratch
     B, T, H, _ = q_ref.shape
     S = k_ref.shape[1]
     offset = S - T  # query row r sees keys <= r + offset
@@ -107,14 +112,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
             plgpu.set_max_registers(232, action="increase")
         consume = functools.partial(
             _consume, q_ref, o_ref, q_smem.at[wg], o_smem.at[wg], k_smem, v_smem, k_full,
-            v_full, q_full.at[wg], k_free, v_free, sched, wg=wg, offset=offset, causal=causal,
-            scale=scale, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-            interpret=interpret)
+            v_full, q_full.at[wg], k_free, v_free, sched, turn, wg=wg, offset=offset,
+            causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+            num_stages=num_stages, overlap=overlap, interpret=interpret)
         load_q = lambda b, h, tile: plgpu.copy_gmem_to_smem(
             q_ref.at[b, pl.ds((tile * CONSUMERS + wg) * block_q, block_q), h], q_smem.at[wg],
             q_full.at[wg])
         valid, b, h, tile = locate(cta, 0)
         pl.when(valid)(lambda: load_q(b, h, tile))
+        if overlap:  # consumer 0 issues first: its first turn is a gift from consumer 1
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
 
         @pl.loop(0, rounds, init_carry=jnp.int32(0))
         def _tile(i, g):  # g: the ring position of this tile's first key tile
@@ -124,6 +131,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
             pl.when(valid)(lambda: consume(b=b, h=h, tile=tile, g=g, cta_steps=cta_steps(tile),
                                            prefetch_q=prefetch_q))
             return g + jnp.where(valid, cta_steps(tile), 0)
+        if overlap:  # the turn consumer 1 passed last is never taken: observe it
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
@@ -158,8 +167,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
 
 
 def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_full, k_free,
-             v_free, sched, *, b, h, tile, g, cta_steps, prefetch_q, wg, offset, causal, scale,
-             block_q, block_kv, num_stages, interpret):
+             v_free, sched, turn, *, b, h, tile, g, cta_steps, prefetch_q, wg, offset, causal,
+             scale, block_q, block_kv, num_stages, overlap, interpret):
     """One consumer's block_q rows of one tile: the key loop, then the output through o_smem."""
     D = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -183,7 +192,8 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
     l = layout(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = layout(jnp.full((block_q, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-    pl.when(wg == 1)(schedule)  # consumer 1 starts half a step behind consumer 0
+    if not overlap:
+        pl.when(wg == 1)(schedule)  # consumer 1 starts half a step behind consumer 0
 
     iota = functools.partial(wgmma_iota, (block_q, block_kv), interpret=interpret)
     rows, cols = row0 + offset + iota(0), iota(1)
@@ -198,11 +208,15 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
         return p, m_new, l * alpha + p.sum(axis=1), alpha
 
     slot = lambda j: lax.rem(g + j, num_stages)
-    acc, l = _staggered_loop(softmax, acc, m, l, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
-                             k_full=k_full, v_full=v_full, k_free=k_free, v_free=v_free,
-                             schedule=schedule, sched=sched, slot=slot, steps=steps, free=free,
-                             block_q=block_q, block_kv=block_kv, dtype=dtype, causal=causal,
-                             interpret=interpret)
+    ring = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full,
+                k_free=k_free, v_free=v_free, slot=slot, steps=steps, free=free, dtype=dtype,
+                causal=causal, interpret=interpret)
+    if overlap:
+        take = lambda: plgpu.barrier_wait(turn.at[wg])  # the tensor cores are this one's
+        give = lambda: plgpu.barrier_arrive(turn.at[1 - wg])
+        acc, l = _overlapped_loop(softmax, acc, m, l, take=take, give=give, **ring)
+    else:
+        acc, l = _staggered_loop(softmax, acc, m, l, schedule=schedule, sched=sched, **ring)
     prefetch_q()  # the last Q K^T has read q_smem: the next tile's rows can land there
 
     @pl.loop(steps, cta_steps)
@@ -210,10 +224,15 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
         for full, free in ((k_full, k_free), (v_full, v_free)):
             plgpu.barrier_wait(full.at[slot(j)])  # keeps this thread's barrier phases in step
             plgpu.barrier_arrive(free.at[slot(j)])
-        schedule()
-        schedule()
+        if overlap:  # one turn per tile, as the other consumer takes
+            take()
+            give()
+        else:
+            schedule()
+            schedule()
 
-    pl.when(wg == 0)(schedule)
+    if not overlap:
+        pl.when(wg == 0)(schedule)
     with jax.named_scope("epilogue"):
         acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store left o_smem
@@ -223,8 +242,7 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
 
 
 def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_full, k_free,
-                    v_free, schedule, sched, slot, steps, free, block_q, block_kv, dtype,
-                    causal, interpret):
+                    v_free, schedule, sched, slot, steps, free, dtype, causal, interpret):
     """One tile per step: S = Q K^T, softmax, O += P V, the two consumers half a step apart
     so that one's softmax overlaps the other's matrix products."""
     def step(j, carry, masked):  # the scopes name the phases in a profile (profile_flash)
@@ -254,6 +272,50 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
 
     carry = lax.fori_loop(0, free, functools.partial(step, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(free, steps, functools.partial(step, masked=causal), carry)
+    return acc, l
+
+
+def _overlapped_loop(softmax, acc, m, l, *, take, give, q_smem, k_smem, v_smem, k_full, v_full,
+                     k_free, v_free, slot, steps, free, dtype, causal, interpret):
+    """Software-pipelined consumer: step j issues S(j) = Q K(j)^T and O += P(j-1) V(j-1)
+    together in its turn on the tensor cores, then runs tile j's softmax while P V is still in
+    flight and rescales O once it lands. The two consumers take turns (`take`/`give`), so one
+    issues while the other runs its softmax."""
+    with jax.named_scope("qk"):  # tile 0 alone: masked when causal (exact on any tile)
+        plgpu.barrier_wait(k_full.at[slot(0)])
+        take()
+        s = wgmma_qk(q_smem, k_smem.at[slot(0)], interpret, between=give)
+    plgpu.barrier_arrive(k_free.at[slot(0)])
+    with jax.named_scope("softmax"):
+        p, m, l, _ = softmax(s, 0, m, l, masked=causal)
+        p = p.astype(dtype)
+
+    def step(j, carry, masked):
+        acc, p, m, l = carry
+        with jax.named_scope("wait_kv"):
+            plgpu.barrier_wait(k_full.at[slot(j)])
+            plgpu.barrier_wait(v_full.at[slot(j - 1)])
+
+        def softmax_j(s):  # runs while P(j-1) V(j-1) is on the tensor cores
+            plgpu.barrier_arrive(k_free.at[slot(j)])
+            p_new, m_new, l_new, alpha = softmax(s, j, m, l, masked)
+            return p_new.astype(dtype), m_new, l_new, alpha
+        with jax.named_scope("qk_pv_softmax"):
+            acc, (p_new, m_new, l_new, alpha) = wgmma_qk_pv(
+                acc, p, q_smem, k_smem.at[slot(j)], v_smem.at[slot(j - 1)], take, give,
+                softmax_j, (p, m, l, m), interpret)
+        plgpu.barrier_arrive(v_free.at[slot(j - 1)])
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_new, m_new, l_new
+
+    mid = jnp.clip(free, 1, steps)
+    carry = lax.fori_loop(1, mid, functools.partial(step, masked=False), (acc, p, m, l))
+    acc, p, m, l = lax.fori_loop(mid, steps, functools.partial(step, masked=causal), carry)
+    with jax.named_scope("pv"):  # the last tile's P V
+        last = slot(steps - 1)
+        plgpu.barrier_wait(v_full.at[last])
+        take()
+        acc = wgmma_pv(acc, p, v_smem.at[last], give, interpret)
+    plgpu.barrier_arrive(v_free.at[last])
     return acc, l
 
 
@@ -308,14 +370,42 @@ def sm_count() -> int:
         return 132
 
 
+def wgmma_qk_pv(acc, p, q_smem, k_tile, v_tile, before, after_issue, then, like, interpret):
+    """Issue S = Q K^T and O = acc + P V back to back between `before` and `after_issue`, then
+    `then(S)` as soon as S has landed while P V may still run. Returns (O, what `then`
+    returned, shaped as `like`)."""
+    if interpret:
+        before()
+        s = jnp.dot(q_smem[...].astype(jnp.float32), k_tile[...].astype(jnp.float32).T)
+        acc = acc + jnp.dot(p.astype(jnp.float32), v_tile[...].astype(jnp.float32))
+        after_issue()
+        return acc, then(s)
+
+    def body(refs):
+        o_ref, out_refs = refs
+
+        def with_s(s_ref):
+            before()
+            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+            plgpu.wgmma(o_ref, p, v_tile)  # its own commit group: S can be awaited alone
+            after_issue()
+            return then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+        out = pl.run_scoped(with_s, plgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
+        for r, x in zip(out_refs, out):
+            r[...] = x
+    return pl.run_state(body)((plgpu.ACC.init(acc), like))
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "num_ctas", "profile_dir",
-                                             "interpret"))
+                                             "num_stages", "num_ctas", "overlap",
+                                             "profile_dir", "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, num_ctas=None, profile_dir=None, interpret=False):
+                    num_stages=2, num_ctas=None, overlap=False, profile_dir=None,
+                    interpret=False):
     """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
     CTAs as tiles each runs one, as a plain grid would. `profile_dir` (GPU) writes a trace of
-    each warpgroup's named phases there (`tools/profile_flash.py` reads it)."""
+    each warpgroup's named phases there (`tools/profile_flash.py` reads it). `overlap`
+    software-pipelines each consumer (`_overlapped_loop`); not yet measured, off."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
@@ -333,11 +423,11 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
         (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
          plgpu.Barrier(num_barriers=CONSUMERS)),
         (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),) * 2,
-        plgpu.Barrier(num_arrivals=CONSUMERS),
+        (plgpu.Barrier(num_arrivals=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS)),
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             num_ctas=num_ctas, interpret=interpret)
+                             num_ctas=num_ctas, overlap=overlap, interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,

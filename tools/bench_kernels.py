@@ -59,9 +59,11 @@ LOG = []
 # test passed in a child process; `params` are its tiles (split count from the heuristic).
 MOSAIC_DECODE = dict(ok=False, params=dict(block_k=64, num_stages=4))
 # Mosaic flash variants tried by --sweep: persistent (one CTA per SM looping over the query
-# tiles) against one CTA per tile (num_ctas past the tile count), 128- and 64-key tiles.
+# tiles) against one CTA per tile (num_ctas past the tile count), 128- and 64-key tiles, and
+# software-pipelined consumers (overlap).
 MOSAIC_VARIANTS = [dict(block_kv=128, num_stages=2), dict(block_kv=128, num_stages=2,
-                   num_ctas=1 << 20), dict(block_kv=64, num_stages=3)]
+                   num_ctas=1 << 20), dict(block_kv=64, num_stages=3),
+                   dict(block_kv=128, num_stages=2, overlap=True)]
 
 
 def log(*a):
@@ -405,12 +407,19 @@ def sweep(args):
     for variant in MOSAIC_VARIANTS if mosaic else []:
         kw = dict(block_q=64, **variant)
         for causal in (True, False):
-            ms = try_time("sweep", lambda q, k, v: K.flash_attention(
-                q, k, v, causal=causal, impl="pallas", backend="mosaic", **kw), q, k, v)
+            fn = lambda q, k, v: K.flash_attention(q, k, v, causal=causal, impl="pallas",
+                                                   backend="mosaic", **kw)
+            try:  # a variant is only a candidate if it agrees with cuDNN
+                err = rel_err(jax.jit(fn)(q, k, v), jax.jit(
+                    lambda q, k, v: cudnn_attention(q, k, v, causal))(q, k, v))
+            except Exception as e:
+                err = None
+                log(f"  mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            ms = try_time("sweep", fn, q, k, v) if err is not None else None
             out.append(dict(kernel="flash_attention", backend="mosaic", seq=4096, causal=causal,
-                            ms=ms, **kw))
-            log(f"sweep flash mosaic causal={causal} S=4096 {kw}: {ms}")
-            if causal and ms and (best is None or ms < best[0]):
+                            ms=ms, rel_err_vs_cudnn=err, **kw))
+            log(f"sweep flash mosaic causal={causal} S=4096 {kw}: {ms} ms, err {err}")
+            if causal and ms and err < 2e-2 and (best is None or ms < best[0]):
                 best = (ms, kw)
     if best:
         tuning.TABLE[key] = dict(tuning.TABLE[key], flash_mosaic=best[1])
@@ -496,12 +505,14 @@ from pallasite.kernels import flash_attention, reference
 ks = jax.random.split(jax.random.PRNGKey(0), 3)
 q, k, v = (jax.random.normal(x, (1, 256, 4, 128), jnp.bfloat16) for x in ks)
 k, v = k[:, :, :2], v[:, :, :2]
-for c, n in ((True, None), (False, None), (True, 3), (False, 3)):
-    o = flash_attention(q, k, v, causal=c, impl="pallas", backend="mosaic", num_ctas=n)
+for c, n, ov in ((True, None, False), (False, None, False), (True, 3, False), (False, 3, False),
+                 (True, 3, True), (False, 3, True)):
+    o = flash_attention(q, k, v, causal=c, impl="pallas", backend="mosaic", num_ctas=n,
+                        overlap=ov)
     r = reference.attention_reference(q, k, v, causal=c)
     e = float(jnp.linalg.norm((o - r).astype(float)) / jnp.linalg.norm(r.astype(float)))
-    print("mosaic smoke flash causal", c, "ctas", n, "rel err", e, flush=True)
-    assert e < 2e-2, e
+    print("mosaic smoke flash causal", c, "ctas", n, "overlap", ov, "rel err", e, flush=True)
+    assert e < 2e-2 or ov, e  # the overlap variant is a sweep candidate, not the default
 """
 
 PAGED_SMOKE = """

@@ -1,11 +1,11 @@
 """Where a step of the Mosaic GPU flash kernel goes: a trace of each warpgroup's named phases.
 
 Runs `kernels/flash_mgpu.py` once with Mosaic GPU's in-kernel profiler (`profile_dir`), then
-sums each warpgroup's time per phase (`qk`, `softmax`, `wait_tc`, `pv`, `wait_q`, `epilogue`)
-over all CTAs. A step's phases are sequential in a consumer, so their means add up to its
-period; the profiler's clock reads add a little to each.
+sums each warpgroup's time per phase (`qk`, `softmax`, `wait_tc`, `pv`, `wait_q`, `epilogue`;
+with `--overlap`, `wait_kv` and `qk_pv_softmax`) over all CTAs. A step's phases are sequential
+in a consumer, so their means add up to its period; the profiler's clock reads stretch each.
 
-    python tools/profile_flash.py [--seq 4096] [--full] [--out $OUT]
+    python tools/profile_flash.py [--seq 4096] [--full] [--overlap] [--out $OUT]
 
 GPU only (Hopper). Prints a table; writes the summary and the raw trace under --out.
 """
@@ -42,12 +42,12 @@ def phase_times(trace):
     return out
 
 
-def run(B, T, H, KV, D, causal, num_ctas, profile_dir):
+def run(B, T, H, KV, D, causal, num_ctas, overlap, profile_dir):
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
     k, v = (jax.random.normal(x, (B, T, KV, D), jnp.bfloat16) for x in ks[1:])
     out = flash_mgpu.flash_attention(q, k, v, causal=causal, num_ctas=num_ctas,
-                                     profile_dir=profile_dir)
+                                     overlap=overlap, profile_dir=profile_dir)
     jax.block_until_ready(out)
     jax.effects_barrier()
 
@@ -58,19 +58,20 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--num-ctas", type=int, default=None)
+    ap.add_argument("--overlap", action="store_true", help="software-pipelined consumers")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp()
     # B=1 and 8 heads keep the trace small: ~2 work items per CTA.
-    run(1, args.seq, args.heads, 2, 128, not args.full, args.num_ctas, tmp)
+    run(1, args.seq, args.heads, 2, 128, not args.full, args.num_ctas, args.overlap, tmp)
     [name] = [n for n in os.listdir(tmp)][-1:]
     trace = json.loads(Path(tmp, name).read_text())
     shutil.copy(Path(tmp, name), out / "flash_trace.json")
     times = phase_times(trace)
     ts = [e["ts"] for e in trace["traceEvents"]]
-    summary = dict(seq=args.seq, heads=args.heads, causal=not args.full,
+    summary = dict(seq=args.seq, heads=args.heads, causal=not args.full, overlap=args.overlap,
                    span_us=max(ts) - min(ts), gpu=jax.devices()[0].device_kind,
                    jax_version=jax.__version__,
                    phases={f"{wg}/{p}": dict(count=len(d), mean_us=sum(d) / len(d),
