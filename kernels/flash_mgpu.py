@@ -126,11 +126,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
         @pl.loop(0, rounds, init_carry=jnp.int32(0))
         def _tile(i, g):  # g: the ring position of this tile's first key tile
             valid, b, h, tile = locate(cta, i)
+            steps = cta_steps(tile)
             nxt = locate(cta, i + 1)
             prefetch_q = lambda: pl.when(nxt[0])(lambda: load_q(*nxt[1:]))
-            pl.when(valid)(lambda: consume(b=b, h=h, tile=tile, g=g, cta_steps=cta_steps(tile),
+            pl.when(valid)(lambda: consume(b=b, h=h, tile=tile, g=g, cta_steps=steps,
                                            prefetch_q=prefetch_q))
-            return g + jnp.where(valid, cta_steps(tile), 0)
+            return g + jnp.where(valid, steps, 0)
         if overlap:  # the turn consumer 1 passed last is never taken: observe it
             pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
         plgpu.wait_smem_to_gmem(0)
