@@ -22,18 +22,19 @@ hit L2.
 Limits (callers fall back to `flash.py` otherwise): T a multiple of 2 * block_q, S of block_kv,
 S >= T when causal, no segment ids.
 
-What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 545-560 TFLOP/s, 55%-57% of
-the 989 TFLOP/s bf16 tensor-core peak (a large matrix product reaches 798): 1.02x-1.04x cuDNN
-causal and 0.96x-1.0x full. A work item's 128-key step takes ~1.9 us against ~1.1 us of
-tensor-core work at peak. `tools/profile_flash.py` shows why: the softmax is 45%-47% of a
-consumer's time, about twice one product's, and each consumer runs its S, softmax and P V in
-turn, so a step lasts at least one softmax plus two products; the tensor cores idle meanwhile.
+What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 550-570 TFLOP/s, 56%-58% of
+the 989 TFLOP/s bf16 tensor-core peak (a large matrix product reaches 798): 1.02x-1.13x cuDNN
+causal (cuDNN moves more between runs than this kernel) and 0.96x-1.0x full. A work item's
+128-key step takes ~1.9 us against ~1.1 us of tensor-core work at peak. The softmax is why
+(`tools/profile_flash.py`, `tools/ncu_flash.py`): it holds half of a consumer's time, and it is
+latency-bound (a warp issues in a quarter of its cycles; the row max and sum are chains of
+dependent instructions), while each consumer runs its S, softmax and P V in turn, so a step
+lasts at least one softmax plus two products and the tensor cores idle meanwhile.
 `overlap=True` takes the softmax off that chain as FlashAttention-3 does: a consumer issues
-S(j) and P(j-1) V(j-1) in one turn and runs tile j's softmax while P V is in flight; the two
-consumers hand the tensor cores to each other through a pair of turn barriers, so their issue
-phases alternate. An earlier pipelined variant (commit 114bdfd) met the other consumer twice a
-step, which lines both softmaxes up, and measured slower; this one has not run on a GPU yet,
-so it stays off until `tools/bench_kernels.py --sweep` picks it.
+S(j) and P(j-1) V(j-1) in one turn and runs tile j's softmax while P V is in flight (the
+diagonal tiles excepted, see `wgmma_qk_pv`); the two consumers hand the tensor cores to each
+other through a pair of turn barriers, so their issue phases alternate. Measured on the H100 it
+is no faster (1.044 vs 0.967 ms causal, 1.992 vs 1.984 full, same run), so it stays off.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -197,12 +198,11 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
         pl.when(wg == 1)(schedule)  # consumer 1 starts half a step behind consumer 0
 
     iota = functools.partial(wgmma_iota, (block_q, block_kv), interpret=interpret)
-    rows, cols = row0 + offset + iota(0), iota(1)
 
     def softmax(s, t, m, l, masked):
         """Online softmax of key tile t: P (in the input dtype), new max, new sum, rescale."""
-        if masked:
-            s = jnp.where(rows >= t * block_kv + cols, s, -jnp.inf)
+        if masked:  # the iotas are built here, not held in registers across the key loop
+            s = jnp.where(iota(0) + (row0 + offset - t * block_kv) >= iota(1), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1) * scale)
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -304,7 +304,7 @@ def _overlapped_loop(softmax, acc, m, l, *, take, give, q_smem, k_smem, v_smem, 
         with jax.named_scope("qk_pv_softmax"):
             acc, (p_new, m_new, l_new, alpha) = wgmma_qk_pv(
                 acc, p, q_smem, k_smem.at[slot(j)], v_smem.at[slot(j - 1)], take, give,
-                softmax_j, (p, m, l, m), interpret)
+                softmax_j, (p, m, l, m), interpret, overlap_then=not masked)
         plgpu.barrier_arrive(v_free.at[slot(j - 1)])
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_new, m_new, l_new
 
@@ -371,10 +371,11 @@ def sm_count() -> int:
         return 132
 
 
-def wgmma_qk_pv(acc, p, q_smem, k_tile, v_tile, before, after_issue, then, like, interpret):
+def wgmma_qk_pv(acc, p, q_smem, k_tile, v_tile, before, after_issue, then, like, interpret,
+                overlap_then=True):
     """Issue S = Q K^T and O = acc + P V back to back between `before` and `after_issue`, then
-    `then(S)` as soon as S has landed while P V may still run. Returns (O, what `then`
-    returned, shaped as `like`)."""
+    `then(S)` as soon as S has landed while P V may still run (or, with `overlap_then=False`,
+    once both have landed). Returns (O, what `then` returned, shaped as `like`)."""
     if interpret:
         before()
         s = jnp.dot(q_smem[...].astype(jnp.float32), k_tile[...].astype(jnp.float32).T)
@@ -390,7 +391,10 @@ def wgmma_qk_pv(acc, p, q_smem, k_tile, v_tile, before, after_issue, then, like,
             plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
             plgpu.wgmma(o_ref, p, v_tile)  # its own commit group: S can be awaited alone
             after_issue()
-            return then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+            # A masked (diagonal) softmax under an in-flight P V made ptxas serialize every
+            # wgmma of the kernel (warning C7513; 1.41 vs 1.00 ms causal on the H100): the
+            # diagonal tiles wait for P V first, and the warning is gone.
+            return then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if overlap_then else 0))
         out = pl.run_scoped(with_s, plgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
         for r, x in zip(out_refs, out):
             r[...] = x
@@ -406,7 +410,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
     CTAs as tiles each runs one, as a plain grid would. `profile_dir` (GPU) writes a trace of
     each warpgroup's named phases there (`tools/profile_flash.py` reads it). `overlap`
-    software-pipelines each consumer (`_overlapped_loop`); not yet measured, off."""
+    software-pipelines each consumer (`_overlapped_loop`); measured no faster on the H100, off."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
