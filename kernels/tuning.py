@@ -17,6 +17,10 @@ _DEFAULT = {
     "flash_mosaic": dict(block_q=64, block_kv=128, num_stages=2),
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
+    # Mosaic GPU decode (Hopper, on request): the H100 sweep of 2026-11-23
+    # (tools/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages, 16 splits 69.6 us;
+    # 64-key tiles 70.6 (4 stages) to 78.7 us.
+    "decode_mosaic": dict(block_k=128, num_stages=2),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline.
     "splits": dict(target_programs=528, max_splits=16),

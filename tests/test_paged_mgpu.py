@@ -126,3 +126,21 @@ def test_paged_mgpu_lowers_for_hopper(S, H, KV, D, page_size, kw):
     lowered = paged_mgpu.paged_attention.trace(q, kp, kp, ints(S), ints(S, pps), **kw).lower(
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_decode_backend_choice(monkeypatch):
+    """kernels.paged_attention runs the Triton kernel unless backend= (or the environment) asks
+    for the Mosaic GPU one; a backend that cannot take the call says why. Through the Mosaic
+    path in the interpreter, the result is the reference's."""
+    from pallasite import kernels
+    q, kp, vp, ctx, table = decode_case(31, [300], 8, 2, 64, 16, jnp.bfloat16)
+    assert kernels.decode_backend(q, kp, table) == "triton"
+    assert kernels.decode_backend(q, kp, table, backend="mosaic") == "mosaic"
+    monkeypatch.setenv("PALLASITE_DECODE_BACKEND", "mosaic")
+    assert kernels.decode_backend(q, kp, table) == "mosaic"
+    with pytest.raises(ValueError, match="Mosaic GPU decode kernel cannot take this call: dtype"):
+        kernels.decode_backend(q.astype(jnp.float32), kp.astype(jnp.float32), table)
+    with pytest.raises(ValueError, match="not one of"):
+        kernels.decode_backend(q, kp, table, backend="cuda")
+    out = kernels.paged_attention(q, kp, vp, ctx, table, num_splits=2, interpret=True)
+    assert rel_err(out, reference.paged_attention_reference(q, kp, vp, ctx, table)) < 1e-2
