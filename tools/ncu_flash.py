@@ -1,0 +1,117 @@
+"""Where the Mosaic GPU flash kernel stalls, instruction by instruction (Nsight Compute).
+
+Times the kernel's variants beside cuDNN, then, under `ncu`, runs each asked variant once more
+between cuProfilerStart/Stop so that only those launches are profiled:
+
+    python tools/ncu_flash.py --time                       # variants and cuDNN, same run
+    ncu --clock-control none --profile-from-start off --section SourceCounters \\
+        --section WarpStateStats -o flash python tools/ncu_flash.py --variants stag,ovl
+    ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
+    python tools/ncu_flash.py --summarize sass.csv.gz      # stall samples by opcode and phase
+
+B=4, S=4096, 32/8 heads, head_dim 128, bf16, causal unless --full. GPU only (Hopper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import ctypes
+import gzip
+import io
+
+# Variants of kernels/flash_mgpu.py by name: staggered consumers, pipelined consumers.
+VARIANTS = {"stag": dict(), "ovl": dict(overlap=True)}
+
+
+def inputs(causal_seq=4096):
+    import jax
+    import jax.numpy as jnp
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(ks[0], (4, causal_seq, 32, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (4, causal_seq, 8, 128), jnp.bfloat16) for x in ks[1:])
+    return q, k, v
+
+
+def profiled(names, causal):
+    """Compile each variant, then run it once inside the profiler's window."""
+    import jax
+    from pallasite.kernels import flash_mgpu
+    q, k, v = inputs()
+    fns = [jax.jit(lambda q, k, v, kw=VARIANTS[n]: flash_mgpu.flash_attention(
+        q, k, v, causal=causal, **kw)) for n in names]
+    for f in fns:
+        jax.block_until_ready(f(q, k, v))
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for f in fns:
+        cuda.cuProfilerStart()
+        jax.block_until_ready(f(q, k, v))
+        cuda.cuProfilerStop()
+
+
+def timed(names):
+    import jax
+    from pallasite.kernels import flash_mgpu
+    from pallasite.tools.bench_kernels import cudnn_attention, rel_err, time_ms
+    q, k, v = inputs()
+    print("| variant | causal ms | full ms |\n|---|---|---|")
+    for name in ["cudnn"] + names:
+        row = []
+        for causal in (True, False):
+            if name == "cudnn":
+                fn = lambda q, k, v: cudnn_attention(q, k, v, causal)
+            else:
+                fn = lambda q, k, v, kw=VARIANTS[name]: flash_mgpu.flash_attention(
+                    q, k, v, causal=causal, **kw)
+                ref = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, causal))(q, k, v)
+                assert rel_err(jax.jit(fn)(q, k, v), ref) < 2e-2, name
+            row.append(time_ms(fn, q, k, v, reps=21))
+        print(f"| {name} | {row[0]:.3f} | {row[1]:.3f} |", flush=True)
+
+
+def summarize(path, top=40):
+    """Stall samples of a `--page source --print-source sass` CSV: by opcode, then the hottest
+    instructions."""
+    text = gzip.open(path, "rt").read() if path.endswith(".gz") else open(path).read()
+    rows = list(csv.DictReader(io.StringIO(text[text.index('"'):])))
+    if not rows:
+        print("no rows")
+        return
+    cols = list(rows[0])
+    samp = next(c for c in cols if "Sampling" in c and "All" in c)
+    src = next(c for c in cols if c.strip('"') == "Source")
+    num = lambda r: float((r.get(samp) or "0").replace(",", "") or 0)
+    total = sum(num(r) for r in rows) or 1
+    by_op = collections.Counter()
+    for r in rows:
+        by_op[r[src].split()[0] if r[src].split() else "?"] += num(r)
+    print(f"columns: {cols}\n{len(rows)} instructions, {total:.0f} samples")
+    for op, n in by_op.most_common(25):
+        print(f"  {op:24s} {100 * n / total:5.1f}%")
+    stall_cols = [c for c in cols if c.startswith("stall_") or "Stall" in c]
+    for r in sorted(rows, key=num, reverse=True)[:top]:
+        why = sorted(((float((r.get(c) or "0").replace(",", "") or 0), c) for c in stall_cols
+                      if c != samp), reverse=True)[:3]
+        print(f"  {100 * num(r) / total:5.1f}%  {r[src][:60]:60s} "
+              + " ".join(f"{c}={v:.0f}" for v, c in why if v))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="stag,ovl")
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--summarize", metavar="CSV")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    if args.summarize:
+        summarize(args.summarize)
+    elif args.time:
+        timed(names)
+    else:
+        profiled(names, causal=not args.full)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Decode at the two target cases (batch 64 / context 4k, batch 1 / 32k), in one run: tile and
+split variants of the Triton kernel (`kernels/paged.py`) and the Mosaic GPU kernel
+(`kernels/paged_mgpu.py`), beside JAX's paged kernel and the copy ceiling.
+
+    python tools/sweep_decode.py --out $OUT        # GPU, about 3 minutes
+
+Prints one table last; writes every row to --out/sweep_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasite.tools.bench_kernels import (K, copy_ceiling, jax_paged_reference, paged_inputs,
+                                           rel_err, time_ms)
+from pallasite.kernels import paged_mgpu, reference
+
+H, KV, D = 32, 8, 128
+TRITON = [dict(), dict(num_warps=8), dict(block_rows=16), dict(num_stages=4),
+          dict(num_splits=2), dict(pages_per_block=8, num_stages=2)]
+MOSAIC_TILES = ((64, 2), (64, 4), (128, 2), (128, 3))
+MOSAIC_SPLITS = {64: (1, 2), 1: (8, 16, 32)}  # by batch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    rows, rng = [], np.random.default_rng(7)
+    ceiling = copy_ceiling()["best"]
+
+    def row(case, name, ms, nbytes, err=None):
+        r = dict(case=case, name=name, ms=ms, err=err,
+                 frac_of_copy=nbytes / (ms / 1e3) / 1e12 / ceiling if ms else None)
+        rows.append(r)
+        print(f"{case} {name}: {ms} ms, {r['frac_of_copy']}, err {err}", flush=True)
+
+    for B, C in ((64, 4096), (1, 32768)):
+        case = f"B={B} ctx={C}"
+        q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16,
+                                               jnp.bfloat16)
+        q = q.reshape(B, H, D)
+        nbytes = 2 * B * C * KV * D * 2
+        ref = jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table)
+        row(case, "jax paged", time_ms(jax_paged_reference, q, kp, vp, ctx, table, loop=True),
+            nbytes)
+        for kw in TRITON:
+            fn = lambda q, kp, vp, ctx, table, kw=kw: K.paged_attention(
+                q, kp, vp, ctx, table, impl="pallas", **kw)
+            err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
+            row(case, f"triton {kw}", time_ms(fn, q, kp, vp, ctx, table, loop=True), nbytes, err)
+        for kw in [dict(block_k=bk, num_stages=st, num_splits=sp)
+                   for bk, st in MOSAIC_TILES for sp in MOSAIC_SPLITS[B]]:
+            fn = lambda q, kp, vp, ctx, table, kw=kw: paged_mgpu.paged_attention(
+                q, kp, vp, ctx, table, **kw)
+            try:
+                err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
+                row(case, f"mosaic {kw}", time_ms(fn, q, kp, vp, ctx, table, loop=True),
+                    nbytes, err)
+            except Exception as e:
+                print(f"{case} mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        del q, kp, vp
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep_decode.json").write_text(json.dumps(dict(
+        gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, copy_tbps=ceiling,
+        rows=rows), indent=1))
+    print(f"\ncopy ceiling {ceiling:.2f} TB/s\n| case | variant | ms | of copy | rel err |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        f = r["frac_of_copy"]
+        print(f"| {r['case']} | {r['name']} | {r['ms'] and round(r['ms'], 4)} | "
+              f"{'-' if not f else f'{100 * f:.0f}%'} | {r['err'] and round(r['err'], 4)} |")
+
+
+if __name__ == "__main__":
+    main()
