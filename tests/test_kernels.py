@@ -258,3 +258,21 @@ def test_profile_phase_times_pairs_nested_events():
     assert t[("consumer 0", "qk")] == [4.0]
     assert t[("consumer 0", "softmax")] == [2.5]
     assert sorted(t[("consumer 1", "pv")]) == [0.5, 0.5]
+
+
+def test_ncu_summary_reads_each_kernel(tmp_path, capsys):
+    """tools/ncu_flash.py's reading of Nsight Compute's source page: one block per profiled
+    kernel, stall reasons and opcodes as shares of that kernel's samples, predicates skipped."""
+    from pallasite.tools.ncu_flash import summarize
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","stall_wait",'
+            '"stall_long_sb","stall_wait (Not Issued)"\n')
+    kernel = lambda rows: '"Kernel Name","k",\n' + head + "".join(
+        f'"0x{i}","{src}","{n}","{w}","{n - w}","0"\n' for i, (src, n, w) in enumerate(rows))
+    path = tmp_path / "sass.csv"
+    path.write_text(kernel([("FADD R1, R2, R3", 30, 30), ("@!P1  BRA 0x10", 70, 0)])
+                    + kernel([("MUFU.EX2 R1, R1", 5, 5)]))
+    summarize(str(path))
+    out = capsys.readouterr().out
+    assert "kernel 0: 2 instructions, 100 samples" in out
+    assert "long_sb 70%, wait 30%" in out and "BRA 70%, FADD 30%" in out
+    assert "kernel 1: 1 instructions, 5 samples" in out and "MUFU 100%" in out

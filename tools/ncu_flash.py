@@ -70,31 +70,29 @@ def timed(names):
         print(f"| {name} | {row[0]:.3f} | {row[1]:.3f} |", flush=True)
 
 
-def summarize(path, top=40):
-    """Stall samples of a `--page source --print-source sass` CSV: by opcode, then the hottest
-    instructions."""
+def summarize(path, top=25):
+    """Stall samples of a `--page source --print-source sass` CSV, kernel by kernel: the stall
+    reasons, the opcodes, then the hottest instructions."""
     text = gzip.open(path, "rt").read() if path.endswith(".gz") else open(path).read()
-    rows = list(csv.DictReader(io.StringIO(text[text.index('"'):])))
-    if not rows:
-        print("no rows")
-        return
-    cols = list(rows[0])
-    samp = next(c for c in cols if "Sampling" in c and "All" in c)
-    src = next(c for c in cols if c.strip('"') == "Source")
-    num = lambda r: float((r.get(samp) or "0").replace(",", "") or 0)
-    total = sum(num(r) for r in rows) or 1
-    by_op = collections.Counter()
-    for r in rows:
-        by_op[r[src].split()[0] if r[src].split() else "?"] += num(r)
-    print(f"columns: {cols}\n{len(rows)} instructions, {total:.0f} samples")
-    for op, n in by_op.most_common(25):
-        print(f"  {op:24s} {100 * n / total:5.1f}%")
-    stall_cols = [c for c in cols if c.startswith("stall_") or "Stall" in c]
-    for r in sorted(rows, key=num, reverse=True)[:top]:
-        why = sorted(((float((r.get(c) or "0").replace(",", "") or 0), c) for c in stall_cols
-                      if c != samp), reverse=True)[:3]
-        print(f"  {100 * num(r) / total:5.1f}%  {r[src][:60]:60s} "
-              + " ".join(f"{c}={v:.0f}" for v, c in why if v))
+    for i, part in enumerate(text.split('"Kernel Name"')[1:]):
+        rows = list(csv.DictReader(io.StringIO(part[part.index("\n") + 1:])))
+        samples = "Warp Stall Sampling (All Samples)"
+        num = lambda r, c=samples: float((r.get(c) or "0").replace(",", "") or 0)
+        total = sum(num(r) for r in rows) or 1
+        reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+        print(f"kernel {i}: {len(rows)} instructions, {total:.0f} samples")
+        by_reason = {c: sum(num(r, c) for r in rows) for c in reasons}
+        print("  " + ", ".join(f"{c[6:]} {100 * v / total:.0f}%" for c, v in
+                               sorted(by_reason.items(), key=lambda x: -x[1])[:8]))
+        by_op = collections.Counter()
+        for r in rows:
+            words = r["Source"].split()
+            by_op[words[words[0].startswith("@")].split(".")[0] if words else "?"] += num(r)
+        print("  " + ", ".join(f"{op} {100 * n / total:.0f}%" for op, n in by_op.most_common(12)))
+        for j, r in sorted(enumerate(rows), key=lambda x: -num(x[1]))[:top]:
+            why = sorted(((num(r, c), c[6:]) for c in reasons), reverse=True)[:2]
+            print(f"  {j:5d} {100 * num(r) / total:5.1f}%  {r['Source'].strip()[:56]:56s} "
+                  + " ".join(f"{c}={v:.0f}" for v, c in why if v))
 
 
 def main():
