@@ -83,20 +83,23 @@ def _mosaic_decode_params(q, k_pages, page_table, blocks):
 
 
 def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
-    """"triton" (any GPU; `paged.py`) or "mosaic" (Hopper; `paged_mgpu.py`) for a decode call,
-    as `backend` or `PALLASITE_DECODE_BACKEND` asks; Triton by default. The Mosaic GPU kernel
-    measured level with the Triton one on the H100 (batch 1 at 32k: 65-70 us each; batch 64 at
-    4k: 0.394 vs 0.389 ms), so nothing picks it automatically. Asking for it where it cannot
-    run raises with the reason."""
+    """"triton" (any GPU; `paged.py`) or "mosaic" (Hopper; `paged_mgpu.py`) for a decode call.
+    None picks what measured fastest on this GPU (`tuning.decode_backend`: Mosaic GPU on the
+    H200, Triton on the H100, where the two are level) wherever it takes the call;
+    `PALLASITE_DECODE_BACKEND` overrides. Tile keywords without a backend keep the Triton
+    kernel they were written for. Asking for Mosaic GPU where it cannot run raises with the
+    reason."""
     from . import paged_mgpu
-    backend = backend or os.environ.get("PALLASITE_DECODE_BACKEND") or "triton"
-    if backend not in ("mosaic", "triton"):
-        raise ValueError(f"decode backend {backend!r} is not one of 'mosaic', 'triton'")
+    asked = backend or os.environ.get("PALLASITE_DECODE_BACKEND")
+    if asked not in (None, "mosaic", "triton"):
+        raise ValueError(f"decode backend {asked!r} is not one of 'mosaic', 'triton'")
+    backend = asked or ("triton" if blocks or not _is_hopper() else tuning.decode_backend())
     if backend == "mosaic":
         why = paged_mgpu.supported(q, k_pages, **_mosaic_decode_params(q, k_pages, page_table,
                                                                          blocks))
-        if why:
+        if why and asked:
             raise ValueError(f"the Mosaic GPU decode kernel cannot take this call: {why}")
+        return "triton" if why else "mosaic"
     return backend
 
 

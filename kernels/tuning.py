@@ -17,9 +17,9 @@ _DEFAULT = {
     "flash_mosaic": dict(block_q=64, block_kv=128, num_stages=2),
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
-    # Mosaic GPU decode (Hopper, on request): the H100 sweep of 2026-11-23
-    # (tools/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages, 16 splits 69.6 us;
-    # 64-key tiles 70.6 (4 stages) to 78.7 us.
+    # Mosaic GPU decode (Hopper; "decode_backend" says where it is the default). H100 and H200
+    # sweeps of 2026-11-23 (tools/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
+    # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline.
@@ -37,10 +37,16 @@ _H100 = dict(
     ragged=dict(block_rows=64, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True),
 )
 
+# H200, JAX 0.11.2, `tools/sweep_decode.py` (2026-11-23, docs/benchmarks/h200_sweep_decode_*):
+# with 1.4x the H100's bandwidth, the Mosaic GPU decode kernel's TMA page copies pay where the
+# Triton kernel's pointer gathers do not keep up: batch 64 at 4k 0.280 vs 0.301 ms, batch 1 at
+# 32k 53.8 vs 64.0 us (on the H100 the two are level). Its other tiles are the H100's, not swept.
+_H200 = dict(_H100, decode_backend="mosaic")
+
 TABLE = {
     "default": _DEFAULT,
     "H100": _H100,
-    "H200": _H100,  # not swept yet: same Hopper chip, more bandwidth
+    "H200": _H200,
 }
 
 
@@ -57,6 +63,11 @@ def params(kernel: str, page_size: int | None = None) -> dict:
     if page_size is not None and "block_k" in p:
         p["pages_per_block"] = max(1, p.pop("block_k") // page_size)
     return p
+
+
+def decode_backend() -> str:
+    """The decode kernel that measured fastest on this GPU: "triton" or "mosaic"."""
+    return TABLE[gpu_key()].get("decode_backend", "triton")
 
 
 def num_splits(work_items: int, max_tiles: int) -> int:

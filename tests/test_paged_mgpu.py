@@ -129,17 +129,28 @@ def test_paged_mgpu_lowers_for_hopper(S, H, KV, D, page_size, kw):
 
 
 def test_decode_backend_choice(monkeypatch):
-    """kernels.paged_attention runs the Triton kernel unless backend= (or the environment) asks
-    for the Mosaic GPU one; a backend that cannot take the call says why. Through the Mosaic
-    path in the interpreter, the result is the reference's."""
+    """kernels.paged_attention runs the decode kernel the tuning table names for this GPU
+    (Triton off Hopper and on the H100, Mosaic GPU on the H200) where it takes the call, else
+    Triton; backend= (or the environment) overrides, and an asked-for backend that cannot take
+    the call says why. Through the Mosaic path in the interpreter, the result is the
+    reference's."""
     from pallasite import kernels
+    from pallasite.kernels import tuning
     q, kp, vp, ctx, table = decode_case(31, [300], 8, 2, 64, 16, jnp.bfloat16)
-    assert kernels.decode_backend(q, kp, table) == "triton"
-    assert kernels.decode_backend(q, kp, table, backend="mosaic") == "mosaic"
+    f32 = q.astype(jnp.float32), kp.astype(jnp.float32)
+    assert kernels.decode_backend(q, kp, table) == "triton"  # no Hopper here
+    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
+    for gpu, want in (("H100", "triton"), ("H200", "mosaic")):
+        monkeypatch.setattr(tuning, "gpu_key", lambda gpu=gpu: gpu)
+        assert kernels.decode_backend(q, kp, table) == want
+    assert kernels.decode_backend(*f32, table) == "triton"  # Mosaic cannot take float32
+    assert kernels.decode_backend(q, kp, table, pages_per_block=2) == "triton"  # Triton's tiles
+    assert kernels.decode_backend(q, kp, table, backend="triton") == "triton"
+    monkeypatch.setattr(tuning, "gpu_key", lambda: "H100")
     monkeypatch.setenv("PALLASITE_DECODE_BACKEND", "mosaic")
     assert kernels.decode_backend(q, kp, table) == "mosaic"
     with pytest.raises(ValueError, match="Mosaic GPU decode kernel cannot take this call: dtype"):
-        kernels.decode_backend(q.astype(jnp.float32), kp.astype(jnp.float32), table)
+        kernels.decode_backend(*f32, table)
     with pytest.raises(ValueError, match="not one of"):
         kernels.decode_backend(q, kp, table, backend="cuda")
     out = kernels.paged_attention(q, kp, vp, ctx, table, num_splits=2, interpret=True)
