@@ -4,7 +4,8 @@
 GPU and "reference" elsewhere. `PALLASITE_ATTENTION_IMPL` overrides the automatic choice.
 `interpret=True` runs the Pallas kernels in Pallas's interpreter (any backend; used by the tests).
 Flash attention has two Pallas backends, Mosaic GPU on Hopper and Triton elsewhere
-(`flash_backend`).
+(`flash_backend`); so does decode, where the tuning table names the faster one per GPU
+(`decode_backend`).
 Extra keywords (block sizes, num_splits, ...) reach the Pallas kernels; defaults come from
 `tuning.py`.
 """
