@@ -7,7 +7,7 @@ between cuProfilerStart/Stop so that only those launches are profiled:
     ncu --clock-control none --profile-from-start off --section SourceCounters \\
         --section WarpStateStats -o flash python tools/ncu_flash.py --variants stag,ovl
     ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
-    python tools/ncu_flash.py --summarize sass.csv.gz      # stall samples by opcode and phase
+    python tools/ncu_flash.py --summarize sass.csv.gz      # stall samples by reason, opcode, instruction
 
 B=4, S=4096, 32/8 heads, head_dim 128, bf16, causal unless --full. GPU only (Hopper).
 """
@@ -25,12 +25,12 @@ import io
 VARIANTS = {"stag": dict(), "ovl": dict(overlap=True)}
 
 
-def inputs(causal_seq=4096):
+def inputs(seq=4096):
     import jax
     import jax.numpy as jnp
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(ks[0], (4, causal_seq, 32, 128), jnp.bfloat16)
-    k, v = (jax.random.normal(x, (4, causal_seq, 8, 128), jnp.bfloat16) for x in ks[1:])
+    q = jax.random.normal(ks[0], (4, seq, 32, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (4, seq, 8, 128), jnp.bfloat16) for x in ks[1:])
     return q, k, v
 
 
