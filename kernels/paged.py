@@ -4,17 +4,21 @@ Pallas with the Triton lowering.
 One kernel serves both. The flat token axis is cut into blocks of `block_rows // G` tokens that
 never cross a sequence (G = H // KV, the query heads that share one kv head). A program owns one
 block, one kv head and one split of the keys: its `block_rows` query rows are the block's tokens
-times the G heads of the group (q is packed [KV, T * G, D] outside the kernel), so each K/V page
-is read from HBM once for the whole group. Keys come in tiles of `pages_per_block` pages looked
+times the G heads of the group, gathered from q [T * H, D] where they lie (and the output written
+back the same way, so no transpose surrounds the launch), so each K/V page is read from HBM once
+for the whole group. Keys come in tiles of `pages_per_block` pages looked
 up in the page table; tiles wholly below the block's first causal position run without a mask.
 
 Split-K (flash-decoding): with `num_splits` > 1, a program takes an even share of its block's key
-tiles and writes a normalized partial output and its log-sum-exp; `_combine` merges the splits.
-Batch 1 with a long context then still fills the GPU.
+tiles and writes a normalized partial output and its log-sum-exp; `merge_splits` merges them in
+one more launch. Batch 1 with a long context then still fills the GPU.
 
 Block metadata (which sequence and first token each block has) is computed with jnp from
 query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; blocks past the
-real ones own no token and return at once. Tokens past query_start[-1] give zeros.
+real ones own no token and return at once. Tokens past query_start[-1] give zeros. Decode (one
+token per sequence) needs no metadata: block b is sequence b, so the call is the kernel alone
+(plus the merge with splits); each XLA op around a launch costs ~2-3 us, a twentieth of a batch-1
+32k decode.
 
 Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
 offsets must fit int32 (KV * num_pages * page_size * D < 2**31).
@@ -56,27 +60,46 @@ def block_metadata(query_start, num_tokens, tokens_per_block, num_blocks):
     return jnp.where(valid, seq, 0), jnp.where(valid, tok, num_tokens).astype(jnp.int32)
 
 
-def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs,
-            sm_scale, group, block_rows, pages_per_block, pages_per_seq, num_splits,
-            prefetch_pages):
+def _gather(*idx):
+    """An all-array index (each broadcast to one shape): Pallas's interpreter cannot mix index
+    arrays with slices, the Triton lowering takes either."""
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in idx))
+    return tuple(jnp.broadcast_to(i, shape) for i in idx)
+
+
+def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, pages_per_seq,
+            num_splits, prefetch_pages, decode):
+    if decode:  # block b is sequence b's one token: no metadata to read
+        ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
+        s = t0 = q_lo = pl.program_id(0)
+        q_hi = s + 1
+    else:
+        seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
+        b = pl.program_id(0)
+        s, t0 = seq_ref[b], tok_ref[b]
+        q_lo, q_hi = qs_ref[s], qs_ref[s + 1]
     D = q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     tpb = block_rows // group  # tokens per block
-    b, split = pl.program_id(0), pl.program_id(2)
-    s, t0 = seq_ref[b], tok_ref[b]
-    q_lo, q_hi, ctx = qs_ref[s], qs_ref[s + 1], ctx_ref[s]
+    h, split = pl.program_id(1), pl.program_id(2)
+    ctx = ctx_ref[s]
 
     r = jnp.arange(block_rows)
     tok = t0 + r // group
     row_ok = (tok < q_hi) & (r < tpb * group)
+    # q and the outputs are [T * H, D]: a row's (token, head) is read and written in place.
+    # Masked lanes never touch memory on the GPU; in the interpreter their rows are in bounds
+    # and distinct from the live ones, or out of bounds (clamped on load, dropped on store).
+    rows = tok * num_heads + h * group + r % group
+    at_rows = _gather(rows[:, None], jnp.arange(D)[None, :])
     pos = ctx - (q_hi - q_lo) + (tok - q_lo)  # cache position of each row's token
     first_pos = ctx - (q_hi - q_lo) + (t0 - q_lo)
     n_tok = jnp.clip(q_hi - t0, 0, tpb)
     kv_len = jnp.where(n_tok > 0, jnp.minimum(first_pos + n_tok, pages_per_seq * page_size), 0)
     kv_len = jnp.maximum(kv_len, 0)
 
-    q = plgpu.load(q_ref.at[pl.ds(t0 * group, block_rows), :], mask=row_ok[:, None], other=0.0)
+    q = plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0)
     scale = sm_scale * LOG2E
 
     def load_pages(j):
@@ -115,15 +138,15 @@ def _kernel(seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out
     _, o, m, l = lax.fori_loop(mid, hi, functools.partial(tile, masked=True), carry)
 
     o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
-    rows = pl.ds(t0 * group, block_rows)
-    plgpu.store(out_refs[0].at[rows, :], o.astype(out_refs[0].dtype), mask=row_ok[:, None])
+    plgpu.store(out_refs[0].at[at_rows], o.astype(out_refs[0].dtype), mask=row_ok[:, None])
     if num_splits > 1:  # base-2 log-sum-exp of this split; empty splits weigh nothing
         lse = jnp.where(l == 0.0, NEG_INF, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
         plgpu.store(out_refs[1].at[rows], lse, mask=row_ok)
 
 
 def _combine(o, lse):
-    """o [splits, ...rows, D] float32 normalized per split, lse [splits, ...rows] base 2."""
+    """o [splits, ...rows, D] float32 normalized per split, lse [splits, ...rows] base 2: the
+    reference for `merge_splits`."""
     m = jnp.max(lse, axis=0)
     w = jnp.exp2(lse - m[None])
     w = jnp.where(lse <= NEG_INF / 2, 0.0, w)
@@ -131,48 +154,86 @@ def _combine(o, lse):
     return jnp.sum(w[..., None] * o, axis=0) / jnp.where(den == 0, 1.0, den)[..., None]
 
 
-def pack(q, num_kv_heads):
-    """[T, H, D] -> [KV, T * G, D]: the G query heads of a kv head become rows of one block."""
+def _merge_kernel(live_ref, lse_ref, o_ref, out_ref, *, num_splits, block_rows, group,
+                  stride):
+    r0 = pl.program_id(0) * block_rows
+    rows = r0 + jnp.arange(block_rows)
+    ok = rows < out_ref.shape[0]
+    src = rows // group * stride + rows % group  # the input row of each output row
+    # Every split's rows in one load each (one round trip; loads in a loop went one by one).
+    sp = jnp.arange(pl.next_power_of_2(num_splits))[:, None]
+    live = (sp < num_splits) & ok[None, :]
+    lse = plgpu.load(lse_ref.at[_gather(sp, src[None, :])], mask=live, other=NEG_INF)
+    o = plgpu.load(o_ref.at[_gather(sp[:, :, None], src[None, :, None],
+                                    jnp.arange(o_ref.shape[-1])[None, None, :])],
+                   mask=live[:, :, None], other=0.0)
+    m = jnp.max(lse, axis=0)
+    w = jnp.where(lse <= NEG_INF / 2, 0.0, jnp.exp2(lse - m[None, :]))
+    den = jnp.sum(w, axis=0)
+    out = jnp.sum(w[:, :, None] * o, axis=0) / jnp.where(den == 0.0, 1.0, den)[:, None]
+    out = jnp.where((rows < live_ref[0])[:, None], out, 0.0)  # rows of no token: zeros
+    plgpu.store(out_ref.at[pl.ds(r0, block_rows), :], out.astype(out_ref.dtype),
+                mask=ok[:, None])
+
+
+def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block_rows=4,
+                 interpret=False):
+    """One launch that merges split-K partials o [splits, R, D] (float32, each normalized) by
+    their base-2 log-sum-exps lse [splits, R] -> [R, D]; output rows from `live_rows` on are
+    zeros. With `group` and `stride`, input rows come in groups of `stride` of which the first
+    `group` are kept (padded head groups) -> [R // stride * group, D].
+    (In jnp, `_combine` and the zeroing are three XLA kernels.)"""
+    NS, R, D = o.shape
+    group, stride = group or 1, stride or 1
+    n_out = R // stride * group
+    whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=NS, block_rows=block_rows, group=group,
+                          stride=stride),
+        grid=(pl.cdiv(n_out, block_rows),),
+        in_specs=[whole(1), whole(NS, R), whole(NS, R, D)],
+        out_specs=whole(n_out, D),
+        out_shape=jax.ShapeDtypeStruct((n_out, D), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="pallasite_merge_splits",
+    )(jnp.reshape(live_rows, (1,)).astype(jnp.int32), lse, o)
+
+
+def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
+           block_rows=64, pages_per_block=4, num_splits=1, num_warps=4, num_stages=2,
+           prefetch_pages=True, interpret=False):
+    """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start),
+    or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
+    per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32)."""
     T, H, D = q.shape
-    G = H // num_kv_heads
-    return q.reshape(T, num_kv_heads, G, D).transpose(1, 0, 2, 3).reshape(num_kv_heads, T * G, D)
-
-
-def pack_decode(q, num_kv_heads):
-    """Decode (one token per sequence): packed q and the (seq, tok, query_start) metadata."""
-    S = q.shape[0]
-    ids = jnp.arange(S, dtype=jnp.int32)
-    return pack(q, num_kv_heads), (ids, ids, jnp.arange(S + 1, dtype=jnp.int32))
-
-
-def attend(qp, k_pages, v_pages, seq, tok, query_start, context_lens, page_table, *, group,
-           sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1, num_warps=4,
-           num_stages=2, prefetch_pages=True, interpret=False):
-    """The kernel launch alone, on packed q [KV, T * G, D] and per-block (seq, tok): one
-    output [1, KV, T * G, D], or with splits per-split outputs and base-2 log-sum-exps."""
-    KV, P, page_size, D = k_pages.shape
+    KV, P, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
-    TG, num_blocks = qp.shape[1], seq.shape[0]
-    block_rows = max(block_rows, 16, pl.next_power_of_2(group))
+    G = H // KV
+    block_rows = max(block_rows, 16, pl.next_power_of_2(G))
+    num_blocks = S if meta is None else meta[0].shape[0]
     grid = (num_blocks, KV, num_splits)
-    whole = lambda n: pl.BlockSpec((n,), lambda b, h, sp: (0,))
-    in_specs = [
-        whole(num_blocks), whole(num_blocks), whole(S + 1), whole(S), whole(S * pages_per_seq),
-        pl.BlockSpec((None, TG, D), lambda b, h, sp: (h, 0, 0)),
-        pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0)),
-        pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0)),
-    ]
+    whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, sp: (0,) * len(shape))
+    per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0))
+    in_specs = [whole(S), whole(S * pages_per_seq), whole(T * H, D), per_head, per_head]
+    args = [context_lens.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1),
+            q.reshape(T * H, D), k_pages, v_pages]
+    if meta is not None:
+        seq, tok, query_start = meta
+        in_specs = [whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
+        args = [seq, tok, query_start.astype(jnp.int32)] + args
     if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((1, KV, TG, D), qp.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((T * H, D), q.dtype)]
+        out_specs = [whole(T * H, D)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((num_splits, KV, TG, D), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, KV, TG), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, TG, D), lambda b, h, sp: (sp, h, 0, 0)),
-                 pl.BlockSpec((None, None, TG), lambda b, h, sp: (sp, h, 0))][:len(out_shape)]
+        out_shape = [jax.ShapeDtypeStruct((num_splits, T * H, D), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, T * H), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, T * H, D), lambda b, h, sp: (sp, 0, 0)),
+                     pl.BlockSpec((None, T * H), lambda b, h, sp: (sp, 0))]
     kernel = functools.partial(
-        _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=group,
+        _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-        num_splits=num_splits, prefetch_pages=prefetch_pages)
+        num_splits=num_splits, prefetch_pages=prefetch_pages, decode=meta is None)
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -182,8 +243,7 @@ def attend(qp, k_pages, v_pages, seq, tok, query_start, context_lens, page_table
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="pallasite_ragged_paged_attention",
-    )(seq, tok, query_start.astype(jnp.int32), context_lens.astype(jnp.int32),
-      page_table.astype(jnp.int32).reshape(-1), qp, k_pages, v_pages)
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -193,7 +253,10 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                            sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
                            num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
                            prefetch_pages=True, interpret=False):
-    """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference."""
+    """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
+
+    A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and
+    writes the output in their own layout, and the split merge is one kernel too."""
     T, H, D = q.shape
     KV, P, page_size, _ = k_pages.shape
     S = page_table.shape[0]
@@ -203,23 +266,28 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                     ("pages_per_block", pages_per_block)):
         if x & (x - 1):
             raise ValueError(f"{name} {x} must be a power of two")
+    if one_token_per_seq and T != S:
+        raise ValueError(f"decode takes one token per sequence: {T=} tokens, {S=} sequences")
     G = H // KV
     tpb = max(block_rows, 16, pl.next_power_of_2(G)) // G
-    if one_token_per_seq:  # decode: block b is sequence b's one token
-        qp, (seq, tok, _) = pack_decode(q, KV)
-    else:
+    meta = None
+    if not one_token_per_seq:
         if num_blocks is None:  # enough for any split of T tokens into S sequences
             num_blocks = pl.cdiv(T, tpb) + S
-        qp = pack(q, KV)
-        seq, tok = block_metadata(query_start.astype(jnp.int32), T, tpb, num_blocks)
-    outs = attend(qp, k_pages, v_pages, seq, tok, query_start, context_lens, page_table,
-                  group=G, sm_scale=sm_scale, block_rows=block_rows,
-                  pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
-                  num_stages=num_stages, prefetch_pages=prefetch_pages, interpret=interpret)
-    o = outs[0][0] if num_splits == 1 else _combine(*outs)
-    o = o.reshape(KV, T, G, D).transpose(1, 0, 2, 3).reshape(T, H, D)
-    live = jnp.arange(T) < query_start[-1]  # rows no block wrote hold garbage: zero them
-    return jnp.where(live[:, None, None], o, 0).astype(q.dtype)
+        qs = query_start.astype(jnp.int32)
+        meta = (*block_metadata(qs, T, tpb, num_blocks), qs)
+    outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
+                  block_rows=block_rows, pages_per_block=pages_per_block,
+                  num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                  prefetch_pages=prefetch_pages, interpret=interpret)
+    live = T * H if one_token_per_seq else query_start[-1] * H  # later rows: no block wrote them
+    if num_splits > 1:
+        o = merge_splits(*outs, live, q.dtype, interpret=interpret)
+    elif one_token_per_seq:
+        o = outs[0]
+    else:
+        o = jnp.where((jnp.arange(T * H) < live)[:, None], outs[0], 0)
+    return o.reshape(T, H, D)
 
 
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,

@@ -15,7 +15,7 @@ One CTA per (kv head, split, sequence) runs two warpgroups:
   Each tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded in), then
   O += P V with P straight from registers.
 Split-K: a split takes an even share of the sequence's key tiles and writes a normalized float32
-output and its base-2 log-sum-exp, merged by `paged._combine`; a split with no tiles writes zeros
+output and its base-2 log-sum-exp, merged by `paged.merge_splits` (which also drops the padding rows); a split with no tiles writes zeros
 and NEG_INF. With one split the kernel writes the output in q's dtype. Outputs keep only the
 group's rows, rounded up to 8 (the shared-memory tile), not all 64.
 
@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu import wgmma_iota, wgmma_pv, wgmma_qk
-from .paged import _combine
+from .paged import merge_splits
 from .reference import NEG_INF
 
 LOG2E = math.log2(math.e)
@@ -97,7 +97,7 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_sta
             num_splits, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
     kv, split, s = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("seq")
-    ctx = ctx_ref[s]
+    ctx = jnp.minimum(ctx_ref[s], pt_ref.shape[1] * k_ref.shape[2])  # within the table
     lo, hi = _split_tiles(ctx, split, block_k=block_k, num_splits=num_splits)
     wg = lax.axis_index("wg")
     smem, (k_full, v_full, q_full), (k_free, v_free) = scratch
@@ -283,7 +283,6 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
     pages_per_seq = page_table.shape[1]
     max_tiles = pl.cdiv(pages_per_seq * page_size, block_k)
     num_stages = max(1, min(num_stages, pl.cdiv(max_tiles, num_splits)))
-    ctx = jnp.minimum(context_lens.astype(jnp.int32), pages_per_seq * page_size)
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     scratch = _scratch(q.dtype, D, block_k, num_stages, num_splits,
                        copies=block_k // min(page_size, block_k))
@@ -312,6 +311,11 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interp,
-    )(ctx, page_table.astype(jnp.int32), pack(q, KV), k_pages, v_pages)
-    o = out if num_splits == 1 else _combine(*out)
-    return unpack(o, H).astype(q.dtype)
+    )(context_lens.astype(jnp.int32), page_table.astype(jnp.int32), pack(q, KV), k_pages,
+      v_pages)
+    if num_splits == 1:
+        return unpack(out, H)
+    o, lse = out  # merged and the padding rows dropped in one launch
+    o = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1), S * H, q.dtype,
+                     group=H // KV, stride=rows, interpret=bool(interpret))
+    return o.reshape(S, H, D)

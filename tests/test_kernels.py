@@ -189,6 +189,48 @@ def test_paged_attention(ctx, H, KV, page_size, splits):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("splits,R,live,group,stride", [
+    (3, 40, 40, None, None), (16, 37, 30, None, None), (5, 64, 64, 4, 8), (2, 48, 30, 6, 8)])
+def test_merge_splits(splits, R, live, group, stride):
+    """The one-launch split merge against `_combine`: empty splits (NEG_INF) weigh nothing,
+    rows from `live` on are zeros, padded head groups lose their padding rows."""
+    rng = np.random.default_rng(splits * R)
+    o = jnp.asarray(rng.standard_normal((splits, R, 32)), jnp.float32)
+    lse = jnp.asarray(rng.standard_normal((splits, R)) * 4, jnp.float32)
+    lse = lse.at[0, ::3].set(reference.NEG_INF).at[:, 1].set(reference.NEG_INF)
+    out = paged.merge_splits(o, lse, live, jnp.float32, group=group, stride=stride,
+                             interpret=True)
+    ref = paged._combine(o, lse)
+    if group:
+        ref = ref.reshape(R // stride, stride, -1)[:, :group].reshape(-1, 32)
+    ref = jnp.where((jnp.arange(ref.shape[0]) < live)[:, None], ref, 0)
+    assert out.shape == ref.shape
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(out[1]) == 0) and np.all(np.asarray(out[live:]) == 0)
+
+
+@pytest.mark.parametrize("splits,decode", [(1, True), (4, True), (1, False), (3, False)])
+def test_paged_triton_lowers_for_gpu(splits, decode):
+    """The Triton lowering without a GPU: index arithmetic of the in-place q gather and output
+    scatter, and the split merge, reach Triton IR; decode is one launch, two with splits."""
+    q = jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 64, 16, 128), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    text = paged.ragged_paged_attention.trace(
+        q, pages, pages, i32(9), i32(8), i32(8, 8), num_splits=splits,
+        one_token_per_seq=decode).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@__gpu$xla.gpu.triton") == 1 + (splits > 1)
+    if decode:  # no metadata, packing or unpacking around the launches
+        assert "stablehlo.transpose" not in text and "stablehlo.iota" not in text
+
+
+def test_decode_needs_one_token_per_sequence():
+    q, kp, vp, _, ctx, table = paged_case(3, [1, 1], [20, 9], 8, 2, 16, 16)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        paged.ragged_paged_attention(q[:1], kp, vp, jnp.arange(3), ctx, table,
+                                     one_token_per_seq=True, interpret=True)
+
+
 def test_paged_dispatch_defaults_and_context_zero():
     q, kp, vp, _, ctx, table = paged_case(3, [1, 1, 1], [20, 0, 45], 8, 2, 16, 16)
     ctx = ctx.at[1].set(0)
@@ -276,3 +318,40 @@ def test_ncu_summary_reads_each_kernel(tmp_path, capsys):
     assert "kernel 0: 2 instructions, 100 samples" in out
     assert "long_sb 70%, wait 30%" in out and "BRA 70%, FADD 30%" in out
     assert "kernel 1: 1 instructions, 5 samples" in out and "MUFU 100%" in out
+
+
+def test_ncu_decode_summary_groups_kernels_by_call(tmp_path, capsys):
+    """tools/ncu_decode.py's reading of Nsight Compute's metric CSV: the kernels after each
+    marker belong to that call; durations (ns) and bytes sum per call."""
+    from pallasite.tools.ncu_decode import summarize
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [(0, "marker_b1_triton", 1000, 0), (1, "pack_fusion", 2000, 1e6),
+            (2, "pallasite_ragged", 60000, 134e6), (3, "marker_b1_read", 1000, 0),
+            (4, "reduce", 50000, 134e6)]
+    body = "".join(f'"{i}","{n}","gpu__time_duration.sum","ns","{t:,}"\n'
+                   f'"{i}","{n}","dram__bytes_read.sum","byte","{b:,.0f}"\n'
+                   for i, n, t, b in rows)
+    path = tmp_path / "k.csv"
+    path.write_text("==PROF== Disconnected\n" + head + body)
+    summarize(str(path))
+    out = capsys.readouterr().out
+    assert "| b1_triton | 2 | 62.00 | 135.0 | 2.18 |" in out
+    assert "| b1_read | 1 | 50.00 | 134.0 | 2.68 |" in out
+
+
+def test_device_time_cuts_trace_at_flushes():
+    """tools/bench_kernels.py's device timing: kernels on the GPU's stream lines between
+    flushes make one call; other planes and derived lines are not counted twice."""
+    from types import SimpleNamespace as E
+    from pallasite.tools.bench_kernels import FLUSH, per_call_ms
+    ev = lambda t, ns, name: E(start_ns=t, duration_ns=ns, name=name)
+    stream = [ev(0, 500, FLUSH), ev(600, 40_000, "attn"), ev(41_000, 3_000, "merge"),
+              ev(50_000, 500, FLUSH), ev(51_000, 50_000, "attn"), ev(102_000, 4_000, "merge"),
+              ev(110_000, 500, FLUSH), ev(111_000, 45_000, "attn"), ev(157_000, 2_000, "merge")]
+    lines = [("/device:GPU:0", "Stream #13(Compute)", stream),
+             ("/device:GPU:0", "XLA Ops", [ev(600, 43_000, "custom-call")]),
+             ("/host:CPU", "python", [ev(0, 10**6, "call")])]
+    ms, names = per_call_ms(lines, 3)
+    assert ms == pytest.approx(0.047) and names == ["attn", "merge"]
+    with pytest.raises(RuntimeError, match="3 flushes for 4 calls"):
+        per_call_ms(lines, 4)
