@@ -52,7 +52,7 @@ def import_kernels():
 
 
 K = import_kernels()
-from pallasite.kernels import paged, reference, tuning  # noqa: E402
+from pallasite.kernels import reference, tuning  # noqa: E402
 
 LOG = []
 # The Mosaic GPU decode kernel (kernels/paged_mgpu.py) is timed beside ours only once its smoke
@@ -74,12 +74,14 @@ def log(*a):
 
 # ---------------------------------------------------------------- timing
 
-def time_ms(fn, *args, reps=15, inner=None, loop=False):
-    """Median ms per call. `loop=True` runs `inner` calls inside one jitted fori_loop (for
-    kernels of tens of microseconds, where host dispatch would show); each iteration's input
-    depends on the last output so nothing is hoisted. The loop carries the whole output: with
-    the calls unrolled instead, XLA keeps of each call only what the next one reads (one
-    element), which drops the split merges and output transposes from all but the last call."""
+def time_ms(fn, *args, reps=15, inner=None, loop=False, device=False):
+    """Median ms per call. `device=True`: the GPU time of the kernels one call launches
+    (`device_ms`). `loop=True` runs `inner` calls inside one jitted fori_loop, each input
+    hanging on one element of the last output (the whole output is carried: unrolled calls let
+    XLA drop all but that element); its iterations cost 20-40 us of their own on the H100
+    (`tools/ncu_decode.py --time`, "trivial"). Otherwise `inner` jitted calls from the host."""
+    if device:
+        return device_ms(fn, *args, reps=reps)
     if loop:
         inner = inner or 20
 
@@ -103,6 +105,65 @@ def time_ms(fn, *args, reps=15, inner=None, loop=False):
         jax.block_until_ready(call())
         ts.append((time.perf_counter() - t0) / (inner + (1 if loop else 0)))
     return 1e3 * float(np.median(ts))
+
+
+FLUSH = "bench_l2_flush"  # the kernel that separates calls in a trace
+
+
+def _l2_flush():
+    """A jitted Pallas kernel (named FLUSH) writing 128 MB, more than any GPU's L2."""
+    from jax.experimental import pallas as pl
+
+    def kernel(o_ref):
+        o_ref[...] = jnp.ones_like(o_ref)
+    return jax.jit(pl.pallas_call(kernel, grid=(256,), out_specs=pl.BlockSpec(
+        (128, 1024), lambda i: (i, 0)), out_shape=jax.ShapeDtypeStruct((32768, 1024),
+                                                                        jnp.float32), name=FLUSH))
+
+
+def device_ms(fn, *args, reps=15):
+    """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
+    from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
+    compiled program mostly hides. The L2 is flushed before each call, so inputs smaller than
+    the cache are read from memory as in a real step. The call's kernels go to DEVICE_KERNELS."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+    jf, flush = jax.jit(fn), _l2_flush()
+    jax.block_until_ready((jf(*args), flush()))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(reps):
+            jax.block_until_ready(flush())
+            jax.block_until_ready(jf(*args))
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    lines = [(p.name, line.name, line.events) for p in data.planes for line in p.lines]
+    ms, DEVICE_KERNELS[:] = per_call_ms(lines, reps)
+    return ms
+
+
+def per_call_ms(lines, reps):
+    """(median ms, kernel names of the last call) from a trace's (plane, line, events): the
+    GPU's stream lines, cut into calls at each FLUSH kernel."""
+    events = sorted((e.start_ns, e.duration_ns, e.name) for plane, line, evs in lines
+                    if plane.startswith("/device:GPU") and line.startswith("Stream")
+                    for e in evs)
+    calls, names = [], []
+    for _, ns, name in events:
+        if FLUSH in name:
+            calls.append(0.0)
+            names = []
+        elif calls:
+            calls[-1] += ns
+            names.append(name)
+    if len(calls) != reps:
+        raise RuntimeError(f"{len(calls)} flushes for {reps} calls in the trace; lines: "
+                           f"{sorted({(p, l) for p, l, _ in lines})[:12]}")
+    return 1e-6 * float(np.median(calls)), names
+
+
+DEVICE_KERNELS: list[str] = []
 
 
 def copy_ceiling():
@@ -243,29 +304,32 @@ def bench_prefill(args, records):
                 q, k, v))
             del out
             flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-            t = {"ours": try_time("ours", ours, q, k, v)}
-            t["ours_triton"] = try_time("triton", triton, q, k, v)
+            t = {"ours": try_time("ours", ours, q, k, v, device=True)}
+            launched = list(DEVICE_KERNELS)
+            t["ours_triton"] = try_time("triton", triton, q, k, v, device=True)
             t["cudnn"] = try_time("cudnn", lambda q, k, v: cudnn_attention(q, k, v, causal),
-                                  q, k, v)
+                                  q, k, v, device=True)
+            launched_cudnn = list(DEVICE_KERNELS)
             kr, vr = jnp.repeat(k, H // KV, 2), jnp.repeat(v, H // KV, 2)
             t["jax_triton_mha"] = try_time("mha", lambda q, k, v: jax_triton_mha(q, k, v, causal),
-                                           q, kr, vr)
+                                           q, kr, vr, device=True)
             del kr, vr
             if S == 4096:
                 h = [x.astype(jnp.float16) for x in (q, k, v)]  # it takes fp16 only
                 t["jax_mgpu_fp16"] = try_time("mgpu", lambda q, k, v: jax_mgpu_attention(
-                    q, k, v, causal), *h)
+                    q, k, v, causal), *h, device=True)
                 t["cudnn_fp16"] = try_time("cudnn16", lambda q, k, v: cudnn_attention(
-                    q, k, v, causal), *h)
-                t["ours_fp16"] = try_time("ours16", ours, *h)
+                    q, k, v, causal), *h, device=True)
+                t["ours_fp16"] = try_time("ours16", ours, *h, device=True)
                 del h
                 t["jnp_reference"] = try_time("ref", lambda q, k, v: reference.attention_reference(
-                    q, k, v, causal=causal), q, k, v, reps=5, inner=2)
+                    q, k, v, causal=causal), q, k, v, reps=5, device=True)
             ours_ms = t.pop("ours")
             base = {n: v for n, v in t.items() if v is not None}
             rec = record("flash_attention", batch=B, seq=S, heads=H, kv_heads=KV, head_dim=D,
                          causal=causal, dtype="bfloat16", ours_ms=ours_ms, baselines=base,
-                         rel_err=err, rel_err_vs_cudnn=err_cudnn,
+                         rel_err=err, rel_err_vs_cudnn=err_cudnn, timing="device",
+                         kernels_launched=launched, kernels_launched_cudnn=launched_cudnn,
                          backend=K.flash_backend(q, k, causal=causal),
                          tflops=flops / (ours_ms / 1e3) / 1e12 if ours_ms else None,
                          ratio_vs_cudnn=(base["cudnn"] / ours_ms) if ours_ms and "cudnn" in base
@@ -294,19 +358,23 @@ def bench_decode(args, records, ceiling):
                 poison()
                 err = rel_err(jax.jit(ours)(q, kp, vp, ctx, table),
                               jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table))
-            t = {"ours": try_time("ours", ours, q, kp, vp, ctx, table, loop=True)}
+            t = {"ours": try_time("ours", ours, q, kp, vp, ctx, table, device=True)}
+            launched = list(DEVICE_KERNELS)
             t["jax_pallas_paged"] = try_time("jax paged", jax_paged_reference, q, kp, vp, ctx,
-                                             table, loop=True)
+                                             table, device=True)
+            loop = {"ours": try_time("ours", ours, q, kp, vp, ctx, table, loop=True),
+                    "jax_pallas_paged": try_time("jax paged", jax_paged_reference, q, kp, vp,
+                                                 ctx, table, loop=True)}
             backend = K.decode_backend(q, kp, table)
             if backend != "triton":  # PALLASITE_DECODE_BACKEND asked for another
                 t["ours_triton"] = try_time("triton", lambda *a: K.paged_attention(
-                    *a, impl="pallas", backend="triton"), q, kp, vp, ctx, table, loop=True)
+                    *a, impl="pallas", backend="triton"), q, kp, vp, ctx, table, device=True)
             if MOSAIC_DECODE["ok"]:
                 t["ours_mosaic"], err_mosaic = time_mosaic_decode(q, kp, vp, ctx, table,
                                                                   check=err is not None)
             kd, vd = dense_from_pages(kp, table), dense_from_pages(vp, table)
             t["jnp_dense"] = try_time("dense", lambda q, k, v, c: dense_decode(q, k, v, c),
-                                      q, kd, vd, ctx, loop=True)
+                                      q, kd, vd, ctx, device=True)
             del kd, vd
             kv_bytes = 2 * B * C * KV * D * 2
             ours_ms = t.pop("ours")
@@ -317,7 +385,8 @@ def bench_decode(args, records, ceiling):
             rec = record("paged_attention", batch=B, context=C, page_size=page_size, heads=H,
                          backend=backend,
                          kv_heads=KV, head_dim=D, causal=True, dtype="bfloat16", ours_ms=ours_ms,
-                         baselines=base, rel_err=err, tbps=tbps,
+                         baselines=base, rel_err=err, tbps=tbps, timing="device",
+                         kernels_launched=launched, fori_loop_ms=loop,
                          rel_err_mosaic=err_mosaic if MOSAIC_DECODE["ok"] else None,
                          frac_of_copy_bw=tbps / ceiling if tbps else None,
                          speedup_vs_jax_paged=(base["jax_pallas_paged"] / ours_ms)
@@ -340,7 +409,7 @@ def time_mosaic_decode(q, kp, vp, ctx, table, check=True, **kw):
         poison()
         err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table),
                       jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table))
-    return try_time("mosaic decode", fn, q, kp, vp, ctx, table, loop=True), err
+    return try_time("mosaic decode", fn, q, kp, vp, ctx, table, device=True), err
 
 
 def bench_mixed(args, records, ceiling):
@@ -364,19 +433,26 @@ def bench_mixed(args, records, ceiling):
     ref = jax.jit(reference.ragged_paged_attention_reference)(q, kp, vp, qs, ctx, table)
     err = rel_err(jax.jit(ragged)(q, kp, vp, qs, ctx, table), ref)
     err_apart = rel_err(jax.jit(apart)(q, kp, vp, qs, ctx, table), ref)
-    ours_ms = time_ms(ragged, q, kp, vp, qs, ctx, table, loop=True)
-    base = {"separate_prefill_plus_decode": time_ms(apart, q, kp, vp, qs, ctx, table, loop=True)}
+    ours_ms = time_ms(ragged, q, kp, vp, qs, ctx, table, device=True)
+    launched = list(DEVICE_KERNELS)
+    base = {"separate_prefill_plus_decode": time_ms(apart, q, kp, vp, qs, ctx, table,
+                                                    device=True)}
+    loop = {"ours": try_time("ours", ragged, q, kp, vp, qs, ctx, table, loop=True),
+            "separate_prefill_plus_decode": try_time("apart", apart, q, kp, vp, qs, ctx, table,
+                                                     loop=True)}
     for rows in (16, 32):
         base[f"ours_block_rows_{rows}"] = try_time(
-            "rows", lambda *a: ragged(*a, block_rows=rows), q, kp, vp, qs, ctx, table, loop=True)
+            "rows", lambda *a: ragged(*a, block_rows=rows), q, kp, vp, qs, ctx, table,
+            device=True)
     base["jnp_reference"] = try_time("ref", reference.ragged_paged_attention_reference,
-                                     q, kp, vp, qs, ctx, table, reps=5, inner=2)
+                                     q, kp, vp, qs, ctx, table, reps=5, device=True)
     base = {n: v for n, v in base.items() if v is not None}
     kv_bytes = 2 * int(np.asarray(ctx).sum()) * KV * D * 2
     tbps = kv_bytes / (ours_ms / 1e3) / 1e12
     rec = record("ragged_paged_attention", batch=64, context=int(np.asarray(ctx).max()),
                  seq=512, page_size=page_size, causal=True, dtype="bfloat16", ours_ms=ours_ms,
                  baselines=base, rel_err=err, rel_err_separate=err_apart, tbps=tbps,
+                 timing="device", kernels_launched=launched, fori_loop_ms=loop,
                  frac_of_copy_bw=tbps / ceiling,
                  note="one 512-token chunk (context 2048) + 63 decode tokens (context 512..4095)")
     records.append(rec)
@@ -446,7 +522,7 @@ def sweep(args):
             ppb = dict(kw, pages_per_block=kw["block_k"] // 16)
             del ppb["block_k"]
             ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **ppb),
-                          q, kp, vp, ctx, table, loop=True)
+                          q, kp, vp, ctx, table, device=True)
             times[i].append(ms or float("inf"))
             out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
                             tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
@@ -471,18 +547,16 @@ def sweep_long_decode(rng, base):
     kv_bytes = 2 * B * C * KV * D * 2
     out = []
     shapes = [(64, 3, 64), (64, 4, 16), (64, 4, 64), (128, 3, 64), (128, 4, 16), (32, 4, 64)]
-    best = (float("inf"), None)
     for splits in (8, 16, 24, 32, 64):
         for bk, st, rows in shapes:
             kw = dict(base, block_k=bk, num_stages=st, num_splits=splits, block_rows=rows)
             ppb = dict(kw, pages_per_block=bk // 16)
             del ppb["block_k"]
             ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **ppb),
-                          q, kp, vp, ctx, table, loop=True)
+                          q, kp, vp, ctx, table, device=True)
             out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
                             tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
             log(f"sweep long decode {kw}: {ms} ms {kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
-            best = min(best, (ms or float("inf"), ppb), key=lambda x: x[0])
     for splits in (8, 16, 32) if MOSAIC_DECODE["ok"] else []:
         for bk, st in ((64, 2), (64, 4), (128, 2)):  # (128, 3) overflows shared memory
             kw = dict(block_k=bk, num_stages=st, num_splits=splits)
@@ -491,14 +565,6 @@ def sweep_long_decode(rng, base):
                             ms=ms, rel_err=err, tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
             log(f"sweep long decode mosaic {kw}: {ms} ms err {err} "
                 f"{kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
-    if best[1]:  # the kernel launch alone, without packing q or merging the splits
-        ppb = best[1]
-        qp, meta = paged.pack_decode(q, kp.shape[0])
-        alone = try_time("kernel alone", lambda qp, kp, vp, ctx, table: paged.attend(
-            qp, kp, vp, *meta, ctx, table, group=H // KV, **ppb)[0], qp, kp, vp, ctx, table, loop=True)
-        log(f"long decode best {best[0]} ms; the kernel alone {alone} ms")
-        out.append(dict(kernel="paged_attention", batch=B, context=C, best_ms=best[0],
-                        kernel_alone_ms=alone, **ppb))
     return out
 
 

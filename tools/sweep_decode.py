@@ -1,6 +1,7 @@
 """Decode at the two target cases (batch 64 / context 4k, batch 1 / 32k), in one run: tile and
 split variants of the Triton kernel (`kernels/paged.py`) and the Mosaic GPU kernel
-(`kernels/paged_mgpu.py`), beside JAX's paged kernel and the copy ceiling.
+(`kernels/paged_mgpu.py`), beside JAX's paged kernel and the copy ceiling. Times are each call's
+kernels on the GPU (`bench_kernels.device_ms`).
 
     python tools/sweep_decode.py --out $OUT        # GPU, about 3 minutes
 
@@ -23,10 +24,15 @@ from pallasite.tools.bench_kernels import (K, copy_ceiling, jax_paged_reference,
 from pallasite.kernels import paged_mgpu, reference
 
 H, KV, D = 32, 8, 128
-TRITON = [dict(), dict(num_warps=8), dict(block_rows=16), dict(num_stages=4),
-          dict(num_splits=2), dict(pages_per_block=8, num_stages=2)]
-MOSAIC_TILES = ((64, 2), (64, 4), (128, 2), (128, 3))
-MOSAIC_SPLITS = {64: (1, 2), 1: (8, 16, 32)}  # by batch
+# By batch: Triton variants (split count, key tile, pipeline depth) and Mosaic GPU ones.
+TRITON = {
+    64: [dict(num_splits=sp, num_stages=st) for sp in (1, 2, 4) for st in (3, 4)]
+        + [dict(pages_per_block=2, num_stages=st) for st in (4, 6)],
+    1: [dict(num_splits=sp, pages_per_block=ppb, num_stages=st)
+        for sp in (12, 16, 24, 32) for ppb, st in ((4, 3), (4, 4), (8, 3))],
+}
+MOSAIC = {64: [dict(block_k=128, num_stages=2, num_splits=sp) for sp in (1, 2)],
+          1: [dict(block_k=128, num_stages=2, num_splits=sp) for sp in (8, 16, 24)]}
 
 
 def main():
@@ -49,20 +55,19 @@ def main():
         q = q.reshape(B, H, D)
         nbytes = 2 * B * C * KV * D * 2
         ref = jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table)
-        row(case, "jax paged", time_ms(jax_paged_reference, q, kp, vp, ctx, table, loop=True),
+        row(case, "jax paged", time_ms(jax_paged_reference, q, kp, vp, ctx, table, device=True),
             nbytes)
-        for kw in TRITON:
+        for kw in [dict()] + TRITON[B]:
             fn = lambda q, kp, vp, ctx, table, kw=kw: K.paged_attention(
-                q, kp, vp, ctx, table, impl="pallas", **kw)
+                q, kp, vp, ctx, table, impl="pallas", backend="triton", **kw)
             err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
-            row(case, f"triton {kw}", time_ms(fn, q, kp, vp, ctx, table, loop=True), nbytes, err)
-        for kw in [dict(block_k=bk, num_stages=st, num_splits=sp)
-                   for bk, st in MOSAIC_TILES for sp in MOSAIC_SPLITS[B]]:
+            row(case, f"triton {kw}", time_ms(fn, q, kp, vp, ctx, table, device=True), nbytes, err)
+        for kw in MOSAIC[B]:
             fn = lambda q, kp, vp, ctx, table, kw=kw: paged_mgpu.paged_attention(
                 q, kp, vp, ctx, table, **kw)
             try:
                 err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
-                row(case, f"mosaic {kw}", time_ms(fn, q, kp, vp, ctx, table, loop=True),
+                row(case, f"mosaic {kw}", time_ms(fn, q, kp, vp, ctx, table, device=True),
                     nbytes, err)
             except Exception as e:
                 print(f"{case} mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:200]}")
