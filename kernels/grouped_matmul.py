@@ -40,11 +40,11 @@ def pad_groups(x, group_sizes, block_m: int):
     pad_ends = jnp.cumsum(padded)
     pad_starts = pad_ends - padded
     i = jnp.arange(m, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(ends, i, side="right"), groups - 1)
+    g = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), groups - 1)
     dest = jnp.where(i < ends[-1], pad_starts[g] + i - starts[g], rows)
     x_pad = jnp.zeros((rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
     first = jnp.arange(0, rows, block_m, dtype=jnp.int32)
-    bg = jnp.searchsorted(pad_ends, first, side="right")
+    bg = jnp.searchsorted(pad_ends, first, side="right", method="compare_all")
     block_group = jnp.where(bg < groups, bg, -1).astype(jnp.int32)
     return x_pad, dest, block_group
 
