@@ -133,13 +133,14 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     from . import paged
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
-    kw = tuning.params("decode" if T <= 2 * S else "ragged", k_pages.shape[2]) | blocks
+    mixed = T > 2 * S
+    kw = tuning.params("ragged" if mixed else "decode", k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         group = q.shape[1] // k_pages.shape[0]
         rows = max(kw["block_rows"], 16, group)
         blocks_needed = max(-(-T * group // rows), S)
         tiles = -(-page_table.shape[1] // kw["pages_per_block"])
-        kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles)
+        kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles, mixed)
     return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                         page_table, sm_scale=sm_scale, interpret=interpret, **kw)
 

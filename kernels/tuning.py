@@ -22,8 +22,10 @@ _DEFAULT = {
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
-    # 83 us): a program needs enough key tiles to fill its pipeline.
-    "splits": dict(target_programs=528, max_splits=16),
+    # 83 us): a program needs enough key tiles to fill its pipeline. Mixed prefill + decode
+    # steps aim for twice the programs: the bench's 512-token chunk + 63 decode tokens takes
+    # 0.261 ms in 2 splits against 0.299 in 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
+    "splits": dict(target_programs=528, target_programs_mixed=1056, max_splits=16),
 }
 
 # H100 80GB HBM3, JAX 0.11.2, `tools/bench_kernels.py --sweep`: the best flash tiles at B=4,
@@ -70,8 +72,10 @@ def decode_backend() -> str:
     return TABLE[gpu_key()].get("decode_backend", "triton")
 
 
-def num_splits(work_items: int, max_tiles: int) -> int:
-    """Split-K factor for `work_items` (block, kv head) programs of at most `max_tiles` key tiles."""
+def num_splits(work_items: int, max_tiles: int, mixed: bool = False) -> int:
+    """Split-K factor for `work_items` (block, kv head) programs of at most `max_tiles` key
+    tiles; `mixed` for a step with prefill chunks."""
     p = params("splits")
-    want = max(1, p["target_programs"] // max(1, work_items))
+    target = p["target_programs_mixed" if mixed else "target_programs"]
+    want = max(1, target // max(1, work_items))
     return int(max(1, min(want, p["max_splits"], max_tiles)))

@@ -224,6 +224,17 @@ def test_paged_triton_lowers_for_gpu(splits, decode):
         assert "stablehlo.transpose" not in text and "stablehlo.iota" not in text
 
 
+def test_split_heuristic():
+    """Split-K aims for a few programs per SM, capped by the tiles and max_splits; mixed
+    prefill + decode steps aim for twice as many (tuning.py)."""
+    from pallasite.kernels import tuning
+    assert tuning.num_splits(64 * 8, 64) == 1            # batch 64: the grid is full
+    assert tuning.num_splits(64 * 8, 64, mixed=True) == 2
+    assert tuning.num_splits(1 * 8, 512) == 16           # batch 1: capped at max_splits
+    assert tuning.num_splits(1 * 8, 3) == 3              # no more splits than key tiles
+    assert tuning.num_splits(4096, 64, mixed=True) == 1  # a long prefill fills the grid
+
+
 def test_decode_needs_one_token_per_sequence():
     q, kp, vp, _, ctx, table = paged_case(3, [1, 1], [20, 9], 8, 2, 16, 16)
     with pytest.raises(ValueError, match="one token per sequence"):

@@ -440,10 +440,10 @@ def bench_mixed(args, records, ceiling):
     loop = {"ours": try_time("ours", ragged, q, kp, vp, qs, ctx, table, loop=True),
             "separate_prefill_plus_decode": try_time("apart", apart, q, kp, vp, qs, ctx, table,
                                                      loop=True)}
-    for rows in (16, 32):
-        base[f"ours_block_rows_{rows}"] = try_time(
-            "rows", lambda *a: ragged(*a, block_rows=rows), q, kp, vp, qs, ctx, table,
-            device=True)
+    for name, kw in (("block_rows_16", dict(block_rows=16)), ("block_rows_32", dict(block_rows=32)),
+                     ("splits_1", dict(num_splits=1)), ("splits_4", dict(num_splits=4))):
+        base[f"ours_{name}"] = try_time("variant", lambda *a, kw=kw: ragged(*a, **kw), q, kp, vp,
+                                        qs, ctx, table, device=True)
     base["jnp_reference"] = try_time("ref", reference.ragged_paged_attention_reference,
                                      q, kp, vp, qs, ctx, table, reps=5, device=True)
     base = {n: v for n, v in base.items() if v is not None}
