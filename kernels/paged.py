@@ -21,11 +21,12 @@ token per sequence) needs no metadata: block b is sequence b, so the call is the
 32k decode.
 
 Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
-offsets must fit int32 (KV * num_pages * page_size * D < 2**31).
+offsets must fit int32 (KV * num_pages * page_size * D and T * H * D < 2**31).
 What bounds decode: one pass over K/V at HBM speed is the floor; tile loads go through the page
-table, so each tile costs a dependent index load first, hidden only by num_stages pipelining.
-On the H100 that reaches 91%-98% of the copy ceiling for large batches and 66% at batch 1 with
-a 32k context, where 128 programs cannot keep enough pointer loads in flight
+table, so each tile costs a dependent index load first, hidden by num_stages pipelining. On the
+H100 that reaches 97%-103% of the copy ceiling from half a gigabyte per call (batch 64 at 4k:
+0.371 ms against 0.357 for an XLA reduction reading the same bytes contiguously) and 72% at
+batch 1 with a 32k context, where a 134 MB read takes 60 us even for XLA's reduction
 (docs/kernels_notes.md).
 """
 

@@ -39,10 +39,10 @@ _H100 = dict(
     ragged=dict(block_rows=64, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True),
 )
 
-# H200, JAX 0.11.2, `tools/sweep_decode.py` (2026-11-23, docs/benchmarks/h200_sweep_decode_*):
-# with 1.4x the H100's bandwidth, the Mosaic GPU decode kernel's TMA page copies pay where the
-# Triton kernel's pointer gathers do not keep up: batch 64 at 4k 0.280 vs 0.301 ms, batch 1 at
-# 32k 53.8 vs 64.0 us (on the H100 the two are level). Its other tiles are the H100's, not swept.
+# H200, JAX 0.11.2, `tools/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
+# docs/benchmarks/h200_*): the Mosaic GPU decode kernel's TMA page copies lead at batch 1 / 32k
+# (46.4 vs 53.2 us, device time), are level at batch 64 / 4k (0.266 vs 0.265 ms) and trail by 8%
+# at batch 64-256 / 1k; on the H100 the Triton kernel is level or ahead. Other tiles: the H100's.
 _H200 = dict(_H100, decode_backend="mosaic")
 
 TABLE = {
