@@ -166,11 +166,11 @@ def _merge_kernel(live_ref, lse_ref, o_ref, out_ref, *, num_splits, block_rows, 
     src = rows // group * stride + rows % group  # the input row of each output row
     # Every split's rows in one load each (one round trip; loads in a loop went one by one).
     sp = jnp.arange(pl.next_power_of_2(num_splits))[:, None]
-    live = (sp < num_splits) & ok[None, :]
-    lse = plgpu.load(lse_ref.at[_gather(sp, src[None, :])], mask=live, other=NEG_INF)
+    present = (sp < num_splits) & ok[None, :]
+    lse = plgpu.load(lse_ref.at[_gather(sp, src[None, :])], mask=present, other=NEG_INF)
     o = plgpu.load(o_ref.at[_gather(sp[:, :, None], src[None, :, None],
                                     jnp.arange(o_ref.shape[-1])[None, None, :])],
-                   mask=live[:, :, None], other=0.0)
+                   mask=present[:, :, None], other=0.0)
     m = jnp.max(lse, axis=0)
     w = jnp.where(lse <= NEG_INF / 2, 0.0, jnp.exp2(lse - m[None, :]))
     den = jnp.sum(w, axis=0)
