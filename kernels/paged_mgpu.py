@@ -15,9 +15,10 @@ One CTA per (kv head, split, sequence) runs two warpgroups:
   Each tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded in), then
   O += P V with P straight from registers.
 Split-K: a split takes an even share of the sequence's key tiles and writes a normalized float32
-output and its base-2 log-sum-exp, merged by `paged.merge_splits` (which also drops the padding rows); a split with no tiles writes zeros
-and NEG_INF. With one split the kernel writes the output in q's dtype. Outputs keep only the
-group's rows, rounded up to 8 (the shared-memory tile), not all 64.
+output and its base-2 log-sum-exp, merged by `paged.merge_splits` (which also drops the padding
+rows); a split with no tiles writes zeros and NEG_INF. With one split the kernel writes the
+output in q's dtype. Outputs keep only the group's rows, rounded up to 8 (the shared-memory
+tile), not all 64.
 
 Keys at or past context_lens[s] contribute nothing whatever the pool holds there (stale or NaN
 slots): table entries past the sequence's last page are never read (those copies fetch the last

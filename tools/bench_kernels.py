@@ -442,8 +442,9 @@ def bench_mixed(args, records, ceiling):
     loop = {"ours": try_time("ours", ragged, q, kp, vp, qs, ctx, table, loop=True),
             "separate_prefill_plus_decode": try_time("apart", apart, q, kp, vp, qs, ctx, table,
                                                      loop=True)}
-    for name, kw in (("block_rows_16", dict(block_rows=16)), ("block_rows_32", dict(block_rows=32)),
-                     ("splits_1", dict(num_splits=1)), ("splits_4", dict(num_splits=4))):
+    variants = dict(block_rows_16=dict(block_rows=16), block_rows_32=dict(block_rows=32),
+                    splits_1=dict(num_splits=1), splits_4=dict(num_splits=4))
+    for name, kw in variants.items():
         base[f"ours_{name}"] = try_time("variant", lambda *a, kw=kw: ragged(*a, **kw), q, kp, vp,
                                         qs, ctx, table, device=True)
     base["jnp_reference"] = try_time("ref", reference.ragged_paged_attention_reference,
@@ -646,14 +647,15 @@ def table(records, ceiling):
                          f"{f(b.get('jax_mgpu_fp16'))} | {f(b.get('cudnn_fp16'))} | "
                          f"{f(b.get('jnp_reference'))} | "
                          f"{f(r['rel_err'] or r.get('rel_err_vs_cudnn'), 4)} |")
-    lines += ["", "| decode (32/8 heads, d=128, bf16) | ours | ms | TB/s | of copy | JAX paged ms | "
-              "vs JAX | jnp dense ms | ours Triton ms | ours Mosaic ms | rel err |",
+    lines += ["", "| decode (32/8 heads, d=128, bf16) | ours | ms | TB/s | of copy | "
+              "JAX paged ms | vs JAX | jnp dense ms | ours Triton ms | ours Mosaic ms | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["kernel"] == "paged_attention":
             b = r["baselines"]
             lines.append(f"| B={r['batch']} ctx={r['context']} page={r['page_size']} | "
-                         f"{r.get('backend', 'triton')} | {f(r['ours_ms'], 4)} | {f(r['tbps'], 2)} | "
+                         f"{r.get('backend', 'triton')} | {f(r['ours_ms'], 4)} | "
+                         f"{f(r['tbps'], 2)} | "
                          f"{f(r['frac_of_copy_bw'] and 100 * r['frac_of_copy_bw'], 0)}% | "
                          f"{f(b.get('jax_pallas_paged'), 4)} | "
                          f"{f(r['speedup_vs_jax_paged'], 2)}x | {f(b.get('jnp_dense'), 4)} | "

@@ -7,7 +7,7 @@ between cuProfilerStart/Stop so that only those launches are profiled:
     ncu --clock-control none --profile-from-start off --section SourceCounters \\
         --section WarpStateStats -o flash python tools/ncu_flash.py --variants stag,ovl
     ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
-    python tools/ncu_flash.py --summarize sass.csv.gz      # stall samples by reason, opcode, instruction
+    python tools/ncu_flash.py --summarize sass.csv.gz      # stalls by reason, opcode, instruction
 
 B=4, S=4096, 32/8 heads, head_dim 128, bf16, causal unless --full. GPU only (Hopper).
 """
