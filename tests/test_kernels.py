@@ -106,6 +106,19 @@ def test_flash_mosaic_interpret(case):
     assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
 
 
+@pytest.mark.parametrize("case", [MOSAIC_CASES[i] for i in (1, 4)])
+def test_flash_mosaic_sum_in_softmax_interpret(case):
+    """`late_sum=False`: P's row sums taken in the softmax, not while P V runs."""
+    B, T, S, H, KV, D, causal, bk, stages, dtype, ctas = case
+    rng = np.random.default_rng(T * S + H + 1)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
+               for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
+    out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
+                                     num_stages=stages, num_ctas=ctas, late_sum=False,
+                                     interpret=True)
+    assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
+
+
 @pytest.mark.parametrize("case", [MOSAIC_CASES[i] for i in (1, 3, 4)])
 def test_flash_mosaic_overlap_interpret(case):
     """The software-pipelined consumers: S(j) and P(j-1) V(j-1) issued in one turn, the two
@@ -126,6 +139,7 @@ def test_flash_mosaic_overlap_interpret(case):
     (1, 512, 4, 1, 128, True, jnp.bfloat16, dict(block_kv=64, num_stages=3)),
     (4, 4096, 32, 8, 128, True, jnp.bfloat16, dict(overlap=True)),
     (2, 1024, 8, 2, 128, False, jnp.float16, dict(overlap=True)),
+    (4, 4096, 32, 8, 128, True, jnp.bfloat16, dict(late_sum=False)),
 ])
 def test_flash_mosaic_lowers_for_hopper(B, T, H, KV, D, causal, dtype, kw):
     """Mosaic GPU's lowering for sm_90 without a GPU: TMA descriptors, smem tiling, register

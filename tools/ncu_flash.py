@@ -3,9 +3,9 @@
 Times the kernel's variants beside cuDNN, then, under `ncu`, runs each asked variant once more
 between cuProfilerStart/Stop so that only those launches are profiled:
 
-    python tools/ncu_flash.py --time                       # variants and cuDNN, same run
+    python tools/ncu_flash.py --time [--variants stag,tree] # variants and cuDNN, same run
     ncu --clock-control none --profile-from-start off --section SourceCounters \\
-        --section WarpStateStats -o flash python tools/ncu_flash.py --variants stag,ovl
+        --section WarpStateStats -o flash python tools/ncu_flash.py --variants late,stag
     ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
     python tools/ncu_flash.py --summarize sass.csv.gz      # stalls by reason, opcode, instruction
 
@@ -21,8 +21,9 @@ import ctypes
 import gzip
 import io
 
-# Variants of kernels/flash_mgpu.py by name: staggered consumers, pipelined consumers.
-VARIANTS = {"stag": dict(), "ovl": dict(overlap=True)}
+# Variants of kernels/flash_mgpu.py by name: staggered consumers with P's row sum taken under
+# P V (the default) or in the softmax, and pipelined consumers.
+VARIANTS = {"late": dict(), "stag": dict(late_sum=False), "ovl": dict(overlap=True)}
 
 
 def inputs(seq=4096):
@@ -50,24 +51,44 @@ def profiled(names, causal):
         cuda.cuProfilerStop()
 
 
-def timed(names):
+def timed(names, rounds=3, out=None):
+    """Device time of cuDNN and each variant, causal and full, in `rounds` interleaved rounds
+    (cuDNN's time moves between rounds too); each variant checked against cuDNN first."""
+    import json
     import jax
+    import numpy as np
     from pallasite.kernels import flash_mgpu
     from pallasite.tools.bench_kernels import cudnn_attention, rel_err, time_ms
     q, k, v = inputs()
-    print("| variant | causal ms | full ms |\n|---|---|---|")
+    fns, times = {}, collections.defaultdict(list)
+    for causal in (True, False):
+        ref = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, causal))(q, k, v)
+        fns["cudnn", causal] = lambda q, k, v, c=causal: cudnn_attention(q, k, v, c)
+        for name in names:
+            fn = lambda q, k, v, kw=VARIANTS[name], c=causal: flash_mgpu.flash_attention(
+                q, k, v, causal=c, **kw)
+            try:
+                err = rel_err(jax.jit(fn)(q, k, v), ref)
+                assert err < 2e-2, err
+                fns[name, causal] = fn
+            except Exception as e:
+                print(f"{name} causal={causal}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    for r in range(rounds):
+        for key, fn in fns.items():
+            times[key].append(time_ms(fn, q, k, v, reps=21, device=True))
+            print(f"round {r} {key}: {times[key][-1]:.4f} ms", flush=True)
+    med = {key: float(np.median(t)) for key, t in times.items()}
+    if out:
+        json.dump([dict(variant=n, causal=c, ms=t, median_ms=med[n, c])
+                   for (n, c), t in times.items()], open(out, "w"), indent=1)
+    print("| variant | causal ms | x cuDNN | full ms | x cuDNN |\n|---|---|---|---|---|")
     for name in ["cudnn"] + names:
-        row = []
-        for causal in (True, False):
-            if name == "cudnn":
-                fn = lambda q, k, v: cudnn_attention(q, k, v, causal)
-            else:
-                fn = lambda q, k, v, kw=VARIANTS[name]: flash_mgpu.flash_attention(
-                    q, k, v, causal=causal, **kw)
-                ref = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, causal))(q, k, v)
-                assert rel_err(jax.jit(fn)(q, k, v), ref) < 2e-2, name
-            row.append(time_ms(fn, q, k, v, reps=21))
-        print(f"| {name} | {row[0]:.3f} | {row[1]:.3f} |", flush=True)
+        cells = []
+        for c in (True, False):
+            ms = med.get((name, c))
+            cells += [f"{ms:.3f}" if ms else "-",
+                      f"{med['cudnn', c] / ms:.3f}" if ms else "-"]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def summarize(path, top=25):
@@ -97,16 +118,18 @@ def summarize(path, top=25):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="stag,ovl")
+    ap.add_argument("--variants", default="late,stag")
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", help="--time: write every timing here (JSON)")
     ap.add_argument("--summarize", metavar="CSV")
     args = ap.parse_args()
     names = args.variants.split(",")
     if args.summarize:
         summarize(args.summarize)
     elif args.time:
-        timed(names)
+        timed(names, args.rounds, args.out)
     else:
         profiled(names, causal=not args.full)
 

@@ -24,15 +24,20 @@ from pallasite.tools.bench_kernels import (K, copy_ceiling, jax_paged_reference,
 from pallasite.kernels import paged_mgpu, reference
 
 H, KV, D = 32, 8, 128
-# By batch: Triton variants (split count, key tile, pipeline depth) and Mosaic GPU ones.
+# By batch: Triton variants (query rows per program, key tile, pipeline depth, warps, splits)
+# and Mosaic GPU ones. Fewer rows per program (16 is wgmma's least) hold fewer registers and
+# less shared memory, so more programs fit on an SM.
 TRITON = {
-    64: [dict(num_splits=sp, num_stages=st) for sp in (1, 2, 4) for st in (3, 4)]
-        + [dict(pages_per_block=2, num_stages=st) for st in (4, 6)],
-    1: [dict(num_splits=sp, pages_per_block=ppb, num_stages=st)
-        for sp in (12, 16, 24, 32) for ppb, st in ((4, 3), (4, 4), (8, 3))],
+    64: [dict(block_rows=r, pages_per_block=ppb, num_stages=st)
+         for r in (16, 32, 64) for ppb, st in ((4, 3), (2, 4), (2, 6), (8, 2))]
+        + [dict(block_rows=16, pages_per_block=4, num_stages=3, num_warps=w) for w in (2, 8)]
+        + [dict(num_splits=2, block_rows=16, pages_per_block=4, num_stages=3)],
+    1: [dict(num_splits=sp, block_rows=r, pages_per_block=4, num_stages=st)
+        for sp in (16, 32) for r in (16, 64) for st in (3, 4)],
 }
-MOSAIC = {64: [dict(block_k=128, num_stages=2, num_splits=sp) for sp in (1, 2)],
-          1: [dict(block_k=128, num_stages=2, num_splits=sp) for sp in (8, 16, 24)]}
+MOSAIC = {64: [dict(block_k=128, num_stages=2, num_splits=1)],
+          1: [dict(block_k=128, num_stages=2, num_splits=16)]}
+PAGE_SIZES = (32, 64)  # batch 64 / 4k again with larger pages: ours and JAX's paged kernel
 
 
 def main():
@@ -71,6 +76,22 @@ def main():
                     nbytes, err)
             except Exception as e:
                 print(f"{case} mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        del q, kp, vp
+    for ps in PAGE_SIZES:
+        B, C = 64, 4096
+        case = f"B={B} ctx={C} page={ps}"
+        q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, ps,
+                                               jnp.bfloat16)
+        q = q.reshape(B, H, D)
+        nbytes = 2 * B * C * KV * D * 2
+        ref = jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table)
+        row(case, "jax paged", time_ms(jax_paged_reference, q, kp, vp, ctx, table, device=True),
+            nbytes)
+        for kw in (dict(), dict(block_rows=16)):
+            fn = lambda q, kp, vp, ctx, table, kw=kw: K.paged_attention(
+                q, kp, vp, ctx, table, impl="pallas", backend="triton", **kw)
+            err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
+            row(case, f"triton {kw}", time_ms(fn, q, kp, vp, ctx, table, device=True), nbytes, err)
         del q, kp, vp
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
