@@ -22,15 +22,17 @@ hit L2.
 Limits (callers fall back to `flash.py` otherwise): T a multiple of 2 * block_q, S of block_kv,
 S >= T when causal, no segment ids.
 
-What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 550-570 TFLOP/s, 56%-58% of
-the 989 TFLOP/s bf16 tensor-core peak (a large matrix product reaches 798): 1.02x-1.13x cuDNN
-causal (cuDNN moves more between runs than this kernel) and 0.96x-1.0x full. A work item's
-128-key step takes ~1.9 us against ~1.1 us of tensor-core work at peak. The softmax is why
-(`tools/profile_flash.py`, `tools/ncu_flash.py`): it holds half of a consumer's time, and it is
-latency-bound (a warp issues in a quarter of its cycles; the row max and sum are chains of
-dependent instructions), while each consumer runs its S, softmax and P V in turn, so a step
-lasts at least one softmax plus two products and the tensor cores idle meanwhile.
-`overlap=True` takes the softmax off that chain as FlashAttention-3 does: a consumer issues
+What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 626-644 TFLOP/s (causal
+counted as half the full product), 63%-65% of the 989 TFLOP/s bf16 tensor-core peak (a large
+matrix product reaches 798): 1.08x-1.10x cuDNN causal, device-timed, and 0.96x-0.98x full. A
+work item's 128-key step takes ~1.7 us against 1.12 us of tensor-core work at peak. The softmax
+is why (`tools/profile_flash.py`, `tools/ncu_flash.py`): a thread's 64 exp2 issue as one run of
+MUFU.EX2 (16 results per clock and SM: 512 cycles a warp), the O rescale and P's conversion
+wait behind it in issue order, and with the two consumers taking turns their softmaxes
+alternate, so a step lasts about two softmaxes while the tensor cores idle. P's row sums run
+under P V (`late_sum`, 1.6% faster); tree reductions, exp2 on the FMA pipes for half the columns
+and free-running consumers measured slower.
+`overlap=True` takes the softmax off the tensor cores' path as FlashAttention-3 does: a consumer issues
 S(j) and P(j-1) V(j-1) in one turn and runs tile j's softmax while P V is in flight (the
 diagonal tiles excepted, see `wgmma_qk_pv`); the two consumers hand the tensor cores to each
 other through a pair of turn barriers, so their issue phases alternate. Measured on the H100 it

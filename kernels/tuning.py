@@ -42,7 +42,8 @@ _H100 = dict(
 # H200, JAX 0.11.2, `tools/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
 # docs/benchmarks/h200_*): the Mosaic GPU decode kernel's TMA page copies lead at batch 1 / 32k
 # (46.4 vs 53.2 us, device time), are level at batch 64 / 4k (0.266 vs 0.265 ms) and trail by 8%
-# at batch 64-256 / 1k; on the H100 the Triton kernel is level or ahead. Other tiles: the H100's.
+# at batch 64-256 / 1k; on the H100 the Triton kernel is level or ahead. The H200's own
+# `--sweep --sweep-parts mosaic,decode` chose the H100's flash and decode tiles again.
 _H200 = dict(_H100, decode_backend="mosaic")
 
 TABLE = {

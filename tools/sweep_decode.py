@@ -31,7 +31,10 @@ TRITON = {
     64: [dict(block_rows=r, pages_per_block=ppb, num_stages=st)
          for r in (16, 32, 64) for ppb, st in ((4, 3), (2, 4), (2, 6), (8, 2))]
         + [dict(block_rows=16, pages_per_block=4, num_stages=3, num_warps=w) for w in (2, 8)]
-        + [dict(num_splits=2, block_rows=16, pages_per_block=4, num_stages=3)],
+        + [dict(num_splits=2, block_rows=16, pages_per_block=4, num_stages=3)]
+        # less shared memory per program, so that all 512 programs fit on the SMs at once
+        + [dict(block_rows=64, pages_per_block=ppb, num_stages=st)
+           for ppb, st in ((2, 3), (2, 2), (1, 4), (1, 6), (4, 2))],
     1: [dict(num_splits=sp, block_rows=r, pages_per_block=4, num_stages=st)
         for sp in (16, 32) for r in (16, 64) for st in (3, 4)],
 }
@@ -43,7 +46,11 @@ PAGE_SIZES = (32, 64)  # batch 64 / 4k again with larger pages: ours and JAX's p
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--batches", default="64,1", help="which of the two cases to sweep")
+    ap.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)))
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    page_sizes = [int(p) for p in args.page_sizes.split(",") if p]
     rows, rng = [], np.random.default_rng(7)
     ceiling = copy_ceiling()["best"]
 
@@ -53,7 +60,7 @@ def main():
         rows.append(r)
         print(f"{case} {name}: {ms} ms, {r['frac_of_copy']}, err {err}", flush=True)
 
-    for B, C in ((64, 4096), (1, 32768)):
+    for B, C in [(b, c) for b, c in ((64, 4096), (1, 32768)) if b in batches]:
         case = f"B={B} ctx={C}"
         q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16,
                                                jnp.bfloat16)
@@ -77,7 +84,7 @@ def main():
             except Exception as e:
                 print(f"{case} mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:200]}")
         del q, kp, vp
-    for ps in PAGE_SIZES:
+    for ps in page_sizes:
         B, C = 64, 4096
         case = f"B={B} ctx={C} page={ps}"
         q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, ps,
