@@ -32,11 +32,12 @@ wait behind it in issue order, and with the two consumers taking turns their sof
 alternate, so a step lasts about two softmaxes while the tensor cores idle. P's row sums run
 under P V (`late_sum`, 1.6% faster); tree reductions, exp2 on the FMA pipes for half the columns
 and free-running consumers measured slower.
-`overlap=True` takes the softmax off the tensor cores' path as FlashAttention-3 does: a consumer issues
-S(j) and P(j-1) V(j-1) in one turn and runs tile j's softmax while P V is in flight (the
-diagonal tiles excepted, see `wgmma_qk_pv`); the two consumers hand the tensor cores to each
-other through a pair of turn barriers, so their issue phases alternate. Measured on the H100 it
-is no faster (1.044 vs 0.967 ms causal, 1.992 vs 1.984 full, same run), so it stays off.
+`overlap=True` takes the softmax off the tensor cores' path as FlashAttention-3 does: a
+consumer issues S(j) and P(j-1) V(j-1) in one turn and runs tile j's softmax while P V is in
+flight (the diagonal tiles excepted, see `wgmma_qk_pv`); the two consumers hand the tensor
+cores to each other through a pair of turn barriers, so their issue phases alternate. Measured
+on the H100 it is no faster (1.044 vs 0.967 ms causal, 1.992 vs 1.984 full, same run), so it
+stays off.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
