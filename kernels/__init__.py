@@ -145,11 +145,18 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                                         page_table, sm_scale=sm_scale, interpret=interpret, **kw)
 
 
-def write_kv(k_pages, v_pages, k, v, slots):
-    """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding).
-    The XLA scatter (the reference) is the implementation on every backend: it updates the
-    donated pages in place and moves only the new rows."""
-    return reference.write_kv_reference(k_pages, v_pages, k, v, slots)
+def write_kv(k_pages, v_pages, k, v, slots, *, impl=None, interpret=False):
+    """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding), in place
+    when the pages are donated. Both ways move only the new rows: XLA's scatter (the reference,
+    a launch per array) or the Pallas kernel (`kv_write.py`, one launch for both), as
+    `tuning.params("kv_write")` says for the GPU (an explicit impl="pallas" or interpret=True
+    takes the kernel)."""
+    pallas = interpret or impl == "pallas" or (
+        _use_pallas(impl, interpret) and tuning.params("kv_write")["impl"] == "pallas")
+    if not pallas:
+        return reference.write_kv_reference(k_pages, v_pages, k, v, slots)
+    from . import kv_write
+    return kv_write.write_kv(k_pages, v_pages, k, v, slots, interpret=interpret)
 
 
 GROUPED_MIN_ROWS_PER_EXPERT = 16  # below this many rows per expert, XLA's ragged_dot is used

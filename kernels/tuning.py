@@ -26,6 +26,8 @@ _DEFAULT = {
     # steps aim for twice the programs: the bench's 512-token chunk + 63 decode tokens takes
     # 0.261 ms in 2 splits against 0.299 in 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
     "splits": dict(target_programs=528, target_programs_mixed=1056, max_splits=16),
+    # The step's K/V rows into their pages: "xla" (a scatter per array) or "pallas" (one launch).
+    "kv_write": dict(impl="xla"),
 }
 
 # H100 80GB HBM3, JAX 0.11.2, `tools/bench_kernels.py --sweep`: the best flash tiles at B=4,

@@ -76,14 +76,14 @@ def log(*a):
 
 # ---------------------------------------------------------------- timing
 
-def time_ms(fn, *args, reps=15, inner=None, loop=False, device=False):
+def time_ms(fn, *args, reps=15, inner=None, loop=False, device=False, chain=False):
     """Median ms per call. `device=True`: the GPU time of the kernels one call launches
     (`device_ms`). `loop=True` runs `inner` calls inside one jitted fori_loop, each input
     hanging on one element of the last output (the whole output is carried: unrolled calls let
     XLA drop all but that element); its iterations cost 20-40 us of their own on the H100
     (`tools/ncu_decode.py --time`, "trivial"). Otherwise `inner` jitted calls from the host."""
     if device:
-        return device_ms(fn, *args, reps=reps)
+        return device_ms(fn, *args, reps=reps, chain=chain)
     if loop:
         inner = inner or 20
 
@@ -123,21 +123,30 @@ def _l2_flush():
                                                                         jnp.float32), name=FLUSH))
 
 
-def device_ms(fn, *args, reps=15):
+def device_ms(fn, *args, reps=15, chain=False):
     """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
     from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
     compiled program mostly hides. The L2 is flushed before each call, so inputs smaller than
-    the cache are read from memory as in a real step. The call's kernels go to DEVICE_KERNELS."""
+    the cache are read from memory as in a real step. The call's kernels go to DEVICE_KERNELS.
+    `chain`: the first argument is donated and each call's output is the next call's first
+    argument (an in-place update, as the serving step runs it)."""
     import glob
     import tempfile
     from jax.profiler import ProfileData
-    jf, flush = jax.jit(fn), _l2_flush()
-    jax.block_until_ready((jf(*args), flush()))
+    jf, flush = jax.jit(fn, donate_argnums=(0,) if chain else ()), _l2_flush()
+
+    def call():
+        nonlocal args
+        out = jf(*args)
+        if chain:
+            args = (out, *args[1:])
+        return out
+    jax.block_until_ready((call(), flush()))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for _ in range(reps):
             jax.block_until_ready(flush())
-            jax.block_until_ready(jf(*args))
+            jax.block_until_ready(call())
         jax.profiler.stop_trace()
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     lines = [(p.name, line.name, line.events) for p in data.planes for line in p.lines]
@@ -271,8 +280,9 @@ def dense_decode(q, k, v, ctx):
 def record(kernel, **kw):
     r = dict(kernel=kernel, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
              date=DATE)
-    r["params"] = tuning.params({"flash_attention": "flash", "paged_attention": "decode",
-                                 "ragged_paged_attention": "ragged"}[kernel], kw.get("page_size"))
+    tuned = {"flash_attention": "flash", "paged_attention": "decode",
+             "ragged_paged_attention": "ragged"}.get(kernel)
+    r["params"] = tuning.params(tuned, kw.get("page_size")) if tuned else {}
     r.update(kw)
     return r
 
@@ -412,6 +422,37 @@ def time_mosaic_decode(q, kp, vp, ctx, table, check=True, **kw):
         err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table),
                       jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table))
     return try_time("mosaic decode", fn, q, kp, vp, ctx, table, device=True), err
+
+
+def bench_kv_write(args, records, ceiling):
+    """A step's K/V rows into their pages, in place (pages donated, each call's output the next
+    call's input): the Pallas kernel (`kernels/kv_write.py`, one launch) vs XLA's scatter."""
+    from pallasite.kernels import kv_write
+    KV, D, page_size, P, dtype = 8, 128, 16, 8192, jnp.bfloat16
+    rng = np.random.default_rng(4)
+    fns = {"pallas": lambda pg, k, v, s: kv_write.write_kv(*pg, k, v, s),
+           "xla_scatter": lambda pg, k, v, s: reference.write_kv_reference(*pg, k, v, s)}
+    for T in (1, 64, 512, 2048):
+        pages = lambda: tuple(jnp.asarray(rng.standard_normal((KV, P, page_size, D)), dtype)
+                              for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal((T, KV, D)), dtype) for _ in range(2))
+        slots = jnp.asarray(rng.permutation(P * page_size)[:T], jnp.int32)
+        slots = slots.at[T // 2].set(-1) if T > 1 else slots  # a padding token
+        pg = pages()
+        outs = {n: jax.jit(f)(pg, k, v, slots) for n, f in fns.items()}
+        same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs["pallas"],
+                                                                outs["xla_scatter"]))
+        del outs, pg
+        t, launched = {}, {}
+        for n, f in fns.items():
+            t[n] = try_time(n, f, pages(), k, v, slots, device=True, chain=True)
+            launched[n] = list(DEVICE_KERNELS)
+        records.append(record("kv_write", batch=T, kv_heads=KV, head_dim=D, page_size=page_size,
+                              dtype="bfloat16", ours_ms=t["pallas"],
+                              baselines={"xla_scatter": t["xla_scatter"]}, same_as_xla=same,
+                              timing="device", kernels_launched=launched["pallas"],
+                              kernels_launched_xla=launched["xla_scatter"]))
+        log(f"kv_write T={T} same={same} {t} {launched}")
 
 
 def bench_mixed(args, records, ceiling):
@@ -663,6 +704,12 @@ def table(records, ceiling):
                          f"{f(b.get('jnp_dense'), 4)} | "
                          f"{f(b.get('ours_triton'), 4)} | {f(b.get('ours_mosaic'), 4)} | "
                          f"{f(r['rel_err'], 4)} |")
+    kv = [r for r in records if r["kernel"] == "kv_write"]
+    if kv:
+        lines += ["", "| KV write (8 kv heads, d=128, page 16, bf16) | Pallas ms | XLA scatter ms "
+                  "| same result |", "|---|---|---|---|"]
+        lines += [f"| T={r['batch']} tokens | {f(r['ours_ms'], 4)} | "
+                  f"{f(r['baselines'].get('xla_scatter'), 4)} | {r['same_as_xla']} |" for r in kv]
     for r in records:
         if r["kernel"] == "ragged_paged_attention":
             b = r["baselines"]
@@ -698,7 +745,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-parts", default="flash,decode",
                     help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
-    ap.add_argument("--only", default="prefill,decode,mixed")
+    ap.add_argument("--only", default="prefill,decode,mixed,kv_write")
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--render", nargs="+", metavar="JSON",
                     help="no GPU work: merge these kernels.json files (later ones win for the "
@@ -738,7 +785,7 @@ def main():
             log(traceback.format_exc())
     parts = args.only.split(",")
     for name, fn in (("mixed", bench_mixed), ("decode", bench_decode),
-                     ("prefill", bench_prefill)):
+                     ("kv_write", bench_kv_write), ("prefill", bench_prefill)):
         if name in parts:
             t0 = time.time()
             try:
