@@ -1,17 +1,18 @@
 """Check every attention kernel against its reference on the GPU and time it against the
 baselines, in one run:
 
-    python tools/bench_kernels.py --out DIR [--quick] [--sweep] [--only prefill,decode,mixed]
+    python tools/bench_kernels.py --out DIR [--quick] [--sweep]
+                                  [--only prefill,decode,mixed,kv_write]
 
 Prefill: ours vs cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`), JAX's Triton
 `pallas.ops.gpu.attention.mha` (K/V repeated to all heads beforehand: it has no GQA), JAX's Mosaic
 GPU `attention_mgpu` where it runs, and the jnp reference. Decode: ours vs JAX's
 `pallas.ops.gpu.paged_attention` and a jnp decode over a dense cache; KV bytes read per second
 against the copy ceiling measured in the same run. Mixed: one ragged call vs the prefill-chunk
-and decode calls apart. Times are medians over many calls after warm-up of the GPU time of the
-kernels each call launches, from a profiler trace with the L2 flushed before each call
-(`device_ms`). Writes kernels.json and kernels.md (a table for docs/BENCHMARKS.md) under --out,
-and a short table last on stdout.
+and decode calls apart. KV write: the Pallas kernel vs XLA's scatter, in place. Times are
+medians over many calls after warm-up of the GPU time of the kernels each call launches, from a
+profiler trace with the L2 flushed before each call (`device_ms`). Writes kernels.json and
+kernels.md (a table for docs/BENCHMARKS.md) under --out, and a short table last on stdout.
 """
 
 from __future__ import annotations
