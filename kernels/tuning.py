@@ -22,10 +22,13 @@ _DEFAULT = {
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
-    # 83 us): a program needs enough key tiles to fill its pipeline. Mixed prefill + decode
-    # steps aim for twice the programs: the bench's 512-token chunk + 63 decode tokens takes
-    # 0.261 ms in 2 splits against 0.299 in 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
-    "splits": dict(target_programs=528, target_programs_mixed=1056, max_splits=16),
+    # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
+    # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.
+    # batch 16 / 1k 37.7 vs 41.4 us, batch 32 / 4k 0.195 vs 0.199 ms, batch 8 / 4k 62.8 vs 64.6
+    # us; batch 1 still takes 16 splits. Mixed prefill + decode steps aim for more programs:
+    # the bench's 512-token chunk + 63 decode tokens takes 0.261 ms in 2 splits against 0.299 in
+    # 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
+    "splits": dict(target_programs=264, target_programs_mixed=1056, max_splits=16),
     # The step's K/V rows into their pages: "xla" (a scatter per array) or "pallas" (one launch).
     "kv_write": dict(impl="xla"),
 }

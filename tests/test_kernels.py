@@ -243,6 +243,7 @@ def test_split_heuristic():
     prefill + decode steps aim for twice as many (tuning.py)."""
     from pallasite.kernels import tuning
     assert tuning.num_splits(64 * 8, 64) == 1            # batch 64: the grid is full
+    assert tuning.num_splits(8 * 8, 64) == 4             # batch 8: two programs per SM
     assert tuning.num_splits(64 * 8, 64, mixed=True) == 2
     assert tuning.num_splits(1 * 8, 512) == 16           # batch 1: capped at max_splits
     assert tuning.num_splits(1 * 8, 3) == 3              # no more splits than key tiles

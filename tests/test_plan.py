@@ -243,8 +243,8 @@ def test_activation_parts_by_hand():
 
 def test_attention_splits_follow_the_kernel_rule():
     """kernels.ragged_paged_attention with the H100 tiles (block_rows 64, 64 keys = 4 pages a
-    tile, 528 programs wanted, at most 16 splits): batch-1 decode over 65 pages has 1 block x 8
-    kv heads and 17 key tiles, so it wants 66 splits and takes the cap, 16; batch 64 or a
+    tile, 264 programs wanted, at most 16 splits): batch-1 decode over 65 pages has 1 block x 8
+    kv heads and 17 key tiles, so it wants 33 splits and takes the cap, 16; batch 64 or a
     1024-token prefill fill the GPU unsplit."""
     llama = pm.load_model("llama-3-8b")
     assert pm.attention_splits(llama, MeshPlan(), 1, 1, 1025, 16) == 16

@@ -41,6 +41,11 @@ TRITON = {
 MOSAIC = {64: [dict(block_k=128, num_stages=2, num_splits=1)],
           1: [dict(block_k=128, num_stages=2, num_splits=16)]}
 PAGE_SIZES = (32, 64)  # batch 64 / 4k again with larger pages: ours and JAX's paged kernel
+# Short contexts (a serving step's usual case), where the split merge's own launch may cost more
+# than the splits save: (batch, context) by split count.
+SHORT = [(b, c) for b in (1, 8) for c in (256, 512, 1024, 2048)] + [
+    (8, 4096), (8, 32768), (16, 1024), (16, 4096), (32, 1024), (32, 4096)]
+SHORT_SPLITS = (1, 2, 4, 8, 16)
 
 
 def main():
@@ -48,6 +53,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="64,1", help="which of the two cases to sweep")
     ap.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)))
+    ap.add_argument("--short", action="store_true", help="only the short-context split sweep")
+    ap.add_argument("--cases", help="--short: only these batch x context cases, e.g. 8x4096,16x1024")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     page_sizes = [int(p) for p in args.page_sizes.split(",") if p]
@@ -60,6 +67,23 @@ def main():
         rows.append(r)
         print(f"{case} {name}: {ms} ms, {r['frac_of_copy']}, err {err}", flush=True)
 
+    if args.short:
+        batches, page_sizes = [], []
+        cases = SHORT if not args.cases else [tuple(map(int, c.split("x")))
+                                              for c in args.cases.split(",")]
+        for B, C in cases:
+            q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16,
+                                                   jnp.bfloat16)
+            q = q.reshape(B, H, D)
+            nbytes = 2 * B * C * KV * D * 2
+            for sp in [x for x in SHORT_SPLITS if x <= C // 64]:
+                fn = lambda q, kp, vp, ctx, table, sp=sp: K.paged_attention(
+                    q, kp, vp, ctx, table, impl="pallas", backend="triton", num_splits=sp)
+                row(f"B={B} ctx={C}", f"triton splits={sp}",
+                    time_ms(fn, q, kp, vp, ctx, table, device=True), nbytes)
+            row(f"B={B} ctx={C}", "triton default",
+                time_ms(lambda *a: K.paged_attention(*a, impl="pallas", backend="triton"),
+                        q, kp, vp, ctx, table, device=True), nbytes)
     for B, C in [(b, c) for b, c in ((64, 4096), (1, 32768)) if b in batches]:
         case = f"B={B} ctx={C}"
         q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16,
