@@ -1,9 +1,12 @@
 """Decode at the two target cases (batch 64 / context 4k, batch 1 / 32k), in one run: tile and
 split variants of the Triton kernel (`kernels/paged.py`) and the Mosaic GPU kernel
-(`kernels/paged_mgpu.py`), beside JAX's paged kernel and the copy ceiling. Times are each call's
-kernels on the GPU (`bench_kernels.device_ms`).
+(`kernels/paged_mgpu.py`), beside JAX's paged kernel and the copy ceiling; batch 64 / 4k again
+with larger pages. `--short`: split counts at short contexts and batch 1-32 instead (what the
+split-K rule in `kernels/tuning.py` rests on). Times are each call's kernels on the GPU
+(`bench_kernels.device_ms`).
 
-    python tools/sweep_decode.py --out $OUT        # GPU, about 3 minutes
+    python tools/sweep_decode.py --out $OUT            # GPU, about 2 minutes
+    python tools/sweep_decode.py --short --out $OUT    # about 1.5 minutes
 
 Prints one table last; writes every row to --out/sweep_decode.json.
 """
@@ -48,16 +51,58 @@ SHORT = [(b, c) for b in (1, 8) for c in (256, 512, 1024, 2048)] + [
 SHORT_SPLITS = (1, 2, 4, 8, 16)
 
 
+def inputs(rng, B, C, page_size=16):
+    q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, page_size,
+                                           jnp.bfloat16)
+    return (q.reshape(B, H, D), kp, vp, ctx, table), 2 * B * C * KV * D * 2
+
+
+def triton(**kw):
+    return lambda q, kp, vp, ctx, table: K.paged_attention(q, kp, vp, ctx, table, impl="pallas",
+                                                           backend="triton", **kw)
+
+
+def sweep_targets(row, rng, batches, page_sizes):
+    """The two targets by variant, then batch 64 / 4k with larger pages; each variant checked
+    against the reference."""
+    cases = [(B, C, 16) for B, C in ((64, 4096), (1, 32768)) if B in batches]
+    for B, C, ps in cases + [(64, 4096, ps) for ps in page_sizes]:
+        case = f"B={B} ctx={C}" + (f" page={ps}" if ps != 16 else "")
+        args, nbytes = inputs(rng, B, C, ps)
+        ref = jax.jit(reference.paged_attention_reference)(*args)
+        row(case, "jax paged", time_ms(jax_paged_reference, *args, device=True), nbytes)
+        variants = [("triton", kw, triton(**kw)) for kw in (
+            [dict()] + TRITON[B] if ps == 16 else [dict(), dict(block_rows=16)])]
+        variants += [("mosaic", kw, lambda *a, kw=kw: paged_mgpu.paged_attention(*a, **kw))
+                     for kw in (MOSAIC[B] if ps == 16 else [])]
+        for name, kw, fn in variants:
+            try:
+                err = rel_err(jax.jit(fn)(*args), ref)
+                row(case, f"{name} {kw}", time_ms(fn, *args, device=True), nbytes, err)
+            except Exception as e:
+                print(f"{case} {name} {kw}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        del args
+
+
+def sweep_short(row, rng, cases):
+    """Split counts of the Triton kernel at short contexts, beside what the rule picks."""
+    for B, C in cases:
+        args, nbytes = inputs(rng, B, C)
+        for sp in [x for x in SHORT_SPLITS if x <= C // 64]:
+            row(f"B={B} ctx={C}", f"triton splits={sp}",
+                time_ms(triton(num_splits=sp), *args, device=True), nbytes)
+        row(f"B={B} ctx={C}", "triton default", time_ms(triton(), *args, device=True), nbytes)
+        del args
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--batches", default="64,1", help="which of the two cases to sweep")
+    ap.add_argument("--batches", default="64,1", help="which of the two targets to sweep")
     ap.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)))
-    ap.add_argument("--short", action="store_true", help="only the short-context split sweep")
-    ap.add_argument("--cases", help="--short: only these batch x context cases, e.g. 8x4096,16x1024")
+    ap.add_argument("--short", action="store_true", help="the short-context split sweep")
+    ap.add_argument("--cases", help="--short: these batch x context cases, e.g. 8x4096,16x1024")
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    page_sizes = [int(p) for p in args.page_sizes.split(",") if p]
     rows, rng = [], np.random.default_rng(7)
     ceiling = copy_ceiling()["best"]
 
@@ -68,62 +113,11 @@ def main():
         print(f"{case} {name}: {ms} ms, {r['frac_of_copy']}, err {err}", flush=True)
 
     if args.short:
-        batches, page_sizes = [], []
-        cases = SHORT if not args.cases else [tuple(map(int, c.split("x")))
-                                              for c in args.cases.split(",")]
-        for B, C in cases:
-            q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16,
-                                                   jnp.bfloat16)
-            q = q.reshape(B, H, D)
-            nbytes = 2 * B * C * KV * D * 2
-            for sp in [x for x in SHORT_SPLITS if x <= C // 64]:
-                fn = lambda q, kp, vp, ctx, table, sp=sp: K.paged_attention(
-                    q, kp, vp, ctx, table, impl="pallas", backend="triton", num_splits=sp)
-                row(f"B={B} ctx={C}", f"triton splits={sp}",
-                    time_ms(fn, q, kp, vp, ctx, table, device=True), nbytes)
-            row(f"B={B} ctx={C}", "triton default",
-                time_ms(lambda *a: K.paged_attention(*a, impl="pallas", backend="triton"),
-                        q, kp, vp, ctx, table, device=True), nbytes)
-    for B, C in [(b, c) for b, c in ((64, 4096), (1, 32768)) if b in batches]:
-        case = f"B={B} ctx={C}"
-        q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16,
-                                               jnp.bfloat16)
-        q = q.reshape(B, H, D)
-        nbytes = 2 * B * C * KV * D * 2
-        ref = jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table)
-        row(case, "jax paged", time_ms(jax_paged_reference, q, kp, vp, ctx, table, device=True),
-            nbytes)
-        for kw in [dict()] + TRITON[B]:
-            fn = lambda q, kp, vp, ctx, table, kw=kw: K.paged_attention(
-                q, kp, vp, ctx, table, impl="pallas", backend="triton", **kw)
-            err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
-            row(case, f"triton {kw}", time_ms(fn, q, kp, vp, ctx, table, device=True), nbytes, err)
-        for kw in MOSAIC[B]:
-            fn = lambda q, kp, vp, ctx, table, kw=kw: paged_mgpu.paged_attention(
-                q, kp, vp, ctx, table, **kw)
-            try:
-                err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
-                row(case, f"mosaic {kw}", time_ms(fn, q, kp, vp, ctx, table, device=True),
-                    nbytes, err)
-            except Exception as e:
-                print(f"{case} mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:200]}")
-        del q, kp, vp
-    for ps in page_sizes:
-        B, C = 64, 4096
-        case = f"B={B} ctx={C} page={ps}"
-        q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, ps,
-                                               jnp.bfloat16)
-        q = q.reshape(B, H, D)
-        nbytes = 2 * B * C * KV * D * 2
-        ref = jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table)
-        row(case, "jax paged", time_ms(jax_paged_reference, q, kp, vp, ctx, table, device=True),
-            nbytes)
-        for kw in (dict(), dict(block_rows=16)):
-            fn = lambda q, kp, vp, ctx, table, kw=kw: K.paged_attention(
-                q, kp, vp, ctx, table, impl="pallas", backend="triton", **kw)
-            err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table), ref)
-            row(case, f"triton {kw}", time_ms(fn, q, kp, vp, ctx, table, device=True), nbytes, err)
-        del q, kp, vp
+        sweep_short(row, rng, SHORT if not args.cases else [
+            tuple(map(int, c.split("x"))) for c in args.cases.split(",")])
+    else:
+        sweep_targets(row, rng, [int(b) for b in args.batches.split(",")],
+                      [int(p) for p in args.page_sizes.split(",") if p])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_decode.json").write_text(json.dumps(dict(
