@@ -24,7 +24,7 @@ S >= T when causal, no segment ids.
 
 What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 626-644 TFLOP/s (causal
 counted as half the full product), 63%-65% of the 989 TFLOP/s bf16 tensor-core peak (a large
-matrix product reaches 798): 1.08x-1.10x cuDNN causal, device-timed, and 0.96x-0.98x full. A
+matrix product reaches 798): 1.08x-1.097x cuDNN causal, device-timed, and 0.96x-0.98x full. A
 work item's 128-key step takes ~1.7 us against 1.12 us of tensor-core work at peak. The softmax
 is why (`tools/profile_flash.py`, `tools/ncu_flash.py`): a thread's 64 exp2 issue as one run of
 MUFU.EX2 (16 results per clock and SM: 512 cycles a warp), the O rescale and P's conversion
