@@ -3,7 +3,7 @@
 Times the kernel's variants beside cuDNN, then, under `ncu`, runs each asked variant once more
 between cuProfilerStart/Stop so that only those launches are profiled:
 
-    python tools/ncu_flash.py --time [--variants stag,tree] # variants and cuDNN, same run
+    python tools/ncu_flash.py --time [--variants late,stag,ovl]  # and cuDNN, same run
     ncu --clock-control none --profile-from-start off --section SourceCounters \\
         --section WarpStateStats -o flash python tools/ncu_flash.py --variants late,stag
     ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
