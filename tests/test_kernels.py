@@ -412,3 +412,18 @@ def test_device_time_cuts_trace_at_flushes():
     assert ms == pytest.approx(0.047) and names == ["attn", "merge"]
     with pytest.raises(RuntimeError, match="3 flushes for 4 calls"):
         per_call_ms(lines, 4)
+
+
+def test_bench_table_rows():
+    """tools/bench_kernels.py's report: a decode row where JAX's kernel failed shows no ratio,
+    and KV-write records get their own table."""
+    from pallasite.tools.bench_kernels import table
+    base = dict(gpu="GPU", jax_version="0", date="d")
+    decode = dict(base, kernel="paged_attention", batch=1, context=32768, page_size=64,
+                  backend="triton", ours_ms=0.0627, tbps=2.14, frac_of_copy_bw=0.71,
+                  baselines={"jnp_dense": 0.0703}, speedup_vs_jax_paged=None, rel_err=0.0019)
+    kv = dict(base, kernel="kv_write", batch=64, ours_ms=0.0034,
+              baselines={"xla_scatter": 0.0049}, same_as_xla=True)
+    out = table([decode, kv], 3.0)
+    assert "| B=1 ctx=32768 page=64 | triton | 0.0627 | 2.14 | 71% | - | - | 0.0703 |" in out
+    assert "| T=64 tokens | 0.0034 | 0.0049 | True |" in out
