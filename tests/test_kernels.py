@@ -91,46 +91,42 @@ MOSAIC_CASES = [
 ]
 
 
+def run_mosaic_case(case, seed, **kw):
+    """(output, its relative error against the reference) of the Mosaic GPU flash kernel in
+    the interpreter on a MOSAIC_CASES case with fresh random inputs."""
+    B, T, S, H, KV, D, causal, bk, stages, dtype, ctas = case
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
+               for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
+    out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
+                                     num_stages=stages, num_ctas=ctas, interpret=True, **kw)
+    return out, rel_err(out, reference.attention_reference(q, k, v, causal=causal))
+
+
 @pytest.mark.parametrize("case", MOSAIC_CASES)
 def test_flash_mosaic_interpret(case):
     """The Mosaic GPU kernel's persistent tile loop, TMA ring (carried across tiles), barriers
     (every phase observed by every warpgroup, as the interpreter checks), masks and online
     softmax; its wgmma calls run as plain dots here and are checked on the GPU only."""
-    B, T, S, H, KV, D, causal, bk, stages, dtype, ctas = case
-    rng = np.random.default_rng(T + S + H)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
-               for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
-    out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
-                                     num_stages=stages, num_ctas=ctas, interpret=True)
-    assert out.dtype == dtype
-    assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
+    B, T, S, H = case[:4]
+    out, err = run_mosaic_case(case, T + S + H)
+    assert out.dtype == case[9]
+    assert err < 1e-2
 
 
 @pytest.mark.parametrize("case", [MOSAIC_CASES[i] for i in (1, 4)])
 def test_flash_mosaic_sum_in_softmax_interpret(case):
     """`late_sum=False`: P's row sums taken in the softmax, not while P V runs."""
-    B, T, S, H, KV, D, causal, bk, stages, dtype, ctas = case
-    rng = np.random.default_rng(T * S + H + 1)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
-               for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
-    out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
-                                     num_stages=stages, num_ctas=ctas, late_sum=False,
-                                     interpret=True)
-    assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
+    B, T, S, H = case[:4]
+    assert run_mosaic_case(case, T * S + H + 1, late_sum=False)[1] < 1e-2
 
 
 @pytest.mark.parametrize("case", [MOSAIC_CASES[i] for i in (1, 3, 4)])
 def test_flash_mosaic_overlap_interpret(case):
     """The software-pipelined consumers: S(j) and P(j-1) V(j-1) issued in one turn, the two
     consumers passing turns through their own barriers, drains taking turns too."""
-    B, T, S, H, KV, D, causal, bk, stages, dtype, ctas = case
-    rng = np.random.default_rng(T * S + H)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
-               for shape in ((B, T, H, D), (B, S, KV, D), (B, S, KV, D)))
-    out = flash_mgpu.flash_attention(q, k, v, causal=causal, block_q=64, block_kv=bk,
-                                     num_stages=stages, num_ctas=ctas, overlap=True,
-                                     interpret=True)
-    assert rel_err(out, reference.attention_reference(q, k, v, causal=causal)) < 1e-2
+    B, T, S, H = case[:4]
+    assert run_mosaic_case(case, T * S + H, overlap=True)[1] < 1e-2
 
 
 @pytest.mark.parametrize("B,T,H,KV,D,causal,dtype,kw", [
