@@ -22,9 +22,9 @@ hit L2.
 Limits (callers fall back to `flash.py` otherwise): T a multiple of 2 * block_q, S of block_kv,
 S >= T when causal, no segment ids.
 
-What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 626-644 TFLOP/s (causal
-counted as half the full product), 63%-65% of the 989 TFLOP/s bf16 tensor-core peak (a large
-matrix product reaches 798): 1.08x-1.097x cuDNN causal, device-timed, and 0.96x-0.98x full. A
+What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 655-663 TFLOP/s (causal
+counted as half the full product), 66%-67% of the 989 TFLOP/s bf16 tensor-core peak (a large
+matrix product reaches 798): 1.12x cuDNN causal, device-timed, and 0.97x-0.98x full. A
 work item's 128-key step takes ~1.7 us against 1.12 us of tensor-core work at peak. The softmax
 is why (`tools/profile_flash.py`, `tools/ncu_flash.py`): a thread's 64 exp2 issue as one run of
 MUFU.EX2 (16 results per clock and SM: 512 cycles a warp), the O rescale and P's conversion
@@ -201,12 +201,11 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
     if not overlap:
         pl.when(wg == 1)(schedule)  # consumer 1 starts half a step behind consumer 0
 
-    iota = functools.partial(wgmma_iota, (block_q, block_kv), interpret=interpret)
-
     def softmax(s, t, m, l, masked):
         """Online softmax of key tile t: P (float32), new max, new sum (None with `late_sum`:
         the caller adds P's row sums itself), rescale."""
         if masked:  # the iotas are built here, not held in registers across the key loop
+            iota = functools.partial(wgmma_iota, s.shape, interpret=interpret)
             s = jnp.where(iota(0) + (row0 + offset - t * block_kv) >= iota(1), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1) * scale)
         alpha = jnp.exp2(m - m_new)
@@ -221,10 +220,16 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
         take = lambda: plgpu.barrier_wait(turn.at[wg])  # the tensor cores are this one's
         give = lambda: plgpu.barrier_arrive(turn.at[1 - wg])
         acc, l = _overlapped_loop(softmax, acc, m, l, take=take, give=give, **ring)
+        prefetch_q()  # the last Q K^T has read q_smem: the next tile's rows can land there
     else:
+        # A causal diagonal tile of which this consumer needs only the first half of the keys
+        # (consumer 0's, when block_kv = 2 * block_q) runs as a half tile.
+        tail = row0 + block_q + offset - (steps - 1) * block_kv  # keys of the last tile used
+        half_last = (steps > free) & (tail <= block_kv // 2) if causal and block_kv >= 128 \
+            else False
         acc, l = _staggered_loop(softmax, acc, m, l, schedule=schedule, sched=sched,
-                                 late_sum=late_sum, **ring)
-    prefetch_q()  # the last Q K^T has read q_smem: the next tile's rows can land there
+                                 late_sum=late_sum, prefetch_q=prefetch_q, half_last=half_last,
+                                 **ring)
 
     @pl.loop(steps, cta_steps)
     def _drain(j):  # tiles only the other consumer needs: release them, keep the stagger
@@ -241,7 +246,7 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
     if not overlap:
         pl.when(wg == 0)(schedule)
     with jax.named_scope("epilogue"):
-        acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])  # a division per row
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store left o_smem
         o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
@@ -250,14 +255,20 @@ def _consume(q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, k_full, v_full, q_ful
 
 def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_full, k_free,
                     v_free, schedule, sched, slot, steps, free, dtype, causal, late_sum,
-                    interpret):
+                    prefetch_q, half_last, interpret):
     """One tile per step: S = Q K^T, softmax, O += P V, the two consumers half a step apart
     so that one's softmax overlaps the other's matrix products. `late_sum` adds P's row sums
-    to l while P V runs, off the path to the tensor cores."""
-    def step(j, carry, masked):  # the scopes name the phases in a profile (profile_flash)
+    to l while P V runs, off the path to the tensor cores. `prefetch_q` loads the next work
+    item's Q as soon as the last Q K^T has landed, so it has that step's softmax and P V to
+    arrive in. `half_last` (traced): the last tile runs on its first half of keys."""
+    def step(j, carry, masked, keys=None):  # the scopes name the phases in a profile
         acc, m, l = carry
+        k_tile, v_tile = k_smem.at[slot(j)], v_smem.at[slot(j)]
+        if keys is not None:  # the keys past these are masked for every row
+            k_tile, v_tile = k_tile.at[pl.ds(0, keys)], v_tile.at[pl.ds(0, keys)]
         with jax.named_scope("qk"):
-            s = wgmma_qk(q_smem, k_smem.at[slot(j)], interpret, between=schedule)
+            s = wgmma_qk(q_smem, k_tile, interpret, between=schedule)
+        pl.when(j == steps - 1)(prefetch_q)  # q_smem is read: the next item's Q can land
         plgpu.barrier_arrive(k_free.at[slot(j)])
         with jax.named_scope("softmax"):
             p32, m_new, l_new, alpha = softmax(s, j, m, l, masked)
@@ -275,10 +286,10 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
             lambda: plgpu.barrier_wait(k_full.at[slot(j + 1)]))
         with jax.named_scope("pv"):
             if late_sum:
-                acc, l = wgmma_pv(acc, p, v_smem.at[slot(j)], wait_next, interpret, during=(
+                acc, l = wgmma_pv(acc, p, v_tile, wait_next, interpret, during=(
                     lambda: l * alpha + p32.sum(axis=1), l))
             else:
-                acc = wgmma_pv(acc, p, v_smem.at[slot(j)], wait_next, interpret)
+                acc = wgmma_pv(acc, p, v_tile, wait_next, interpret)
         plgpu.barrier_arrive(v_free.at[slot(j)])
         return acc, m_new, l
 
@@ -287,7 +298,12 @@ def _staggered_loop(softmax, acc, m, l, *, q_smem, k_smem, v_smem, k_full, v_ful
         plgpu.barrier_wait(k_full.at[slot(0)])
 
     carry = lax.fori_loop(0, free, functools.partial(step, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(free, steps, functools.partial(step, masked=causal), carry)
+    n_full = steps - jnp.asarray(half_last).astype(jnp.int32)
+    carry = lax.fori_loop(free, n_full, functools.partial(step, masked=causal), carry)
+    if half_last is not False:
+        half = functools.partial(step, steps - 1, masked=True, keys=k_smem.shape[1] // 2)
+        carry = lax.cond(half_last, half, lambda c: c, carry)
+    acc, m, l = carry
     return acc, l
 
 

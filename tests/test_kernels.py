@@ -88,6 +88,7 @@ MOSAIC_CASES = [
     (2, 128, 192, 2, 1, 128, False, 64, 2, jnp.bfloat16, 3),    # head_dim 128, idle CTA slot
     (2, 256, 320, 2, 1, 64, True, 64, 2, jnp.bfloat16, 3),      # snake order over 8 tiles
     (1, 128, 64, 1, 1, 64, False, 64, 2, jnp.bfloat16, None),   # a single key tile
+    (1, 256, 384, 2, 1, 64, True, 128, 2, jnp.bfloat16, 2),     # consumer 0's half diagonals
 ]
 
 
@@ -114,7 +115,7 @@ def test_flash_mosaic_interpret(case):
     assert err < 1e-2
 
 
-@pytest.mark.parametrize("case", [MOSAIC_CASES[i] for i in (1, 4)])
+@pytest.mark.parametrize("case", [MOSAIC_CASES[i] for i in (1, 4, 6)])
 def test_flash_mosaic_sum_in_softmax_interpret(case):
     """`late_sum=False`: P's row sums taken in the softmax, not while P V runs."""
     B, T, S, H = case[:4]
@@ -408,6 +409,19 @@ def test_device_time_cuts_trace_at_flushes():
     assert ms == pytest.approx(0.047) and names == ["attn", "merge"]
     with pytest.raises(RuntimeError, match="3 flushes for 4 calls"):
         per_call_ms(lines, 4)
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_bench_l2_flush_kernels(mode, monkeypatch):
+    """Both L2 flushes lower to one Triton kernel named FLUSH (how a trace is cut into calls);
+    the read flush returns column sums of its 128 MB buffer of ones, the write flush 128 MB."""
+    from pallasite.tools import bench_kernels as bk
+    monkeypatch.setitem(bk.FLUSH_MODE, "mode", mode)
+    flush = bk._l2_flush()
+    text = jax.jit(lambda: flush()).trace().lower(lowering_platforms=("cuda",)).as_text()
+    assert bk.FLUSH in text and "triton" in text
+    out = jax.eval_shape(flush)
+    assert out.size * 4 == (2 << 20 if mode == "read" else 128 << 20)
 
 
 def test_bench_table_rows():
