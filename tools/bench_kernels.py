@@ -113,22 +113,42 @@ def time_ms(fn, *args, reps=15, inner=None, loop=False, device=False, chain=Fals
 FLUSH = "bench_l2_flush"  # the kernel that separates calls in a trace
 
 
-def _l2_flush():
-    """A jitted Pallas kernel (named FLUSH) writing 128 MB, more than any GPU's L2."""
-    from jax.experimental import pallas as pl
+# How _l2_flush evicts the L2 (--flush). "read" since 2026-11-23: after the write flush the
+# timed call also wrote back the flush's dirty lines, which charged a bandwidth-bound kernel
+# more than a slower one (H100, decode B=64 / 4k: ours +10 us, JAX's paged kernel +3 us;
+# tools/probe_flush.py). A model step's attention follows kernels that leave little dirty.
+FLUSH_MODE = {"mode": "read"}
 
-    def kernel(o_ref):
+
+def _l2_flush():
+    """A jitted Pallas kernel (named FLUSH) that writes 128 MB, more than any GPU's L2, or with
+    FLUSH_MODE "read" reads 128 MB (and writes 2 MB): the L2 is then left clean, so the timed
+    call does not also write back the flush's dirty lines."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    blocks = pl.BlockSpec((64, 256), lambda i: (i, 0))  # 2048 of them: 128 MB of float32
+    call = lambda kernel, **kw: jax.jit(pl.pallas_call(
+        kernel, grid=(2048,), compiler_params=plgpu.CompilerParams(num_warps=8), name=FLUSH,
+        **kw))
+    if FLUSH_MODE["mode"] == "read":  # a row of column sums out per block
+        def read(x_ref, o_ref):
+            o_ref[...] = jnp.sum(x_ref[...], axis=0, keepdims=True)
+        buf = jnp.ones((2048 * 64, 256), jnp.float32)
+        f = call(read, in_specs=[blocks], out_specs=pl.BlockSpec((1, 256), lambda i: (i, 0)),
+                 out_shape=jax.ShapeDtypeStruct((2048, 256), jnp.float32))
+        return lambda: f(buf)
+
+    def write(o_ref):
         o_ref[...] = jnp.ones_like(o_ref)
-    return jax.jit(pl.pallas_call(kernel, grid=(256,), out_specs=pl.BlockSpec(
-        (128, 1024), lambda i: (i, 0)), out_shape=jax.ShapeDtypeStruct((32768, 1024),
-                                                                        jnp.float32), name=FLUSH))
+    return call(write, out_specs=blocks, out_shape=jax.ShapeDtypeStruct((2048 * 64, 256),
+                                                                         jnp.float32))
 
 
 def device_ms(fn, *args, reps=15, chain=False):
     """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
     from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
-    compiled program mostly hides. The L2 is flushed before each call, so inputs smaller than
-    the cache are read from memory as in a real step. The call's kernels go to DEVICE_KERNELS.
+    compiled program mostly hides. The L2 is flushed before each call (`_l2_flush`), so inputs
+    smaller than the cache are read from memory as in a real step. The call's kernels go to DEVICE_KERNELS.
     `chain`: the first argument is donated and each call's output is the next call's first
     argument (an in-place update, as the serving step runs it)."""
     import glob
@@ -280,7 +300,7 @@ def dense_decode(q, k, v, ctx):
 
 def record(kernel, **kw):
     r = dict(kernel=kernel, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-             date=DATE)
+             date=DATE, l2_flush=FLUSH_MODE["mode"])
     tuned = {"flash_attention": "flash", "paged_attention": "decode",
              "ragged_paged_attention": "ragged"}.get(kernel)
     r["params"] = tuning.params(tuned, kw.get("page_size")) if tuned else {}
@@ -748,6 +768,8 @@ def main():
                     help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
     ap.add_argument("--only", default="prefill,decode,mixed,kv_write")
     ap.add_argument("--page-sizes", default="16")
+    ap.add_argument("--flush", choices=("write", "read"), default="read",
+                    help="how the L2 is emptied before each timed call (see _l2_flush)")
     ap.add_argument("--render", nargs="+", metavar="JSON",
                     help="no GPU work: merge these kernels.json files (later ones win for the "
                          "same case) into --out/kernels.json and kernels.md")
@@ -755,6 +777,7 @@ def main():
     if args.render:
         return render(args.render, Path(args.out))
     args.page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    FLUSH_MODE["mode"] = args.flush
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log(f"jax {jax.__version__} devices {jax.devices()} tuning key {tuning.gpu_key()}")
