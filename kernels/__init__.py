@@ -7,11 +7,13 @@ Flash attention has two Pallas backends, Mosaic GPU on Hopper and Triton elsewhe
 (`flash_backend`); so does decode, where the tuning table names the faster one per GPU
 (`decode_backend`).
 Extra keywords (block sizes, num_splits, ...) reach the Pallas kernels; defaults come from
-`tuning.py`.
+`tuning.py`. Inside `portable_backends()` both take Triton unless a call or the environment
+names a backend (the mesh hooks use it for programs over several GPUs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -32,6 +34,23 @@ def _use_pallas(impl, interpret):
     return interpret or choose_impl(impl) == "pallas"
 
 
+_PORTABLE = [False]  # inside portable_backends()
+
+
+@contextlib.contextmanager
+def portable_backends(on: bool = True):
+    """While tracing inside it, flash and decode calls that name no backend take the Triton
+    kernels. On two H200s a 31-layer tp=2 decode step with the Mosaic GPU decode kernel did
+    not finish within 150 s, while with the Triton kernel it compiled in 11 s and ran (with 4
+    layers both ran; docs/BENCHMARKS.md). Until that is understood, programs over several GPUs
+    keep Mosaic GPU kernels out, the flash kernel too, which was never run on a mesh."""
+    before, _PORTABLE[0] = _PORTABLE[0], on
+    try:
+        yield
+    finally:
+        _PORTABLE[0] = before
+
+
 def _is_hopper() -> bool:
     try:
         return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
@@ -42,7 +61,8 @@ def _is_hopper() -> bool:
 def flash_backend(q, k, *, causal=True, segment_ids=None, backend=None) -> str:
     """"mosaic" (Hopper: wgmma, TMA, warp specialization; `flash_mgpu.py`) or "triton"
     (any GPU; `flash.py`). None picks Mosaic GPU on Hopper wherever it takes the call and
-    Triton otherwise; `PALLASITE_FLASH_BACKEND` overrides. Asking for "mosaic" where it cannot
+    Triton otherwise (and inside `portable_backends`); `PALLASITE_FLASH_BACKEND` overrides.
+    Asking for "mosaic" where it cannot
     run raises with the reason."""
     from . import flash_mgpu
     backend = backend or os.environ.get("PALLASITE_FLASH_BACKEND")
@@ -50,7 +70,7 @@ def flash_backend(q, k, *, causal=True, segment_ids=None, backend=None) -> str:
     why = flash_mgpu.supported(q, k, causal=causal, segment_ids=segment_ids,
                                block_q=blocks["block_q"], block_kv=blocks["block_kv"])
     if backend is None:
-        return "mosaic" if why is None and _is_hopper() else "triton"
+        return "mosaic" if why is None and _is_hopper() and not _PORTABLE[0] else "triton"
     if backend not in ("mosaic", "triton"):
         raise ValueError(f"flash backend {backend!r} is not one of 'mosaic', 'triton'")
     if backend == "mosaic" and why:
@@ -94,7 +114,8 @@ def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
     asked = backend or os.environ.get("PALLASITE_DECODE_BACKEND")
     if asked not in (None, "mosaic", "triton"):
         raise ValueError(f"decode backend {asked!r} is not one of 'mosaic', 'triton'")
-    backend = asked or ("triton" if blocks or not _is_hopper() else tuning.decode_backend())
+    portable = blocks or not _is_hopper() or _PORTABLE[0]
+    backend = asked or ("triton" if portable else tuning.decode_backend())
     if backend == "mosaic":
         why = paged_mgpu.supported(q, k_pages, **_mosaic_decode_params(q, k_pages, page_table,
                                                                          blocks))

@@ -12,6 +12,7 @@ from functools import partial
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import kernels
 from ..model import ModelConfig
 from ..model.layers import use_device_hooks
 from .experts import moe_shard
@@ -68,8 +69,9 @@ class MeshHooks:
             head = jax.lax.axis_index("tensor") * kv // tp
             k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=k.ndim - 2)
             v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=v.ndim - 2)
-        return attend(args["q"], k, v, args.get("segment_ids"), args.get("layer_cache"),
-                      args.get("batch"))
+        with kernels.portable_backends(self.mesh.size > 1):  # see there: Mosaic GPU off meshes
+            return attend(args["q"], k, v, args.get("segment_ids"), args.get("layer_cache"),
+                          args.get("batch"))
 
     def embed(self, table, tokens):
         """Vocabulary-parallel lookup: each tensor shard takes the tokens that fall in its rows

@@ -143,6 +143,9 @@ def test_decode_backend_choice(monkeypatch):
     for gpu, want in (("H100", "triton"), ("H200", "mosaic")):
         monkeypatch.setattr(tuning, "gpu_key", lambda gpu=gpu: gpu)
         assert kernels.decode_backend(q, kp, table) == want
+        with kernels.portable_backends():  # a program over several GPUs: Triton unless asked
+            assert kernels.decode_backend(q, kp, table) == "triton"
+            assert kernels.decode_backend(q, kp, table, backend="mosaic") == "mosaic"
     assert kernels.decode_backend(*f32, table) == "triton"  # Mosaic cannot take float32
     assert kernels.decode_backend(q, kp, table, pages_per_block=2) == "triton"  # Triton's tiles
     assert kernels.decode_backend(q, kp, table, backend="triton") == "triton"

@@ -263,6 +263,29 @@ def test_dense_model_on_a_mesh_equals_one_device(dense, dense_ref, shape):
     check_mesh(config, on_mesh, layout, dense_ref)
 
 
+@mesh_test
+def test_attention_over_several_devices_takes_the_triton_kernels(dense, monkeypatch):
+    """On a mesh of more than one device the attention hook traces its kernels inside
+    `kernels.portable_backends`: where a Hopper GPU would pick the Mosaic GPU flash kernel, a
+    tp=2 shard takes Triton and a one-device mesh still takes Mosaic GPU."""
+    from pallasite import kernels
+    from pallasite.sharding import MeshPlan, make_mesh
+    from pallasite.sharding.parallel import MeshHooks
+    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
+    config, _ = dense
+    q = jnp.ones((1, 128, 8, 64), jnp.bfloat16)  # shapes the Mosaic GPU kernel takes
+    k = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    for shape, want in (((1, 2, 1), "triton"), ((1, 1, 1), "mosaic")):
+        seen = []
+
+        def attend(q, k, v, *rest):
+            seen.append(kernels.flash_backend(q, k))
+            return q, None
+        MeshHooks(config, make_mesh(MeshPlan(*shape))).attention(attend, q, k, k)
+        assert seen == [want]
+    assert kernels.flash_backend(q, k) == "mosaic"  # the choice is back outside the hook
+
+
 # -- MoE: expert parallel, loaded straight onto the mesh -----------------------------------------
 
 @mesh_test
