@@ -14,19 +14,19 @@ tiles and writes a normalized partial output and its log-sum-exp; `merge_splits`
 one more launch. Batch 1 with a long context then still fills the GPU.
 
 Block metadata (which sequence and first token each block has) is computed with jnp from
-query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; blocks past the
-real ones own no token and return at once. Tokens past query_start[-1] give zeros. Decode (one
-token per sequence) needs no metadata: block b is sequence b, so the call is the kernel alone
-(plus the merge with splits); each XLA op around a launch costs ~2-3 us, a twentieth of a batch-1
-32k decode.
+query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; the blocks past
+the real ones write zeros for the tokens past query_start[-1], so no select follows the launch.
+Decode (one token per sequence) needs no metadata: block b is sequence b, so the call is the
+kernel alone (plus the merge with splits); each XLA op around a launch costs ~2-3 us, a
+twentieth of a batch-1 32k decode.
 
 Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
 offsets must fit int32 (KV * num_pages * page_size * D and T * H * D < 2**31).
 What bounds decode: one pass over K/V at HBM speed is the floor; tile loads go through the page
 table, so each tile costs a dependent index load first, hidden by num_stages pipelining. On the
-H100 that reaches 97%-103% of the copy ceiling from half a gigabyte per call (batch 64 at 4k:
-0.371 ms against 0.357 for an XLA reduction reading the same bytes contiguously) and 72% at
-batch 1 with a 32k context, where a 134 MB read takes 60 us even for XLA's reduction
+H100 that reaches 100%-102% of the copy ceiling from half a gigabyte per call (batch 64 at 4k:
+0.361 ms against 0.356 for an XLA reduction reading the same bytes contiguously) and 80% at
+batch 1 with a 32k context, where 16 splits of 2048 keys give one program per SM
 (docs/kernels_notes.md).
 """
 
@@ -47,9 +47,10 @@ from .reference import NEG_INF
 LOG2E = math.log2(math.e)
 
 
-def block_metadata(query_start, num_tokens, tokens_per_block, num_blocks):
-    """For each block: its sequence and first token. Blocks past the last get token
-    `num_tokens` (so they own no token) and sequence 0."""
+def block_metadata(query_start, tokens_per_block, num_blocks):
+    """For each block: its sequence and first token. Blocks past the last real one get
+    sequence S (none) and, in turn, the padding tokens from query_start[-1] on, whose rows the
+    kernel zeroes; cdiv(T, tokens_per_block) + S blocks always reach the last of T tokens."""
     S = query_start.shape[0] - 1
     q_len = query_start[1:] - query_start[:-1]
     n_blk = (q_len + tokens_per_block - 1) // tokens_per_block
@@ -61,7 +62,8 @@ def block_metadata(query_start, num_tokens, tokens_per_block, num_blocks):
     seq = jnp.minimum(seq, S - 1).astype(jnp.int32)
     tok = query_start[seq] + (b - (ends[seq] - n_blk[seq])) * tokens_per_block
     valid = b < ends[-1]
-    return jnp.where(valid, seq, 0), jnp.where(valid, tok, num_tokens).astype(jnp.int32)
+    pad_tok = query_start[-1] + (b - ends[-1]) * tokens_per_block
+    return jnp.where(valid, seq, S), jnp.where(valid, tok, pad_tok).astype(jnp.int32)
 
 
 def _gather(*idx):
@@ -81,7 +83,10 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
         seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
         b = pl.program_id(0)
         s, t0 = seq_ref[b], tok_ref[b]
-        q_lo, q_hi = qs_ref[s], qs_ref[s + 1]
+        pad = s == ctx_ref.shape[0]  # a block of padding tokens: zeros, no keys
+        s = jnp.where(pad, 0, s)
+        q_lo = jnp.where(pad, t0, qs_ref[s])
+        q_hi = jnp.where(pad, q_ref.shape[0] // num_heads, qs_ref[s + 1])
     D = q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -102,6 +107,8 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     n_tok = jnp.clip(q_hi - t0, 0, tpb)
     kv_len = jnp.where(n_tok > 0, jnp.minimum(first_pos + n_tok, pages_per_seq * page_size), 0)
     kv_len = jnp.maximum(kv_len, 0)
+    if not decode:
+        kv_len = jnp.where(pad, 0, kv_len)
 
     q = plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0)
     scale = sm_scale * LOG2E
@@ -279,18 +286,16 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         if num_blocks is None:  # enough for any split of T tokens into S sequences
             num_blocks = pl.cdiv(T, tpb) + S
         qs = query_start.astype(jnp.int32)
-        meta = (*block_metadata(qs, T, tpb, num_blocks), qs)
+        meta = (*block_metadata(qs, tpb, num_blocks), qs)
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
                   block_rows=block_rows, pages_per_block=pages_per_block,
                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                   prefetch_pages=prefetch_pages, interpret=interpret)
-    live = T * H if one_token_per_seq else query_start[-1] * H  # later rows: no block wrote them
     if num_splits > 1:
+        live = T * H if one_token_per_seq else query_start[-1] * H
         o = merge_splits(*outs, live, q.dtype, interpret=interpret)
-    elif one_token_per_seq:
-        o = outs[0]
     else:
-        o = jnp.where((jnp.arange(T * H) < live)[:, None], outs[0], 0)
+        o = outs[0]
     return o.reshape(T, H, D)
 
 

@@ -268,10 +268,11 @@ def test_paged_dispatch_defaults_and_context_zero():
 
 def test_block_metadata():
     qs = jnp.asarray([0, 5, 5, 6, 23, 23], jnp.int32)  # lengths 5, 0, 1, 17, 0
-    seq, tok = paged.block_metadata(qs, 25, 4, 12)
-    # blocks: seq 0 -> tokens 0, 4; seq 2 -> 5; seq 3 -> 6, 10, 14, 18, 22; then empty
-    assert list(np.asarray(seq[:8])) == [0, 0, 2, 3, 3, 3, 3, 3]
-    assert list(np.asarray(tok)) == [0, 4, 5, 6, 10, 14, 18, 22] + [25] * 4
+    seq, tok = paged.block_metadata(qs, 4, 12)  # 25 tokens: 23 and 2 of padding
+    # blocks: seq 0 -> tokens 0, 4; seq 2 -> 5; seq 3 -> 6, 10, 14, 18, 22; then padding
+    # blocks (sequence 5, none) over the tokens from 23 on, which the kernel zeroes
+    assert list(np.asarray(seq)) == [0, 0, 2, 3, 3, 3, 3, 3] + [5] * 4
+    assert list(np.asarray(tok)) == [0, 4, 5, 6, 10, 14, 18, 22, 23, 27, 31, 35]
 
 
 def test_split_combine_matches_single_pass():

@@ -148,7 +148,8 @@ def device_ms(fn, *args, reps=15, chain=False):
     """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
     from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
     compiled program mostly hides. The L2 is flushed before each call (`_l2_flush`), so inputs
-    smaller than the cache are read from memory as in a real step. The call's kernels go to DEVICE_KERNELS.
+    smaller than the cache are read from memory as in a real step. The call's kernels go to
+    DEVICE_KERNELS.
     `chain`: the first argument is donated and each call's output is the next call's first
     argument (an in-place update, as the serving step runs it)."""
     import glob
@@ -497,6 +498,17 @@ def bench_mixed(args, records, ceiling):
     ref = jax.jit(reference.ragged_paged_attention_reference)(q, kp, vp, qs, ctx, table)
     err = rel_err(jax.jit(ragged)(q, kp, vp, qs, ctx, table), ref)
     err_apart = rel_err(jax.jit(apart)(q, kp, vp, qs, ctx, table), ref)
+    # 13 padding tokens past query_start[-1], as a bucketed step has: their rows must come back
+    # zeros, written by the kernel in 1 split and by the merge in more.
+    n_pad = 13
+    q_pad = jnp.concatenate([q, jax.random.normal(jax.random.PRNGKey(5), (n_pad, H, D), dtype)])
+    ref_pad = jnp.concatenate([ref, jnp.zeros((n_pad, H, D), ref.dtype)])
+    padded = {}
+    for name, kw in (("default", {}), ("splits_1", dict(num_splits=1))):
+        poison()
+        out = jax.jit(lambda *a, kw=kw: ragged(*a, **kw))(q_pad, kp, vp, qs, ctx, table)
+        padded[name] = dict(rel_err=rel_err(out, ref_pad),
+                            padding_zero=bool(np.all(np.asarray(out[-n_pad:]) == 0)))
     ours_ms = time_ms(ragged, q, kp, vp, qs, ctx, table, device=True)
     launched = list(DEVICE_KERNELS)
     base = {"separate_prefill_plus_decode": time_ms(apart, q, kp, vp, qs, ctx, table,
@@ -517,11 +529,12 @@ def bench_mixed(args, records, ceiling):
     rec = record("ragged_paged_attention", batch=64, context=int(np.asarray(ctx).max()),
                  seq=512, page_size=page_size, causal=True, dtype="bfloat16", ours_ms=ours_ms,
                  baselines=base, rel_err=err, rel_err_separate=err_apart, tbps=tbps,
+                 padded_check=padded,
                  timing="device", kernels_launched=launched, fori_loop_ms=loop,
                  frac_of_copy_bw=tbps / ceiling,
                  note="one 512-token chunk (context 2048) + 63 decode tokens (context 512..4095)")
     records.append(rec)
-    log(f"mixed err={err} err_apart={err_apart} ours={ours_ms} {base}")
+    log(f"mixed err={err} err_apart={err_apart} padded={padded} ours={ours_ms} {base}")
 
 
 def sweep(args):
