@@ -72,8 +72,8 @@ def supported(q, k, *, causal, segment_ids=None, block_q=64, block_kv=128) -> st
         return f"head_dim {D}"
     if H % KV:
         return f"{H} heads over {KV} kv heads"
-    if T % (CONSUMERS * block_q) or S % block_kv:
-        return f"T={T} or S={S} not a multiple of the tiles"
+    if T % (CONSUMERS * block_q) or S % block_kv or not S:  # every work item has a key tile
+        return f"T={T} or S={S} not a positive multiple of the tiles"
     if causal and S < T:
         return "causal with S < T"
     return None

@@ -155,8 +155,9 @@ def test_flash_backend_choice():
     assert kernels.flash_backend(q, k, backend="mosaic") == "mosaic"
     with pytest.raises(ValueError, match="segment ids"):
         kernels.flash_backend(q, k, segment_ids=jnp.zeros((1, 256), jnp.int32), backend="mosaic")
-    with pytest.raises(ValueError, match="not a multiple"):
-        kernels.flash_backend(q[:, :100], k, backend="mosaic")
+    for q_, k_ in ((q[:, :100], k), (q, k[:, :0])):  # T off the tiles; no keys at all
+        with pytest.raises(ValueError, match="not a positive multiple"):
+            kernels.flash_backend(q_, k_, backend="mosaic")
     with pytest.raises(ValueError, match="dtype"):
         kernels.flash_backend(q.astype(jnp.float32), k.astype(jnp.float32), backend="mosaic")
     with pytest.raises(ValueError, match="one of"):
