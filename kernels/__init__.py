@@ -62,8 +62,7 @@ def flash_backend(q, k, *, causal=True, segment_ids=None, backend=None) -> str:
     """"mosaic" (Hopper: wgmma, TMA, warp specialization; `flash_mgpu.py`) or "triton"
     (any GPU; `flash.py`). None picks Mosaic GPU on Hopper wherever it takes the call and
     Triton otherwise (and inside `portable_backends`); `PALLASITE_FLASH_BACKEND` overrides.
-    Asking for "mosaic" where it cannot
-    run raises with the reason."""
+    Asking for "mosaic" where it cannot run raises with the reason."""
     from . import flash_mgpu
     backend = backend or os.environ.get("PALLASITE_FLASH_BACKEND")
     blocks = tuning.params("flash_mosaic")

@@ -79,20 +79,23 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
         s = t0 = q_lo = pl.program_id(0)
         q_hi = s + 1
+        ctx = ctx_ref[s]
     else:
         seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
         b = pl.program_id(0)
         s, t0 = seq_ref[b], tok_ref[b]
-        pad = s == ctx_ref.shape[0]  # a block of padding tokens: zeros, no keys
+        # A block of padding tokens (sequence S) is a sequence with no context whose tokens run
+        # from t0 to the end: its rows get zeros.
+        pad = s == ctx_ref.shape[0]
         s = jnp.where(pad, 0, s)
         q_lo = jnp.where(pad, t0, qs_ref[s])
         q_hi = jnp.where(pad, q_ref.shape[0] // num_heads, qs_ref[s + 1])
+        ctx = jnp.where(pad, 0, ctx_ref[s])
     D = q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     tpb = block_rows // group  # tokens per block
     h, split = pl.program_id(1), pl.program_id(2)
-    ctx = ctx_ref[s]
 
     r = jnp.arange(block_rows)
     tok = t0 + r // group
@@ -107,8 +110,6 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     n_tok = jnp.clip(q_hi - t0, 0, tpb)
     kv_len = jnp.where(n_tok > 0, jnp.minimum(first_pos + n_tok, pages_per_seq * page_size), 0)
     kv_len = jnp.maximum(kv_len, 0)
-    if not decode:
-        kv_len = jnp.where(pad, 0, kv_len)
 
     q = plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0)
     scale = sm_scale * LOG2E
