@@ -31,7 +31,7 @@ from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
 # the k and v projections) into a multiply and a reduction that stream the weights at a quarter
-# of HBM speed (tools/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
+# of HBM speed (profiling/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
 # product. So the token axis is never shorter than two slots.
 MIN_TOKEN_BUCKET = 2
 INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters

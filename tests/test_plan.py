@@ -13,7 +13,7 @@ import pytest
 
 from pallasite.model import config_from_dict, param_shapes
 from pallasite.sharding import MeshPlan
-from pallasite.tools import plan, plan_model as pm
+from pallasite.tools.plan import cli as plan, model as pm
 
 TINY_MOE = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
                 moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -282,7 +282,7 @@ def test_activation_estimate_follows_xla_on_cpu():
     import jax.numpy as jnp
     from pallasite.model import forward
     from pallasite.model.transformer import kv_cache_shape
-    from pallasite.tools.plan_validate import make_batch
+    from pallasite.tools.plan.validate import make_batch
 
     def xla_bytes(config, tokens):
         tok, pos, batch, pages = make_batch("decode", tokens, 15, config.vocab_size,
@@ -327,7 +327,7 @@ def test_embedding_lookup_adds_one_all_reduce_per_step():
 
 def test_validation_predicts_the_peak_from_its_parts():
     """A point's predicted peak: exact weights, the KV pool the run allocated, activations."""
-    from pallasite.tools import plan_validate as pv
+    from pallasite.tools.plan import validate as pv
     rec = dict(model="llama-3-8b-8L", plan="dp=1,tp=1,ep=1", phase="decode", batch=16,
                length=1024, tokens=16, num_pages=4161)
     peak = pv.predict_peak(rec)
@@ -339,7 +339,7 @@ def test_validation_predicts_the_peak_from_its_parts():
 
 
 def test_repredict_keeps_measurements(tmp_path, capsys):
-    from pallasite.tools import plan_validate as pv
+    from pallasite.tools.plan import validate as pv
     old = dict(model="llama-3-8b-8L", plan="dp=1,tp=1,ep=1", phase="prefill", batch=1,
                length=1024, tokens=1024, measured_ms=7.0, predicted_ms=1.0, rel_error=-0.9,
                predicted_peak_gb=1.0, measured_peak_gb=8.0, gpu="NVIDIA H100 80GB HBM3")
@@ -358,7 +358,7 @@ def test_repredict_keeps_measurements(tmp_path, capsys):
 def test_weights_made_one_tensor_at_a_time():
     import jax.numpy as jnp
     from pallasite.sharding import Layout, make_mesh
-    from pallasite.tools import plan_validate as pv
+    from pallasite.tools.plan import validate as pv
     config = config_from_dict(TINY_DENSE)
     layout = Layout(config, make_mesh(MeshPlan(), jax.devices()[:1]))
     params = pv.make_weights(config, layout, jnp.bfloat16)
@@ -376,7 +376,7 @@ def test_all_reduce_microbenchmark_keeps_every_all_reduce():
     folded away), and the microbenchmark reports one time per message size."""
     script = textwrap.dedent("""
         import json, re, jax, jax.numpy as jnp
-        from pallasite.tools import plan_validate as pv
+        from pallasite.tools.plan import validate as pv
         mesh, fn = pv.allreduce_chain(2, 8)
         text = fn.lower(jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)).compile().as_text()
         count = len(re.findall(r" all-reduce(?:-start)?\\(", text))

@@ -1,4 +1,4 @@
-"""tools/profile_step.py's trace parsing: a real CPU trace of a small jitted step, and a
+"""profiling/profile_step.py's trace parsing: a real CPU trace of a small jitted step, and a
 hand-written trace laid out as JAX writes a GPU one (device process, stream lines, lines the
 profiler derives, library kernels named only by the HLO op the profiler attached)."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallasite.kernels.reference import write_kv_reference
-from pallasite.tools import profile_step as ps
+from profiling import profile_step as ps
 
 
 def test_cpu_trace(tmp_path):

@@ -1,8 +1,8 @@
 """Sharding benchmark: decode step time of a model split over 1, 2, 4 GPUs, the collectives it
 uses measured alone, and cheaper all-reduce settings tried side by side.
 
-    python tools/bench_sharding.py --out DIR --time-limit 270   # every GPU this machine has
-    python tools/bench_sharding.py --tiny --out DIR             # tiny shapes, 8 fake CPU devices
+    python -m benchmarks.bench_sharding --out DIR --time-limit 270   # every GPU this machine has
+    python -m benchmarks.bench_sharding --tiny --out DIR             # tiny shapes, 8 fake CPU devices
 
 What runs, in this order, each part in its own process (so that environment variables and
 XLA_FLAGS are set before JAX loads, and so that a bad flag is a failed part, not a failed run):
@@ -145,7 +145,7 @@ def run_child(args, name: str, env: dict, deadline: float, timeout: float) -> di
     """Runs one part; echoes its progress lines ('> ...'), keeps its whole output in
     DIR/parts/NAME.log, and returns what it wrote to DIR/parts/NAME.json (or an error)."""
     stem = os.path.join(args.out, "parts", name.replace(":", "_"))
-    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--child", name,
+    cmd = [sys.executable, "-m", "benchmarks.bench_sharding", *args.argv, "--child", name,
            "--deadline", f"{deadline:.1f}"]
     started, tail = time.time(), collections.deque(maxlen=25)
     nccl = []

@@ -7,10 +7,10 @@ random bf16 weights one tensor at a time straight onto their shards, a paged KV 
 steps (B sequences with C cached tokens, one new token each), reading the device's memory after
 each point. Models are the presets with fewer layers (named e.g. "llama-3-8b-8L").
 
-    python3 tools/plan_validate.py --devices 1 --time-limit 260 --out $OUT  # one GPU, ~3 min
-    python3 tools/plan_validate.py --devices 2 --time-limit 170 --out $OUT  # two GPUs, ~3 min
-    python3 tools/plan_validate.py --tiny --out /tmp/pv       # tiny models on 8 fake CPU devices
-    python3 tools/plan_validate.py --repredict OLD.json ...   # no GPU: today's predictions
+    python -m pallasite.tools.plan.validate --devices 1 --time-limit 260 --out $OUT  # 1 GPU, ~3 min
+    python -m pallasite.tools.plan.validate --devices 2 --time-limit 170 --out $OUT  # 2 GPUs
+    python -m pallasite.tools.plan.validate --tiny --out /tmp/pv   # 8 fake CPU devices
+    python -m pallasite.tools.plan.validate --repredict OLD.json ...   # no GPU: today's predictions
 
 Each group runs in its own process, so the device's `peak_bytes_in_use` (which never resets) is
 that group's; points run in order of XLA's own size of their step (temp + outputs), so the peak
@@ -121,7 +121,7 @@ def groups_for(args) -> list:
 # -- what the explorer predicts ------------------------------------------------------------------
 def load(name: str, layers):
     from pallasite.model import config_from_dict
-    from pallasite.tools.plan_model import load_model
+    from pallasite.tools.plan.model import load_model
     if name in TINY_MODELS:
         return config_from_dict(TINY_MODELS[name], name=name)
     return load_model(name, layers)
@@ -143,7 +143,7 @@ def context_of(rec: dict) -> int:
 def predict(rec: dict, gpu: str):
     """The explorer's step time (ms) and bound for one measured point, with today's model."""
     from pallasite.sharding import MeshPlan
-    from pallasite.tools import plan_model as pm
+    from pallasite.tools.plan import model as pm
     config, plan = config_of(rec["model"]), MeshPlan.parse(rec["plan"])
     cluster = pm.Cluster(pm.GPUS[gpu], gpus_per_host=max(8, plan.size))
     step = (pm.prefill_step if rec["phase"] == "prefill" else pm.decode_step)(
@@ -154,9 +154,9 @@ def predict(rec: dict, gpu: str):
 
 def predict_peak(rec: dict) -> dict:
     """The explorer's per-device memory of one point: the weights, the KV pool the run
-    allocated (`num_pages`) and the step's activations (`plan_model.activation_bytes`)."""
+    allocated (`num_pages`) and the step's activations (`model.activation_bytes`)."""
     from pallasite.sharding import MeshPlan
-    from pallasite.tools import plan_model as pm
+    from pallasite.tools.plan import model as pm
     config, plan = config_of(rec["model"]), MeshPlan.parse(rec["plan"])
     weights = pm.shapes_of(config, plan).device_total * 2
     kv = rec["num_pages"] * PAGE * pm.kv_bytes_per_token(config, plan, 2)
@@ -422,7 +422,7 @@ def run_micro(plan_text: str, tiny: bool) -> list[dict]:
     rec = dict(kind=MICRO, plan=plan_text)
     if not tiny:
         try:  # before JAX takes the GPU's memory
-            from pallasite.tools.probe_gpu import torch_copy_bps
+            from benchmarks.common import torch_copy_bps  # a checkout: run from its root
             rec["copy_tbps"] = round(torch_copy_bps(2.0) / 1e12, 3)
         except Exception as err:  # no torch or no CUDA: report, keep going
             rec["copy_error"] = repr(err)[:300]
@@ -439,8 +439,8 @@ def run_micro(plan_text: str, tiny: bool) -> list[dict]:
 # -- driver --------------------------------------------------------------------------------------
 def run_in_subprocess(index: int, args, deadline: float) -> list[dict]:
     out = os.path.join(args.out, f".plan_validate_group{index}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--group", str(index), "--group-out", out,
-           "--deadline", str(deadline)] + (["--tiny"] if args.tiny else []) + \
+    cmd = [sys.executable, "-m", "pallasite.tools.plan.validate", "--group", str(index),
+           "--group-out", out, "--deadline", str(deadline)] + (["--tiny"] if args.tiny else []) + \
         [f"--devices={n}" for n in (args.devices or [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True,

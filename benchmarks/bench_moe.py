@@ -3,7 +3,7 @@
 experts that are used over the copy bandwidth as the memory floor and the routed FLOPs over the
 measured matmul rate as the compute floor.
 
-    python tools/bench_moe.py --out $OUT
+    python -m benchmarks.bench_moe --out $OUT
 """
 
 from __future__ import annotations
@@ -71,14 +71,14 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tokens", default="1,32,256,2048")
     args = ap.parse_args()
-    from pallasite.tools.probe_gpu import copy_bandwidth
+    from profiling.probe_gpu import copy_bandwidth
     copy_bps, how = copy_bandwidth(gb=4)
     copy_tbps = copy_bps / 1e12
     tflops = matmul_rate()
     rng = np.random.default_rng(0)
     head = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), copy_tbps=copy_tbps, copy_how=how,
-                matmul_tflops=tflops, command="python tools/bench_moe.py --out $OUT")
+                matmul_tflops=tflops, command="python -m benchmarks.bench_moe --out $OUT")
     records = []
     for name in SHAPES:
         for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -1,7 +1,7 @@
 """Probe the GPU machine: library versions, copy ceiling, and batch-1 decode of a Llama-3-8B-shaped
 model through `pallasite.model.forward` (random bf16 weights) against its weight-read roofline.
 
-    python tools/probe_gpu.py [--layers 32] [--out DIR]
+    python -m profiling.probe_gpu [--layers 32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def compare_flags(args):
         out = os.path.join(args.out, f"flags{i}")
         os.makedirs(out, exist_ok=True)
         env = {**os.environ, "XLA_FLAGS": flags}
-        subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--out", out],
+        subprocess.run([sys.executable, "-m", "profiling.probe_gpu", "--layers", str(args.layers), "--out", out],
                        env=env, check=False, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "probe.json")) as f:
             d = json.load(f)["decode"]

@@ -5,7 +5,7 @@ sums each warpgroup's time per phase (`qk`, `softmax`, `wait_tc`, `pv`, `wait_q`
 with `--overlap`, `wait_kv` and `qk_pv_softmax`) over all CTAs. A step's phases are sequential
 in a consumer, so their means add up to its period; the profiler's clock reads stretch each.
 
-    python tools/profile_flash.py [--seq 4096] [--full] [--overlap] [--out $OUT]
+    python -m profiling.profile_flash [--seq 4096] [--full] [--overlap] [--out $OUT]
 
 GPU only (Hopper). Prints a table; writes the summary and the raw trace under --out.
 """

@@ -1,9 +1,9 @@
 """Serving benchmark of the engine on a Llama-3-8B-shaped model (random bf16 weights made on the
 device), with the copy bandwidth measured in the same run for the roofline.
 
-    python tools/bench_serving.py --offline --out DIR     # GPU
-    python tools/bench_serving.py --offline --tiny        # a tiny model, as a CPU dry run
-    python tools/bench_serving.py --online ...            # handed to tools/bench_online.py
+    python -m benchmarks.bench_serving --offline --out DIR     # GPU
+    python -m benchmarks.bench_serving --offline --tiny        # a tiny model, as a CPU dry run
+    python -m benchmarks.bench_serving --online ...            # handed to benchmarks/bench_online.py
 
 --offline measures (a) batch-1 decode latency per token, with and without the engine's
 one-step-ahead overlap, and (b) throughput of 512 requests (prompts uniform in 128..2048 tokens,
@@ -63,7 +63,7 @@ def workload(args):
 
 def copy_bandwidth(tiny: bool) -> tuple[float, str]:
     """Bytes read + written per second by a device copy (the probe's measurement)."""
-    from pallasite.tools.probe_gpu import copy_bandwidth as probe
+    from profiling.probe_gpu import copy_bandwidth as probe
     return probe(gb=0.05 if tiny else 4)
 
 
@@ -261,7 +261,7 @@ def bench_offline(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--online" in argv:  # the online (server) benchmark lives in its own module
-        from pallasite.tools import bench_online
+        from benchmarks import bench_online
         return bench_online.main([a for a in argv if a != "--online"])
     args = parse(argv)
     if not args.offline:

@@ -1,8 +1,8 @@
 """Where the time of a serving decode step goes, on a Llama-3-8B-shaped model (random bf16
 weights made on the device):
 
-    python tools/profile_step.py --out $OUT                # GPU, at most --time-limit (230 s)
-    python tools/profile_step.py --tiny --out /tmp/prof    # a tiny model on CPU: checks the script
+    python -m profiling.profile_step --out $OUT                # GPU, at most --time-limit (230 s)
+    python -m profiling.profile_step --tiny --out /tmp/prof    # a tiny model on CPU: checks the script
 
 The step is the engine's own: the forward executable and the greedy sampler that
 `serving.engine.Engine` compiles and calls, fed a synthetic decode batch laid out by the
@@ -115,7 +115,7 @@ def run_child(args, name, flags, deadline):
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
+    cmd = [sys.executable, "-m", "profiling.profile_step", "--child", name, "--out", args.out,
            "--deadline", str(deadline), "--trace-steps", str(args.trace_steps)]
     cmd += ["--tiny"] if args.tiny else []
     log = os.path.join(args.out, f"{name}.log")
@@ -187,7 +187,7 @@ def random_params(config, dtype, seed=0):
 
 def cases(w):
     """name -> (batch, context, (T, P) bucket, first page of its page runs). Page tables are as
-    wide as the context plus `gen` tokens (the batch-1 one as in tools/bench_serving.py)."""
+    wide as the context plus `gen` tokens (the batch-1 one as in benchmarks/bench_serving.py)."""
     from pallasite.serving.engine import MIN_TOKEN_BUCKET
     (b1, ctx1), (b2, ctx2), ps = w["b1"], w["b64"], PAGE
     p1, p2 = -(-(ctx1 + w["gen"]) // ps), -(-(ctx2 + w["gen"]) // ps)
@@ -311,7 +311,7 @@ def trace_steps(step, n: int, directory: str) -> str:
 
 def engine_loop(engine, prompt_len: int, tokens: int) -> dict:
     """Batch-1 decode through `Engine.step()` (one-step-ahead overlap on): the median time
-    between consecutive decode steps' results, as tools/bench_serving.py measures it."""
+    between consecutive decode steps' results, as benchmarks/bench_serving.py measures it."""
     from pallasite.serving.llm import SamplingParams
     prompt = np.random.default_rng(1).integers(0, engine.config.vocab_size, prompt_len).tolist()
     engine.step_log = []
@@ -352,7 +352,7 @@ def child(args):
                         layers=model["num_hidden_layers"]))
     print(json.dumps(res["env"]), flush=True)
     if full:  # before the weights and pages take the memory
-        from pallasite.tools.probe_gpu import copy_bandwidth
+        from profiling.probe_gpu import copy_bandwidth
         bw, how = copy_bandwidth(gb=0.05 if args.tiny else 4)
         res.update(copy_tbps=bw / 1e12, copy_how=how)
     config = config_from_dict(dict(model_type="llama", **model))

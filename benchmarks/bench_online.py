@@ -1,9 +1,9 @@
 """Online load generator: streams requests to a running `pallasite serve` and measures what its
 users see.
 
-    python tools/bench_online.py --server 127.0.0.1:50051 --rate 1,2,4,8 --num-requests 200
-    python tools/bench_online.py --server HOST:PORT --concurrency 32 --prompts prompts.jsonl
-    python tools/bench_serving.py --online ...        (the same)
+    python -m benchmarks.bench_online --server 127.0.0.1:50051 --rate 1,2,4,8 --num-requests 200
+    python -m benchmarks.bench_online --server HOST:PORT --concurrency 32 --prompts prompts.jsonl
+    python -m benchmarks.bench_serving --online ...        (the same)
 
 Arrivals are Poisson at each `--rate` (requests/s; `inf` sends them all at once), or come from
 `--concurrency` clients that each send their next request when the previous one ends. Each run

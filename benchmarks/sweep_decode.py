@@ -5,8 +5,8 @@ with larger pages. `--short`: split counts at short contexts and batch 1-32 inst
 split-K rule in `kernels/tuning.py` rests on). Times are each call's kernels on the GPU
 (`bench_kernels.device_ms`).
 
-    python tools/sweep_decode.py --out $OUT            # GPU, about 2 minutes
-    python tools/sweep_decode.py --short --out $OUT    # about 1.5 minutes
+    python -m benchmarks.sweep_decode --out $OUT            # GPU, about 2 minutes
+    python -m benchmarks.sweep_decode --short --out $OUT    # about 1.5 minutes
 
 Prints one table last; writes every row to --out/sweep_decode.json.
 """
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasite.tools.bench_kernels import (K, copy_ceiling, jax_paged_reference, paged_inputs,
+from benchmarks.bench_kernels import (K, copy_ceiling, jax_paged_reference, paged_inputs,
                                            rel_err, time_ms)
 from pallasite.kernels import paged_mgpu, reference
 

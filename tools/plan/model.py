@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model import ModelConfig, config_from_dict, load_config
-from ..sharding import MeshPlan, PlanError, param_partition_specs, shard_shape, validate_plan
-from ..sharding.rules import _param_layout, kv_cache_heads
+from ...model import ModelConfig, config_from_dict, load_config
+from ...sharding import MeshPlan, PlanError, param_partition_specs, shard_shape, validate_plan
+from ...sharding.rules import _param_layout, kv_cache_heads
 
 GB = 1e9
 GIB = 2 ** 30
@@ -82,7 +82,7 @@ class GPU:
     source: str
 
 
-# NVLink latency and link efficiency: from the collectives alone of tools/bench_sharding.py on
+# NVLink latency and link efficiency: from the collectives alone of benchmarks/bench_sharding.py on
 # 2x H200, 2026-11-23 (docs/benchmarks/sharding.json, run 2026-11-23-B; all-reduce and
 # all-to-all over the two GPUs, each op timed in a chain of 3 to 20 in one program,
 # (t(n) - t(1)) / (n - 1)). Latency: the eight all-reduces of 4 KiB to 256 KiB, whose bytes take
@@ -130,7 +130,7 @@ CONSTANTS = {
     "kv_fraction": (0.7, "share of the memory left after weights and workspace given to KV "
                          "pages: the engine's default (serving/llm.py default_num_pages)"),
     "eff_grouped": (0.3, "the Pallas grouped matmul of the MoE experts reaches 21% to 39% of its "
-                         "floor at 256 to 2048 tokens (tools/bench_moe.py, docs/BENCHMARKS.md)"),
+                         "floor at 256 to 2048 tokens (benchmarks/bench_moe.py, docs/BENCHMARKS.md)"),
     "eff_link": (0.48, "all-reduce bandwidth / NVLink one way: a 64 MiB all-reduce alone over "
                        "2x H200 in 328.6 us, 214 GB/s after the 15 us latency "
                        "(docs/benchmarks/sharding.json, run 2026-11-23-B; see GPUS)"),

@@ -1,7 +1,7 @@
 """What the L2 flush between timed calls adds to them: decode and prefill timed after a flush
 that writes 128 MB (leaving the L2 full of dirty lines) and after one that reads 128 MB.
 
-    python tools/probe_flush.py --out $OUT
+    python -m profiling.probe_flush --out $OUT
 
 B=64 / 4k and B=256 / 4k decode (ours, JAX's paged kernel, an XLA reduction over the same K/V
 bytes laid out contiguously) and causal S=4096 prefill (ours, cuDNN), in interleaved rounds.
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasite.tools import bench_kernels as bk
+from benchmarks import bench_kernels as bk
 
 
 def cases():

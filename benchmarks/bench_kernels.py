@@ -1,7 +1,7 @@
 """Check every attention kernel against its reference on the GPU and time it against the
 baselines, in one run:
 
-    python tools/bench_kernels.py --out DIR [--quick] [--sweep]
+    python -m benchmarks.bench_kernels --out DIR [--quick] [--sweep]
                                   [--only prefill,decode,mixed,kv_write]
 
 Prefill: ours vs cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`), JAX's Triton
@@ -82,7 +82,7 @@ def time_ms(fn, *args, reps=15, inner=None, loop=False, device=False, chain=Fals
     (`device_ms`). `loop=True` runs `inner` calls inside one jitted fori_loop, each input
     hanging on one element of the last output (the whole output is carried: unrolled calls let
     XLA drop all but that element); its iterations cost 20-40 us of their own on the H100
-    (`tools/ncu_decode.py --time`, "trivial"). Otherwise `inner` jitted calls from the host."""
+    (`profiling/ncu_decode.py --time`, "trivial"). Otherwise `inner` jitted calls from the host."""
     if device:
         return device_ms(fn, *args, reps=reps, chain=chain)
     if loop:
@@ -116,7 +116,7 @@ FLUSH = "bench_l2_flush"  # the kernel that separates calls in a trace
 # How _l2_flush evicts the L2 (--flush). "read" since 2026-11-23: after the write flush the
 # timed call also wrote back the flush's dirty lines, which charged a bandwidth-bound kernel
 # more than a slower one (H100, decode B=64 / 4k: ours +10 us, JAX's paged kernel +3 us;
-# tools/probe_flush.py). A model step's attention follows kernels that leave little dirty.
+# profiling/probe_flush.py). A model step's attention follows kernels that leave little dirty.
 FLUSH_MODE = {"mode": "read"}
 
 
@@ -202,7 +202,7 @@ DEVICE_KERNELS: list[str] = []
 def copy_ceiling():
     """Bytes read + written per second by a large device-to-device copy; the best of torch's
     copy_ and a jitted jnp copy."""
-    from pallasite.tools.probe_gpu import torch_copy_bps
+    from profiling.probe_gpu import torch_copy_bps
     out = {}
     n = 2 * 2**30 // 2  # 2 GiB of bf16
     try:
