@@ -1,1 +1,2 @@
-"""Developer benchmarks, run from the repository root: `python -m benchmarks.bench_kernels --out DIR`."""
+"""Developer benchmarks (not installed), run from the repository root:
+`python -m benchmarks.bench_kernels --out DIR`. Shared timing and records: `common.py`."""

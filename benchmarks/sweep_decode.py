@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_kernels import (K, copy_ceiling, jax_paged_reference, paged_inputs,
-                                           rel_err, time_ms)
-from pallasite.kernels import paged_mgpu, reference
+from .attention import K, jax_paged_reference, paged_inputs
+from .common import copy_ceiling, rel_err, run_info, time_ms
+from pallasite.kernels import paged_mgpu, reference  # after .attention: it finds them in a checkout
 
 H, KV, D = 32, 8, 128
 # By batch: Triton variants (query rows per program, key tile, pipeline depth, warps, splits)
@@ -121,8 +121,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_decode.json").write_text(json.dumps(dict(
-        gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, copy_tbps=ceiling,
-        rows=rows), indent=1))
+        **run_info(), copy_tbps=ceiling, rows=rows), indent=1))
     print(f"\ncopy ceiling {ceiling:.2f} TB/s\n| case | variant | ms | of copy | rel err |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -26,7 +26,7 @@ H, KV, D = 32, 8, 128
 
 def calls():
     import jax.numpy as jnp
-    from benchmarks.bench_kernels import K, jax_paged_reference
+    from benchmarks.attention import K, jax_paged_reference
 
     def read(q, kp, vp, ctx, table):  # both pools read once, nothing else
         s = jnp.sum(kp, dtype=jnp.float32) + jnp.sum(vp, dtype=jnp.float32)
@@ -42,7 +42,7 @@ def calls():
 def inputs(batch, ctx):
     import jax.numpy as jnp
     import numpy as np
-    from benchmarks.bench_kernels import paged_inputs
+    from benchmarks.attention import paged_inputs
     q, kp, vp, _, lens, table = paged_inputs(np.random.default_rng(0), [1] * batch,
                                              [ctx] * batch, H, KV, D, 16, jnp.bfloat16)
     return q.reshape(batch, H, D), kp, vp, lens, table
@@ -75,7 +75,7 @@ def profiled():
 
 
 def timed():
-    from benchmarks.bench_kernels import time_ms
+    from benchmarks.common import time_ms
     print("| case | call | device ms | dispatch ms | fori_loop ms |\n|---|---|---|---|---|")
     for case, (batch, ctx) in CASES.items():
         args = inputs(batch, ctx)

@@ -7,7 +7,7 @@ between cuProfilerStart/Stop so that only those launches are profiled:
     ncu --clock-control none --profile-from-start off --section SourceCounters \\
         --section WarpStateStats -o flash python -m profiling.ncu_flash --variants late,stag
     ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
-    python -m profiling.ncu_flash --summarize sass.csv.gz      # stalls by reason, opcode, instruction
+    python -m profiling.ncu_flash --summarize sass.csv.gz  # stalls by reason, opcode, instruction
 
 B=4, S=4096, 32/8 heads, head_dim 128, bf16, causal unless --full. GPU only (Hopper).
 """
@@ -58,7 +58,8 @@ def timed(names, rounds=3, out=None):
     import jax
     import numpy as np
     from pallasite.kernels import flash_mgpu
-    from benchmarks.bench_kernels import cudnn_attention, rel_err, time_ms
+    from benchmarks.attention import cudnn_attention
+    from benchmarks.common import rel_err, time_ms
     q, k, v = inputs()
     fns, times = {}, collections.defaultdict(list)
     for causal in (True, False):

@@ -1,8 +1,8 @@
 """Where the time of a serving decode step goes, on a Llama-3-8B-shaped model (random bf16
 weights made on the device):
 
-    python -m profiling.profile_step --out $OUT                # GPU, at most --time-limit (230 s)
-    python -m profiling.profile_step --tiny --out /tmp/prof    # a tiny model on CPU: checks the script
+    python -m profiling.profile_step --out $OUT              # GPU, at most --time-limit (230 s)
+    python -m profiling.profile_step --tiny --out /tmp/prof  # a tiny model on CPU: a dry run
 
 The step is the engine's own: the forward executable and the greedy sampler that
 `serving.engine.Engine` compiles and calls, fed a synthetic decode batch laid out by the
@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
+from .step_engine import (cases, compile_all, decode_inputs, engine_loop, make_engine, make_step,
+                          random_params, step_bytes, time_steps, trace_steps, workload)
+from .step_trace import breakdown, device_ops, parse_hlo
 
 # Flag names and values checked against XLA's debug_options_flags.cc and xla.proto of the JAX
 # 0.10-0.11 era (and parsed by this machine's jaxlib). In that era XLA already records FUSION,
@@ -62,10 +61,6 @@ VARIANTS = [  # (name, XLA_FLAGS added), most telling first: a short time limit 
     ("graphs_all_min1_no_update", f"{CMD_ALL} {MIN1} "
                                   "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE"),
 ]
-KEEP_GRAPHS = {"xla_enable_command_buffers_during_profiling": True}  # a compile option
-PAGE = 16  # tokens per KV page, as the engine and the benchmarks use
-CATEGORIES = ["matmul", "logits/lm_head", "attention kernel", "split-K merge", "attention glue",
-              "KV write", "norm/RoPE/elementwise", "sampler", "copy/memset", "other"]
 
 
 def parse(argv):
@@ -153,206 +148,22 @@ def save(out, results):
 
 
 # -- the child: build the engine's step and measure it -----------------------------------------
-def workload(tiny: bool):
-    """Model shape and the two decode batches (batch, context)."""
-    if tiny:
-        model = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        return model, dict(b1=(1, 32), b64=(4, 64), gen=16, steps=(10, 20), dtype="float32")
-    model = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 max_position_embeddings=8192, rope_theta=500000.0)
-    return model, dict(b1=(1, 512), b64=(64, 1024), gen=256, steps=(30, 60), dtype="bfloat16")
-
-
-def random_params(config, dtype, seed=0):
-    """normal(0.02) matrices and unit norm scales, made on the device one leaf at a time (one
-    small compile per distinct shape instead of tracing the whole model's init)."""
-    import jax
-    import jax.numpy as jnp
-    from pallasite.model import param_shapes
-    leaves, tree = jax.tree.flatten(param_shapes(config, dtype))
-    makers = {}
-
-    def maker(shape):
-        if shape not in makers:
-            makers[shape] = jax.jit(lambda s: (0.02 * jax.random.normal(
-                jax.random.key(s), shape, jnp.float32)).astype(dtype))
-        return makers[shape]
-
-    out = [maker(x.shape)(seed + i) if x.ndim > 1 else jnp.ones(x.shape, dtype)
-           for i, x in enumerate(leaves)]
-    return jax.tree.unflatten(tree, out)
-
-
-def cases(w):
-    """name -> (batch, context, (T, P) bucket, first page of its page runs). Page tables are as
-    wide as the context plus `gen` tokens (the batch-1 one as in benchmarks/bench_serving.py)."""
-    from pallasite.serving.engine import MIN_TOKEN_BUCKET
-    (b1, ctx1), (b2, ctx2), ps = w["b1"], w["b64"], PAGE
-    p1, p2 = -(-(ctx1 + w["gen"]) // ps), -(-(ctx2 + w["gen"]) // ps)
-    t1 = max(b1, MIN_TOKEN_BUCKET)  # the engine pads a lone token to its smallest bucket
-    return {"b1": (b1, ctx1, (t1, p1), 1), "b64": (b2, ctx2, (b2, p2), 1 + p1)}
-
-
-def make_engine(config, params, w):
-    """An engine whose buckets hold both decode batches and a one-step prefill of the batch-1
-    prompt (for the `Engine.step()` run)."""
-    from pallasite.serving.engine import Engine
-    (b1, ctx1, (_, p1), _), (b2, ctx2, (_, p2), _) = cases(w).values()
-    return Engine(config, params, num_pages=1 + p1 + b2 * p2 + 8, page_size=PAGE,
-                  max_num_seqs=b2, max_num_batched_tokens=ctx1, max_model_len=ctx2 + w["gen"],
-                  token_buckets=[b1, b2, ctx1], page_buckets=[p1, p2])
-
-
-def compile_all(engine, keys, prefill_key, keep_graphs: bool):
-    """Compile (in threads, as `Engine.warmup` does) the decode steps, the prefill step if any
-    and the greedy samplers into the engine's own tables, plus each decode step once more with
-    command buffers kept under the profiler if asked. Returns {key: that second executable}."""
-    keys = keys + ([prefill_key] if prefill_key else [])
-    samplers = sorted({(min(T, engine.max_num_seqs), "greedy") for T, _ in keys})
-    lowered = {k: engine._lower(k) for k in keys}
-    jobs = [(("fwd", k), lo, None) for k, lo in lowered.items()]
-    jobs += [(("smp", s), engine._lower_sampler(*s), None) for s in samplers]
-    # Lowered again, not shared: two threads compiling one lowering would share its IR.
-    jobs += [(("graphs", k), engine._lower(k), KEEP_GRAPHS) for k in keys if keep_graphs
-             and k != prefill_key]
-
-    def compile_one(job):
-        try:
-            return job[1].compile(job[2]) if job[2] else job[1].compile()
-        except Exception as e:  # only the optional graph-keeping compile may fail
-            if job[0][0] != "graphs":
-                raise
-            print(f"compile with {job[2]} failed: {e}", flush=True)
-            return None
-
-    with ThreadPoolExecutor(min(8, len(jobs))) as pool:
-        done = list(pool.map(compile_one, jobs))
-    graphs = {}
-    for (kind, key), exe in zip([j[0] for j in jobs], done):
-        {"fwd": engine._exe, "smp": engine._samplers, "graphs": graphs}[kind][key] = exe
-    engine.compilations += len(jobs)
-    return {k: v for k, v in graphs.items() if v is not None}
-
-
-def decode_inputs(engine, batch: int, ctx: int, key, first_page: int, seed=0):
-    """The packed int32 inputs of one decode step, laid out by the engine's `int_layout`: `batch`
-    sequences at context `ctx`, each on its own run of pages, its newest token read from the
-    device's `last_tokens` (as when the previous step's sample is not on the host yet)."""
-    from pallasite.serving import sampling
-    from pallasite.serving.engine import int_layout
-    T, P = key
-    S, ps, i = min(T, engine.max_num_seqs), engine.page_size, np.arange(batch)
-    table = np.zeros((S, P), np.int32)
-    table[:batch, :-(-ctx // ps)] = first_page + i[:, None] * P + np.arange(-(-ctx // ps))
-    pad = lambda n, v, fill: np.concatenate([v, np.full(n - len(v), fill)])
-    pos = ctx - 1
-    parts = dict(tokens=pad(T, np.random.default_rng(seed).integers(0, 100, batch), 0),
-                 positions=pad(T, np.full(batch, pos), 0),
-                 kv_slots=pad(T, table[:batch, pos // ps] * ps + pos % ps, -1),
-                 sources=pad(T, i, -1),
-                 query_start=pad(S + 1, np.arange(batch + 1), batch),
-                 context_lens=pad(S, np.full(batch, ctx), 0),
-                 logits_indices=pad(S, i, 0), page_table=table.ravel())
-    layout = int_layout(T, S, P)
-    assert list(parts) == list(layout), f"the engine's int layout changed: {list(layout)}"
-    ints = np.concatenate([parts[k] for k in layout]).astype(np.int32)
-    floats, rows = sampling.pack_rows([dict(temperature=0.0)] * batch, S)
-    sample_ints = np.concatenate([pad(S, i, -1), rows.ravel()]).astype(np.int32)
-    return ints, sample_ints, floats.ravel()
-
-
-def make_step(engine, key, inputs, exe=None):
-    """One step exactly as `Engine._launch` runs it: forward, greedy sampler, an early copy of
-    the result to the host, the device state handed on (donated)."""
-    ints, sample_ints, floats = inputs
-    exe = exe or engine._exe[key]
-    sampler = engine._samplers[(min(key[0], engine.max_num_seqs), "greedy")]
-
-    def step():
-        kv, last_tokens, history = engine.state
-        logits, kv = exe(engine.params, kv, last_tokens, ints)
-        out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
-        out.copy_to_host_async()
-        engine.state = (kv, last_tokens, history)
-        return out
-    return step
-
-
-def time_steps(step, n_sync: int, n_pipe: int) -> dict:
-    for _ in range(3):
-        np.asarray(step())
-    synced = []
-    for _ in range(n_sync):
-        t = time.perf_counter()
-        np.asarray(step())
-        synced.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    outs = [step() for _ in range(n_pipe)]
-    np.asarray(outs[-1])  # each step waits on the previous one's KV: the last ends last
-    pipelined = (time.perf_counter() - t) / n_pipe
-    return dict(synced_ms=1e3 * float(np.median(synced)), pipelined_ms=1e3 * pipelined)
-
-
-def trace_steps(step, n: int, directory: str) -> str:
-    """Profile `n` pipelined steps; returns the perfetto trace file JAX wrote."""
-    import jax
-    np.asarray(step())
-    with jax.profiler.trace(directory, create_perfetto_trace=True):
-        outs = [step() for _ in range(n)]
-        np.asarray(outs[-1])
-    found = sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"),
-                             recursive=True), key=os.path.getmtime)
-    if not found:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
-    return found[-1]
-
-
-def engine_loop(engine, prompt_len: int, tokens: int) -> dict:
-    """Batch-1 decode through `Engine.step()` (one-step-ahead overlap on): the median time
-    between consecutive decode steps' results, as benchmarks/bench_serving.py measures it."""
-    from pallasite.serving.llm import SamplingParams
-    prompt = np.random.default_rng(1).integers(0, engine.config.vocab_size, prompt_len).tolist()
-    engine.step_log = []
-    engine.add_request("profile-b1", prompt, SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                            ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    log, engine.step_log = engine.step_log, None
-    dts = [b["done"] - a["done"] for a, b in zip(log, log[1:])
-           if "done" in a and "done" in b and b["tokens"] == 1]
-    return dict(engine_ms=1e3 * float(np.median(dts)), decode_steps=len(dts),
-                host_ms_per_step=engine.stats()["host_ms_per_step"])
-
-
-def step_bytes(params, config, batch, ctx) -> dict:
-    """What a decode step must read: the weights (the embedding table only through its
-    gathered rows, unless it is also the output projection) and the K/V of its contexts."""
-    import jax
-    layers = sum(x.nbytes for k, v in params.items() if k.startswith("layers_")
-                 for x in jax.tree.leaves(v))
-    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
-        params["embed"].dtype.itemsize * batch * ctx
-    return dict(layer_weights=layers, lm_head=head.nbytes, kv=kv, total=layers + head.nbytes + kv)
-
-
 def child(args):
     import jax
     import jax.numpy as jnp
+    from benchmarks.common import run_info
     from pallasite.kernels import choose_impl
     from pallasite.model import config_from_dict
     start, full = time.time(), args.child == "default"
     deadline = args.deadline or start + 1e9
     model, w = workload(args.tiny)
     res = dict(env=dict(variant=args.child, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                        device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                        device=jax.devices()[0].device_kind, **run_info(),
                         attention=choose_impl(), model="tiny" if args.tiny else "llama3-8b-shaped",
                         layers=model["num_hidden_layers"]))
     print(json.dumps(res["env"]), flush=True)
     if full:  # before the weights and pages take the memory
-        from profiling.probe_gpu import copy_bandwidth
+        from benchmarks.common import copy_bandwidth
         bw, how = copy_bandwidth(gb=0.05 if args.tiny else 4)
         res.update(copy_tbps=bw / 1e12, copy_how=how)
     config = config_from_dict(dict(model_type="llama", **model))
@@ -442,186 +253,6 @@ def summary(case) -> dict:
             out[kind] = dict(ops=t["ops_per_step"], kernel_ms=round(t["kernel_ms"], 3),
                               idle_ms=round(t["idle_ms"], 3))
     return out
-
-
-# -- the trace and the HLO ---------------------------------------------------------------------
-# Lines of a device that XLA's profiler derives from the kernels (not work of their own).
-DERIVED = re.compile(r"XLA Ops|XLA Modules|Steps|TensorFlow|Framework|Source|Launch|TraceMe|"
-                     r"Name Scope", re.I)
-GEMM_NAMES = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitkreduce|matmul|triton_gemm")
-
-
-def device_ops(path: str) -> dict:
-    """The device's work in a perfetto trace: every GPU event (kernels, copies, memsets) where a
-    GPU was traced; else (CPU) XLA's thunk events, which name the HLO op they run."""
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs, lines = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            procs[e["pid"]] = e.get("args", {}).get("name", "")
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            lines[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
-    gpus = {pid for pid, name in procs.items() if "/device:GPU" in name}
-    ops, seen = [], {}
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        line = lines.get((e["pid"], e.get("tid")), str(e.get("tid")))
-        args = e.get("args", {})
-        if gpus and (e["pid"] not in gpus or DERIVED.search(line)):
-            continue
-        if not gpus and ("hlo_op" not in args or e["name"].startswith("end: ")):
-            continue
-        seen[line] = seen.get(line, 0) + 1
-        ops.append(dict(name=e["name"], ts=float(e["ts"]), dur=float(e.get("dur", 0.0)),
-                        hlo_op=args.get("hlo_op"), hlo_module=args.get("hlo_module")))
-    return dict(ops=ops, lines=seen, device="gpu" if gpus else "cpu")
-
-
-INST = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\((.*)$")
-HEAD = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
-CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
-
-
-def norm(name: str) -> str:
-    """Kernel names are HLO names with '.' and '-' made '_': compare them that way."""
-    return re.sub(r"[^0-9a-z]+", "_", name.lower()).strip("_")
-
-
-def parse_hlo(text: str, role: str) -> dict:
-    """A compiled module's instructions: opcode, output shape dims, the ops of what it calls (a
-    fusion's body), the JAX op_name it came from and any custom-call target."""
-    head = re.search(r"^HloModule\s+([^\s,]+)", text, re.M)
-    comps, rests, current = {}, {}, None
-    for line in text.splitlines():
-        m = INST.match(line)
-        if m and current is not None:
-            rests[m.group(1)] = m.groups()[1:]
-            comps[current].append(m.group(1))
-        elif (h := HEAD.match(line)) and " = " not in line:
-            current = h.group(1)
-            comps[current] = []
-    memo = {}
-
-    def ops_of(name, depth=0):
-        if name not in memo:
-            memo[name] = {rests[name][1]}
-            for comp in CALLS.findall(rests[name][2]) if depth < 8 else []:
-                for sub in comps.get(comp, []):
-                    memo[name] |= ops_of(sub, depth + 1)
-        return memo[name]
-
-    insts = {}
-    for name, (shape, opcode, rest) in rests.items():
-        meta = re.search(r'op_name="([^"]*)"', rest)
-        target = re.search(r'custom_call_target="([^"]*)"', rest)
-        dims = {int(d) for group in re.findall(r"\[([\d,]*)\]", shape)
-                for d in group.split(",") if d}
-        insts[name] = dict(name=name, opcode=opcode, ops=ops_of(name), dims=dims, role=role,
-                           op_name=meta.group(1) if meta else "",
-                           target=target.group(1) if target else "")
-    return dict(name=head.group(1) if head else role, role=role, insts=insts,
-                by_norm={norm(n): i for n, i in insts.items()})
-
-
-def lookup(op: dict, modules: list[dict]) -> dict | None:
-    """The HLO instruction a device op ran: by the op name the profiler attached, else by the
-    kernel's own name (XLA names a fusion's kernel after the fusion)."""
-    mod = op.get("hlo_module") or ""
-    mine = [m for m in modules if mod and (mod.startswith(m["name"]) or m["name"].startswith(mod))]
-    for m in mine or modules:
-        for key in (op.get("hlo_op"), op["name"]):
-            if key and (key in m["insts"] or norm(key) in m["by_norm"]):
-                return m["insts"].get(key) or m["by_norm"][norm(key)]
-    for m in mine or modules:  # a kernel named after its fusion plus a suffix
-        names = [n for n in m["by_norm"] if norm(op["name"]).startswith(n + "_")]
-        if names:
-            return m["by_norm"][max(names, key=len)]
-    return None
-
-
-def categorize(name: str, inst: dict | None, vocab: int) -> str:
-    low = name.lower()
-    if re.search(r"memcpy|memset", low):
-        return "copy/memset"
-    if "paged_attention" in low:  # the Pallas kernel is named after its pallas_call
-        return "attention kernel"
-    if inst is None:  # a library kernel the profiler did not tie to an HLO op
-        return "matmul" if GEMM_NAMES.search(low) else "other"
-    if inst["role"] == "sampler":
-        return "sampler"
-    ops, meta, target = inst["ops"], inst["op_name"].lower(), inst["target"].lower()
-    if "pallas_call" in meta or (inst["opcode"] == "custom-call" and "triton" in target):
-        return "attention kernel"
-    if "scatter" in ops or re.search(r"(^|/)scatter", meta):
-        return "KV write"
-    if ops & {"dot", "convolution"} or GEMM_NAMES.search(target) or meta.endswith("dot_general"):
-        return "logits/lm_head" if vocab in inst["dims"] else "matmul"
-    if "paged_attention" in meta:  # the jnp around the kernel, inside its jit
-        return "split-K merge" if "reduce" in ops else "attention glue"
-    if vocab in inst["dims"]:
-        return "logits/lm_head"
-    if ops <= {"copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "parameter",
-               "tuple", "get-tuple-element"}:  # moves bytes, computes nothing
-        return "copy/memset"
-    return "norm/RoPE/elementwise" if inst["opcode"] == "fusion" else "other"
-
-
-def label(op: dict, inst: dict | None) -> str:
-    """A kernel's name without its instance number, and where in the model it came from."""
-    base = re.sub(r"([._]\d+)+$", "", op["name"])[:48]
-    if inst is None or not inst["op_name"]:
-        return base
-    where = re.sub(r"layers_\d+", "layers_N", re.sub(r"^jit\([^)]*\)/", "", inst["op_name"]))
-    return f"{base} | {'/'.join(where.split('/')[-3:])[:60]}"
-
-
-def union_us(spans) -> float:
-    total, end = 0.0, -1e300
-    for s, e in sorted(spans):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
-
-
-def breakdown(trace: dict, modules: list[dict], steps: int, vocab: int, wall_ms: float) -> dict:
-    """Per step: device ops, their summed and merged (busy) time, the time the device sat idle
-    in the pipelined step (`idle_ms` = wall - busy), the gaps between ops in the trace (each
-    charged to the category of the op after it), time per category and the top 15 kernels."""
-    ops = sorted(trace["ops"], key=lambda o: o["ts"])
-    per_step = lambda us: us / 1e3 / steps  # microseconds in the trace -> ms per step
-    cats = {c: dict(calls=0.0, ms=0.0, gap_ms=0.0) for c in CATEGORIES}
-    groups, memo, gaps, unmatched, end = {}, {}, [], 0, None
-    for o in ops:
-        key = (o["hlo_module"], o["hlo_op"], o["name"])
-        inst = memo[key] if key in memo else memo.setdefault(key, lookup(o, modules))
-        unmatched += inst is None
-        cat = categorize(o["name"], inst, vocab)
-        group = groups.setdefault(label(o, inst), dict(category=cat, calls=0.0, ms=0.0))
-        for d in (cats[cat], group):
-            d["calls"] += 1 / steps
-            d["ms"] += per_step(o["dur"])
-        if end is not None:
-            gaps.append(max(0.0, o["ts"] - end))
-            cats[cat]["gap_ms"] += per_step(gaps[-1])
-        end = max(end or 0.0, o["ts"] + o["dur"])
-    kernel_ms = per_step(sum(o["dur"] for o in ops))
-    busy_ms = per_step(union_us((o["ts"], o["ts"] + o["dur"]) for o in ops))
-    span_ms = per_step(end - ops[0]["ts"]) if ops else 0.0
-    for c in cats.values():
-        c["share"] = c["ms"] / kernel_ms if kernel_ms else 0.0
-    top = sorted(groups.items(), key=lambda kv: -kv[1]["ms"])[:15]
-    return dict(device=trace["device"], steps=steps, ops_per_step=len(ops) / steps,
-                kernel_ms=kernel_ms, busy_ms=busy_ms, span_ms=span_ms, wall_ms=wall_ms,
-                idle_ms=wall_ms - busy_ms, traced_idle_ms=span_ms - busy_ms,
-                gap_us=dict(median=float(np.median(gaps)) if gaps else 0.0,
-                            p90=float(np.percentile(gaps, 90)) if gaps else 0.0),
-                unmatched_per_step=unmatched / steps, lines=trace["lines"],
-                categories={k: v for k, v in cats.items() if v["calls"]},
-                top=[dict(kernel=k, **v) for k, v in top])
 
 
 # -- the report --------------------------------------------------------------------------------

@@ -396,10 +396,10 @@ def test_ncu_decode_summary_groups_kernels_by_call(tmp_path, capsys):
 
 
 def test_device_time_cuts_trace_at_flushes():
-    """benchmarks/bench_kernels.py's device timing: kernels on the GPU's stream lines between
+    """benchmarks/common.py's device timing: kernels on the GPU's stream lines between
     flushes make one call; other planes and derived lines are not counted twice."""
     from types import SimpleNamespace as E
-    from benchmarks.bench_kernels import FLUSH, per_call_ms
+    from benchmarks.common import FLUSH, per_call_ms
     ev = lambda t, ns, name: E(start_ns=t, duration_ns=ns, name=name)
     stream = [ev(0, 500, FLUSH), ev(600, 40_000, "attn"), ev(41_000, 3_000, "merge"),
               ev(50_000, 500, FLUSH), ev(51_000, 50_000, "attn"), ev(102_000, 4_000, "merge"),
@@ -417,9 +417,9 @@ def test_device_time_cuts_trace_at_flushes():
 def test_bench_l2_flush_kernels(mode, monkeypatch):
     """Both L2 flushes lower to one Triton kernel named FLUSH (how a trace is cut into calls);
     the read flush returns column sums of its 128 MB buffer of ones, the write flush 128 MB."""
-    from benchmarks import bench_kernels as bk
+    from benchmarks import common as bk
     monkeypatch.setitem(bk.FLUSH_MODE, "mode", mode)
-    flush = bk._l2_flush()
+    flush = bk.l2_flush()
     text = jax.jit(lambda: flush()).trace().lower(lowering_platforms=("cuda",)).as_text()
     assert bk.FLUSH in text and "triton" in text
     out = jax.eval_shape(flush)
