@@ -312,6 +312,11 @@ def mosaic_smoke(code, timeout=150):
 # ---------------------------------------------------------------- report
 
 def table(records, ceiling):
+    from .fa3 import fa3_table
+    fa3_rows = [r for r in records if r.get("part") == "fa3"]
+    records = [r for r in records if r.get("part") != "fa3"]
+    if fa3_rows and not records:
+        return fa3_table(fa3_rows)
     r0 = records[0] if records else run_info()
     lines = [f"GPU: {r0['gpu']}; JAX {r0['jax_version']}; {r0.get('date', '')}; "
              f"copy ceiling {ceiling:.2f} TB/s (read + written)", ""]
@@ -360,6 +365,8 @@ def table(records, ceiling):
                       + ", ".join(f"{n} {f(v, 4)} ms" for n, v in b.items()
                                   if n != "separate_prefill_plus_decode")
                       + f"; rel err {f(r['rel_err'], 4)}"]
+    if fa3_rows:
+        lines += ["", fa3_table(fa3_rows)]
     return "\n".join(lines)
 
 
@@ -387,7 +394,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-parts", default="flash,decode",
                     help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
-    ap.add_argument("--only", default="prefill,decode,mixed,kv_write")
+    ap.add_argument("--only", default="prefill,decode,mixed,kv_write",
+                    help="parts to run; `fa3` times FlashAttention-3 (flash-attn3-jax) beside ours")
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--flush", choices=("write", "read"), default="read",
                     help="how the L2 is emptied before each timed call (see common.l2_flush)")
@@ -429,12 +437,16 @@ def main():
         except Exception:
             log(traceback.format_exc())
     parts = args.only.split(",")
+    from .fa3 import bench_fa3
     for name, fn in (("mixed", bench_mixed), ("decode", bench_decode),
-                     ("kv_write", bench_kv_write), ("prefill", bench_prefill)):
+                     ("kv_write", bench_kv_write), ("prefill", bench_prefill), ("fa3", bench_fa3)):
         if name in parts:
             t0 = time.time()
             try:
-                fn(args, records, ceil["best"]) if name != "prefill" else fn(args, records)
+                if name == "fa3":
+                    fn(args, records, ceil["best"], record)
+                else:
+                    fn(args, records, ceil["best"]) if name != "prefill" else fn(args, records)
             except Exception:
                 log(traceback.format_exc())
             log(f"[{name} took {time.time() - t0:.0f}s]")
