@@ -21,7 +21,7 @@ from .common import DEVICE_KERNELS, poison, rel_err
 H, KV, D, PAGE = 32, 8, 128, 16
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXTS = (1024, 4096, 8192, 32768)
-SPLITS = (1, 2, 4, 8, 16, 32)
+SPLITS = (1, 4, 16)  # FA3 gets the best of these where B x KV heads leave SMs idle
 
 
 def fa3():
@@ -97,7 +97,7 @@ def decode(f, records, record, ceiling, quick):
             if B * C <= 64 * 8192 else None
         ms = try_time("ours", ours, q, kp, vp, ctx, table, device=True)
         launched = list(DEVICE_KERNELS)
-        splits = SPLITS if B * KV < 132 else (1, 2)  # more splits only where SMs sit idle
+        splits = SPLITS if B * KV < 132 else (1, 2)
         fa3_ms, n, by = best_fa3_decode(f, q, kc, vc, ctx, table, splits)
         fa3_err = None
         if n is not None:
