@@ -26,7 +26,7 @@ from ..model import Batch, forward, init_kv_cache
 from . import sampling
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
-from .warmup import compile_all
+from .warmup import compile_all, default_page_buckets
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
@@ -98,7 +98,7 @@ class Engine:
         max_pages = self.pages.pages_for(self.max_model_len)
         self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or geometric(
             max_num_batched_tokens, 4) + [max_num_seqs]})
-        self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
+        self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")

@@ -18,6 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 MEMORY_FRACTION = 0.5  # of the memory available at warm-up that compilations may take at once
 
 
+def default_page_buckets(max_pages: int) -> list[int]:
+    """Page-table widths to compile. On GPU two: a step's attention kernels read what the table
+    spans. Elsewhere one: the jnp attention there (`kernels/ragged_jnp.py`) stops at the longest
+    context in the step whatever the table's width, so a second width would only double the
+    warm-up's compilations."""
+    import jax
+    if jax.default_backend() == "gpu":
+        return [max(1, max_pages // 8), max_pages]
+    return [max_pages]
+
+
 def available_memory() -> int | None:
     """Bytes the kernel reports available (Linux), else None."""
     try:
