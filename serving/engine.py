@@ -26,7 +26,7 @@ from ..model import Batch, forward, init_kv_cache
 from . import sampling
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
-from .warmup import compile_all, default_page_buckets
+from .warmup import compile_all, default_page_buckets, first_run_loads
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
@@ -384,8 +384,8 @@ class Engine:
 
     def warmup(self, workers: int | None = None):
         """Compile every bucket and sampler variant (in parallel threads, as many as the cores
-        and memory take: `warmup.py`) and the history loader, then run each once on an
-        all-padding batch, which writes no page and no slot."""
+        and memory take: `warmup.py`) and the history loader, then (on GPU, where a first run
+        loads modules) run each once on an all-padding batch, which writes no page and no slot."""
         keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
                        if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
         sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
@@ -398,7 +398,7 @@ class Engine:
         self.compilations += len(lowered)
         if self._load is None:
             self._compile_load()
-        for T, P in keys:
+        for T, P in keys if first_run_loads() else ():
             S = min(T, self.max_num_seqs)
             fill = dict(kv_slots=-1, sources=-1)  # padding: no write
             ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)

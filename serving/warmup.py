@@ -29,6 +29,14 @@ def default_page_buckets(max_pages: int) -> list[int]:
     return [max_pages]
 
 
+def first_run_loads() -> bool:
+    """Whether an executable's first run does one-time work worth doing at warm-up: on GPU it
+    loads its kernels' modules. On CPU there is nothing to load, and a run of the 512-token step
+    on padding costs as much as a real one."""
+    import jax
+    return jax.default_backend() != "cpu"
+
+
 def available_memory() -> int | None:
     """Bytes the kernel reports available (Linux), else None."""
     try:
