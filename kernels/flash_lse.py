@@ -9,7 +9,8 @@ split is two chunks far apart. A key at position -1 is padding.
 
 Two partials over disjoint keys merge as lse = logaddexp(lse1, lse2),
 o = o1 exp(lse1 - lse) + o2 exp(lse2 - lse) (`merge_partials`). The kernel reuses the online
-softmax tile of `flash.py`; every tile is masked (blocks of a zig-zag split are not monotonic).
+softmax tile of `flash.py`; every tile is masked (blocks of a zig-zag split are not monotonic),
+and each block of queries visits only the key tiles between its first and last visible one.
 """
 
 from __future__ import annotations
@@ -57,8 +58,25 @@ def merge_partials(o1, lse1, o2, lse2):
     return o1 * w1 + o2 * w2, lse
 
 
-def _flash_lse_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_ref, lse_ref, *, sm_scale,
-                      causal, block_q, block_k):
+def tile_bounds(q_pos, k_pos, *, causal, block_q, block_k):
+    """Per block of queries, the key tiles [lo, hi) that hold every key it can see (tiles of
+    padding, or wholly after the block's last query, are skipped), as int32 [T / block_q]."""
+    nq, nk = -(-q_pos.shape[0] // block_q), -(-k_pos.shape[0] // block_k)
+    qp = jnp.pad(q_pos, (0, nq * block_q - q_pos.shape[0]), constant_values=-1)
+    kp = jnp.pad(k_pos, (0, nk * block_k - k_pos.shape[0]), constant_values=-1)
+    kp = kp.reshape(nk, block_k)
+    kmin = jnp.min(jnp.where(kp >= 0, kp, jnp.iinfo(jnp.int32).max), axis=1)  # [nk]
+    seen = jnp.broadcast_to((kp >= 0).any(axis=1)[None, :], (nq, nk))
+    if causal:
+        seen = seen & (kmin[None, :] <= qp.reshape(nq, block_q).max(axis=1)[:, None])
+    any_ = seen.any(axis=1)
+    lo = jnp.where(any_, jnp.argmax(seen, axis=1), 0)
+    hi = jnp.where(any_, nk - jnp.argmax(seen[:, ::-1], axis=1), 0)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _flash_lse_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lo_ref, hi_ref, o_ref, lse_ref,
+                      *, sm_scale, causal, block_q, block_k):
     T, D = q_ref.shape
     S = k_ref.shape[0]
     qi = pl.program_id(0)
@@ -83,7 +101,7 @@ def _flash_lse_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, o_ref, lse_ref, *
     carry = (jnp.zeros((block_q, D), jnp.float32),
              jnp.full((block_q,), NEG_INF, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    o, m, l = lax.fori_loop(0, pl.cdiv(S, block_k), tile, carry)
+    o, m, l = lax.fori_loop(lo_ref[qi], hi_ref[qi], tile, carry)
     empty = l == 0.0
     o = o / jnp.where(empty, 1.0, l)[:, None]
     lse = jnp.where(empty, NEG_INF, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
@@ -105,6 +123,8 @@ def _flash_lse_pallas(q, k, v, q_pos, k_pos, *, causal=True, sm_scale=None, bloc
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
     block_q = min(block_q, max(16, pl.next_power_of_2(T)))
     block_k = min(block_k, max(16, pl.next_power_of_2(S)))
+    q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
+    lo, hi = tile_bounds(q_pos, k_pos, causal=causal, block_q=block_q, block_k=block_k)
     kernel = functools.partial(_flash_lse_kernel, sm_scale=sm_scale, causal=causal,
                                block_q=block_q, block_k=block_k)
     return pl.pallas_call(
@@ -116,6 +136,8 @@ def _flash_lse_pallas(q, k, v, q_pos, k_pos, *, causal=True, sm_scale=None, bloc
             pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h // G, 0)),
             pl.BlockSpec((T,), lambda i, b, h: (0,)),
             pl.BlockSpec((S,), lambda i, b, h: (0,)),
+            pl.BlockSpec(lo.shape, lambda i, b, h: (0,)),
+            pl.BlockSpec(hi.shape, lambda i, b, h: (0,)),
         ],
         out_specs=[pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h, 0)),
                    pl.BlockSpec((None, None, T), lambda i, b, h: (b, h, 0))],
@@ -124,7 +146,7 @@ def _flash_lse_pallas(q, k, v, q_pos, k_pos, *, causal=True, sm_scale=None, bloc
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="pallasite_flash_attention_lse",
-    )(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32))
+    )(q, k, v, q_pos, k_pos, lo, hi)
 
 
 def flash_attention_lse(q, k, v, q_pos, k_pos, *, causal=True, sm_scale=None, impl=None,
