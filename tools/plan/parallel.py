@@ -12,7 +12,10 @@ PP: layers in `pp` stages (ceil split), micro-batches of the batch streamed thro
 step of m micro-batches takes (m + pp - 1) stage times of the slowest stage: the bubble is
 (pp - 1) / (m + pp - 1) and the imbalance is the slowest stage over the mean. Between stages
 one activation [tokens, hidden] crosses a link per micro-batch. Memory per device: the stage's
-layers (the first holds the embedding, the last the head), its KV pages.
+layers (the first holds the embedding, the last the head), its KV pages. Decode is bound by
+reading weights, so each micro-batch re-reads its stage's weights: a step in m micro-batches
+costs m weight reads per stage. Steady serving keeps the pipe full across steps (the next
+step's micro-batches enter as this step's leave), so its rate is one micro-batch per stage time.
 """
 
 from __future__ import annotations
@@ -73,10 +76,18 @@ class PPCost:
     imbalance: float  # slowest stage / mean stage
     weights_gib: float  # the largest stage's weights on one device
     p2p_s: float  # activations between stages, per micro-batch and boundary
+    batch: int = 0
 
     @property
     def tokens_per_s(self) -> float:
-        return 0.0 if self.step_s == 0 else 1.0 / self.step_s
+        """Decode tokens a second when each step fills and drains the pipe."""
+        return self.batch / self.step_s
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """With the next step's micro-batches entering as this step's leave (no bubble): each
+        stage time passes one micro-batch through."""
+        return -(-self.batch // self.micro_batches) / self.stage_s
 
 
 def stage_split(layers: int, pp: int) -> list[int]:
@@ -106,7 +117,7 @@ def pp_step(config: ModelConfig, cluster: Cluster, wl: Workload, batch: int, con
     weights = max(split) * sum(per_layer.values()) + max(shapes.device.get("embed", 0),
                                                          shapes.device.get("head", 0))
     return PPCost(pp, tp, m, split, stage_s, step_s, (pp - 1) / (m + pp - 1), stage_s / mean,
-                  weights * wl.weight_bytes / GIB, p2p)
+                  weights * wl.weight_bytes / GIB, p2p, batch)
 
 
 def fits(config: ModelConfig, cluster: Cluster, wl: Workload, tp: int, pp: int = 1) -> bool:
