@@ -3,6 +3,7 @@
     python -m benchmarks.bench_context --out DIR --part ring1     # one GPU (~2 min on an H100)
     python -m benchmarks.bench_context --out DIR --part cp        # 2+ GPUs: CP=2/4 prefill TTFT
     python -m benchmarks.bench_context --out DIR --part pp        # 2+ GPUs: PP=2 vs TP=2 (not built)
+    python -m benchmarks.bench_context --out DIR --smoke [--part cp]  # CPU: does the script run
 
 ring1: the ring over a mesh of one GPU against plain causal flash attention (`kernels.
 flash_attention`, whichever backend it picks) at B=1, H=32, KV=8, D=128, bf16, S = 8k, 32k: the
@@ -39,10 +40,17 @@ from pallasite.sharding.ring import ring_attention, zigzag_order
 
 from .common import run_info, time_ms
 
+SMOKE = False  # --smoke: CPU, kernels in interpret mode, tiny shapes (checks the script runs)
+
+
+def lse_attend(*args, **kw):
+    return flash_attention_lse(*args, impl="pallas", interpret=SMOKE, **kw)
+
 
 def ring_fn(n, devices, causal=True):
     mesh = Mesh(np.array(devices[:n]), ("cp",))
-    ring = lambda q, k, v: ring_attention(q, k, v, axis="cp", n=n, causal=causal)[0]
+    ring = lambda q, k, v: ring_attention(q, k, v, axis="cp", n=n, causal=causal,
+                                          attend=lse_attend)[0]
     spec = P(None, "cp")
     return jax.jit(shard_map(ring, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                              check_vma=False))
@@ -51,16 +59,16 @@ def ring_fn(n, devices, causal=True):
 def check_lse_kernel():
     """The Pallas lse kernel against the reference on a fresh small input, output poisoned."""
     ks = jax.random.split(jax.random.key(int(time.time())), 3)
-    q = jax.random.normal(ks[0], (1, 1000, 8, 128), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (1, 1000, 2, 128), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (1, 1000, 2, 128), jnp.bfloat16)
-    pos = jnp.asarray(zigzag_order(1000, 4)[250:500], jnp.int32)  # a zig-zag block's queries
-    kpos = jnp.arange(1000, dtype=jnp.int32)
-    poison = jnp.full((1, 250, 8, 128), jnp.nan, jnp.float32)
-    fn = jax.jit(lambda out, *a: out.at[:].set(flash_attention_lse(*a, impl="pallas")[0]),
-                 donate_argnums=0)
-    o = fn(poison, q[:, :250], k, v, pos, kpos)
-    ref, _ = attention_lse_reference(q[:, :250], k, v, pos, kpos)
+    S, D = (40, 16) if SMOKE else (1000, 128)
+    q = jax.random.normal(ks[0], (1, S, 8, D), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, S, 2, D), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, S, 2, D), jnp.bfloat16)
+    pos = jnp.asarray(zigzag_order(S, 4)[S // 4:S // 2], jnp.int32)  # a zig-zag block's queries
+    kpos = jnp.arange(S, dtype=jnp.int32)
+    poison = jnp.full((1, S // 4, 8, D), jnp.nan, jnp.float32)
+    fn = jax.jit(lambda out, *a: out.at[:].set(lse_attend(*a)[0]), donate_argnums=0)
+    o = fn(poison, q[:, :S // 4], k, v, pos, kpos)
+    ref, _ = attention_lse_reference(q[:, :S // 4], k, v, pos, kpos)
     err = float(jnp.max(jnp.abs(o - ref)))
     assert bool(jnp.all(jnp.isfinite(o))) and err < 2e-2, f"lse kernel error {err}"
     return err
@@ -73,18 +81,20 @@ def part_ring1(args):
     ring = ring_fn(1, devices)
     for S in args.ring_lengths:
         ks = jax.random.split(jax.random.key(S), 3)
-        q = jax.random.normal(ks[0], (1, S, 32, 128), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (1, S, 8, 128), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (1, S, 8, 128), jnp.bfloat16)
-        flash = jax.jit(lambda q, k, v: kernels.flash_attention(q, k, v, causal=True))
+        D = 16 if SMOKE else 128
+        q = jax.random.normal(ks[0], (1, S, 32, D), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, S, 8, D), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (1, S, 8, D), jnp.bfloat16)
+        flash = jax.jit(lambda q, k, v: kernels.flash_attention(q, k, v, causal=True,
+                                                                interpret=SMOKE))
         want = flash(q, k, v).astype(jnp.float32)
         got = ring(q, k, v)
         err = float(jnp.max(jnp.abs(got - want)))
         assert err < 3e-2, f"ring vs flash at S={S}: {err}"
-        flops = 4 * S * S * 32 * 128 / 2
+        flops = 4 * S * S * 32 * D / 2
         t_flash = time_ms(flash, q, k, v, reps=args.reps)
         t_ring = time_ms(ring, q, k, v, reps=args.reps)
-        records.append(dict(mode="ring1", S=S, heads=32, kv_heads=8, head_dim=128,
+        records.append(dict(mode="ring1", S=S, heads=32, kv_heads=8, head_dim=D,
                             flash_ms=t_flash, ring_ms=t_ring, overhead=t_ring / t_flash,
                             ring_tflops=flops / t_ring / 1e9, max_abs_err=err, gpus=1,
                             **run_info()))
@@ -93,6 +103,10 @@ def part_ring1(args):
 
 def eight_b(layers):
     from pallasite.model import config_from_dict
+    if SMOKE:
+        return config_from_dict(dict(model_type="llama", vocab_size=256, hidden_size=64,
+                                     intermediate_size=128, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2))
     return config_from_dict(dict(
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
@@ -113,7 +127,8 @@ def part_cp(args):
         cp = ContextParallel(config, cp_mesh(n), ps)
         params = cp.place(init_params(config, seed=0, dtype=jnp.bfloat16))
         shape = (config.num_kv_heads, pages, ps, config.head_dim)
-        kv = [(cp.place(jnp.zeros(shape, jnp.bfloat16)),) * 2 for _ in range(config.num_layers)]
+        kv = [tuple(cp.place(jnp.zeros(shape, jnp.bfloat16)) for _ in "kv")
+              for _ in range(config.num_layers)]
         logits, kv = cp.prefill(params, kv, tokens, table)  # compile + warm-up
         jax.block_until_ready(logits)
         times = []
@@ -143,7 +158,13 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps-cp", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: interpret-mode kernels at S=64, a 2-layer 256-token cp prefill")
     args = ap.parse_args(argv)
+    global SMOKE
+    SMOKE = args.smoke
+    if SMOKE:
+        args.ring_lengths, args.reps, args.prompt, args.layers, args.reps_cp = [64], 1, 256, 2, 1
     if args.part == "pp":
         raise SystemExit("pipeline parallelism is not built yet: nothing to measure")
     records = part_ring1(args) if args.part == "ring1" else part_cp(args)
@@ -153,7 +174,7 @@ def main(argv=None):
     json.dump(old + records, open(path, "w"), indent=1)
     for r in records:
         keys = [k for k in ("what", "S", "gpus", "flash_ms", "ring_ms", "overhead", "ring_tflops",
-                            "ttft_ms", "speedup", "max_abs_err") if k in r]
+                            "ttft_ms", "speedup", "max_abs_err", "logits_max_abs_diff_vs_cp1") if k in r]
         print("  ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}"
                         for k in keys))
     print(f"wrote {path}")
