@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_context --out DIR --part ring1     # one GPU (~2 min on an H100)
     python -m benchmarks.bench_context --out DIR --part cp        # 2+ GPUs: CP=2/4 prefill TTFT
-    python -m benchmarks.bench_context --out DIR --part pp        # 2+ GPUs: PP=2 vs TP=2 (not built)
+    python -m benchmarks.bench_context --out DIR --part pp        # PP=2 vs TP=2: not built yet
     python -m benchmarks.bench_context --out DIR --smoke [--part cp]  # CPU: does the script run
 
 ring1: the ring over a mesh of one GPU against plain causal flash attention (`kernels.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -174,7 +173,8 @@ def main(argv=None):
     json.dump(old + records, open(path, "w"), indent=1)
     for r in records:
         keys = [k for k in ("what", "S", "gpus", "flash_ms", "ring_ms", "overhead", "ring_tflops",
-                            "ttft_ms", "speedup", "max_abs_err", "logits_max_abs_diff_vs_cp1") if k in r]
+                            "ttft_ms", "speedup", "max_abs_err", "logits_max_abs_diff_vs_cp1")
+                if k in r]
         print("  ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}"
                         for k in keys))
     print(f"wrote {path}")

@@ -151,7 +151,7 @@ def _flash_lse_pallas(q, k, v, q_pos, k_pos, *, causal=True, sm_scale=None, bloc
 
 def flash_attention_lse(q, k, v, q_pos, k_pos, *, causal=True, sm_scale=None, impl=None,
                         interpret=False, **blocks):
-    """(o float32, lse): the Pallas kernel on GPU (or in interpret mode), the reference elsewhere."""
+    """(o float32, lse): the Pallas kernel on GPU (or in interpret mode), else the reference."""
     from . import _use_pallas
     if not _use_pallas(impl, interpret):
         return attention_lse_reference(q, k, v, q_pos, k_pos, causal=causal, sm_scale=sm_scale)

@@ -108,7 +108,8 @@ class ContextParallel:
     """Prefill of one prompt over `mesh` ("cp"); params and KV pages replicated on it."""
 
     def __init__(self, config: ModelConfig, mesh: Mesh, page_size: int, *, attend=None):
-        self.config, self.mesh, self.n, self.page_size = config, mesh, int(mesh.shape["cp"]), page_size
+        self.config, self.mesh, self.page_size = config, mesh, page_size
+        self.n = int(mesh.shape["cp"])
         self.replicated = NamedSharding(mesh, P())
         self._steps = {}
         self._attend = attend

@@ -1,7 +1,6 @@
 """The plan explorer's prices for context parallelism (the prefill ring) and pipeline stages,
 on the Llama-3 8B and 70B shapes, against arithmetic done by hand."""
 
-import math
 
 import pytest
 

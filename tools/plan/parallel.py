@@ -21,7 +21,6 @@ step's micro-batches enter as this step's leave), so its rate is one micro-batch
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ...model import ModelConfig
 from ...sharding import MeshPlan
@@ -142,7 +141,8 @@ def recommend(config: ModelConfig, cluster: Cluster, wl: Workload, prompt: int,
         for cp in [c for c in (2, 4, 8, 16) if c <= gpus]:
             c = cp_prefill(config, cluster, wl, prompt, cp)
             if c.ttft_s * 1e3 <= ttft_ms:
-                out["cp"] = dict(cp=cp, ttft_ms=c.ttft_s * 1e3, ring_exposed_ms=c.ring_exposed_s * 1e3)
+                out["cp"] = dict(cp=cp, ttft_ms=c.ttft_s * 1e3,
+                                 ring_exposed_ms=c.ring_exposed_s * 1e3)
                 break
     tps = [t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_host and config.num_heads % t == 0]
     if not any(fits(config, cluster, wl, t) for t in tps):
