@@ -4,6 +4,7 @@ pages, bad input gets its status, health and reflection, drain, metrics and the 
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -268,7 +269,25 @@ BAD = [  # (prompt, sampling, status, words the message must hold)
     ("hi", dict(max_tokens=MAX_MODEL_LEN), "INVALID_ARGUMENT",
      ["max_tokens", str(MAX_MODEL_LEN), "context length"]),
     (LONG, {}, "INVALID_ARGUMENT", [str(MAX_MODEL_LEN), "context length"]),
+    ("hi", dict(structured_output=pb.StructuredOutput(regex="([")), "INVALID_ARGUMENT",
+     ["regex", "unclosed"]),
+    ("hi", dict(structured_output=pb.StructuredOutput(json_schema="{")), "INVALID_ARGUMENT",
+     ["json_schema"]),
+    ("hi", dict(logit_bias={99999: 1.0}), "INVALID_ARGUMENT", ["logit_bias", "99999"]),
 ]
+
+
+def test_structured_output_and_logit_bias(client):
+    """The proto's structured_output and logit_bias reach the sampler."""
+    r = client.generate("hi", max_tokens=20, seed=1,
+                        structured_output=pb.StructuredOutput(regex="[0-9]{3}-[ab]{2}"))
+    assert re.fullmatch("[0-9]{3}-[ab]{2}", r.text) and finish_reason(r) == "stop", r.text
+    options = ["red", "green", "blue"]
+    r = client.generate("hi", max_tokens=20, temperature=0.0, structured_output=pb.StructuredOutput(
+        choice=pb.Choice(options=options)))
+    assert r.text in options
+    r = client.generate("hi", max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={7: 100.0})
+    assert list(r.token_ids) == [7] * 4
 
 
 @pytest.mark.parametrize("prompt, sampling, status, words", BAD,
