@@ -315,16 +315,20 @@ class Generation:
     # -- responses ----------------------------------------------------------------------------
     async def _whole(self, merged) -> dict:
         n = len(self.calls)
-        texts, lps, last = [""] * n, [[] for _ in range(n)], [None] * n
+        texts, lps, last, ids = [""] * n, [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
         try:
             async for i, outs in self._outputs(merged):
                 for out in outs:
                     texts[i] += out.text_delta
                     lps[i] += out.logprobs or []
+                    ids[i] += out.new_token_ids
                     last[i] = out
         finally:
             self._release()
         choices = [self._choice(i, texts[i], lps[i], last[i]) for i in range(n)]
+        if self.body.return_token_ids:
+            for choice, t in zip(choices, ids):
+                choice["token_ids"] = t
         self._log()
         return self._object(choices, usage=self._usage(last))
 
@@ -416,8 +420,10 @@ class Generation:
                 lps = [lp for o in outs for lp in o.logprobs or []]
                 last[i] = outs[-1]
                 texts[i] += text
-                yield event({**self._object([self._delta(i, text, lps, outs[-1], texts[i])],
-                                            chunk=True), **extra})
+                delta = self._delta(i, text, lps, outs[-1], texts[i])
+                if self.body.return_token_ids:
+                    delta["token_ids"] = [t for o in outs for t in o.new_token_ids]
+                yield event({**self._object([delta], chunk=True), **extra})
             if usage_on:
                 yield event({**self._object([], chunk=True), "usage": self._usage(last)})
         except (HttpError, ApiError) as e:

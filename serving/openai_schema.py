@@ -66,6 +66,7 @@ class Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # llguidance's Lark syntax
+    return_token_ids: bool = False  # each choice (and chunk) carries its token ids, as vLLM's
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
         """The structured-output request, if any, and the field that asked for it."""
