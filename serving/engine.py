@@ -109,6 +109,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
+        self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
         self._exe: dict = {}  # (T, P) -> compiled forward pass
         self._samplers: dict = {}  # (S, mode) or (S, mode, "guided") -> compiled sampler
         self._load = None  # compiled history loader
@@ -200,14 +201,10 @@ class Engine:
         """Dispatch the next step, then collect the previous one's results."""
         t0 = time.perf_counter()
         outputs, self._outbox = self._outbox, []
-        wait = 0.0
-        if self._inflight and self.guide.needs_sync(self.scheduler.running):
-            # A constrained row's mask needs its last token: no run-ahead this step.
-            out, wait = self._collect(*self._inflight)
-            outputs += out
-            self._inflight = None
         chunks = self.scheduler.schedule()
         launched = self._launch(chunks) if chunks else None
+        early, wait = self._early  # the previous step, if a guided sampler read it back
+        outputs, self._early = outputs + early, ([], 0.0)
         for done in ([self._inflight] if self._inflight else []) + (
                 [launched] if launched and not self.overlap else []):
             out, wait_s = self._collect(*done)
@@ -227,14 +224,19 @@ class Engine:
         ints, sample_ints, floats, key, mode = self._pack(chunks)
         exe = self._exe.get(key) or self._compile_now(key)
         S = min(key[0], self.max_num_seqs)
+        kv, last_tokens, history = self.state
+        logits, kv = exe(self.params, kv, last_tokens, ints)
+        if self._inflight and self.guide.needs_sync(chunks):
+            # A constrained row's mask needs the token of the step in flight: read it back now,
+            # while this step's forward pass runs; only the sampler waits for the mask.
+            self._early = self._collect(*self._inflight)
+            self._inflight = None
         guided = self.guide.step_inputs(chunks, S)
         if guided is not None:  # constrained or biased rows: the guided variant takes more
             sample_ints, floats = (np.concatenate([sample_ints, guided[0]]),
                                    np.concatenate([floats, guided[1]]))
         skey = (S, mode) + (("guided",) if guided is not None else ())
         sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
-        kv, last_tokens, history = self.state
-        logits, kv = exe(self.params, kv, last_tokens, ints)
         out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
         out.copy_to_host_async()  # queued behind this step, not behind the next one
         self.state = (kv, last_tokens, history)

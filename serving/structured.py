@@ -13,10 +13,11 @@ its mask costs tens of microseconds a token, and it is one self-contained wheel;
 torch, triton, transformers and pydantic.
 
 A mask depends on the row's previous token, which the engine (running one step ahead of the
-host) may not have read back yet. So a step is never dispatched while a constrained row's last
-token is still on the device: the engine reads the in-flight step first (`Guide.needs_sync`).
-Constrained rows then advance one token every step, at the cost of the run-ahead while any is
-running.
+host) may not have read back yet. So when a constrained row samples in a step whose predecessor is
+still in flight, the engine dispatches the step's forward pass, then reads the previous step back
+(`Guide.needs_sync`), fills the masks and only then dispatches the sampler: the forward pass still
+runs ahead of the host, and the host's reading, mask filling and packing overlap it. Constrained
+rows advance one token every step.
 """
 
 from __future__ import annotations
@@ -169,14 +170,17 @@ class Guide:
         return getattr(seq, "matcher", None) is not None or getattr(seq, "bias", None) is not None
 
     @staticmethod
-    def needs_sync(running) -> bool:
-        """Whether a constrained sequence's last token is still on the device."""
-        return any(getattr(s, "matcher", None) is not None and s.num_pending for s in running)
+    def needs_sync(chunks) -> bool:
+        """Whether a constrained row samples in this step while its previous sample is still on
+        the device (two pending: that one and this step's)."""
+        return any(c.samples and getattr(c.seq, "matcher", None) is not None
+                   and c.seq.num_pending > 1 for c in chunks)
 
     def step_inputs(self, chunks, S: int):
         """None when no sampling row is guided; else (ints, floats) to append to the sampler's
         inputs: bitmask [S, W] and bias ids [S, K] (int32), bias values [S, K] (float32)."""
-        rows = [(i, c.seq) for i, c in enumerate(chunks) if c.samples and self.guided(c.seq)]
+        rows = [(i, c.seq) for i, c in enumerate(chunks)
+                if c.samples and self.guided(c.seq) and c.seq.status != "finished"]
         if not rows:
             return None
         from llguidance.numpy import fill_next_token_bitmask_par
