@@ -14,7 +14,7 @@ from http.client import HTTPConnection
 from types import SimpleNamespace
 
 
-class HttpStatusError(Exception):
+class HttpStatusError(OSError):
     def __init__(self, status: int, body: str):
         super().__init__(f"HTTP {status}: {body[:200]}")
         self.status = status

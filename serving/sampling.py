@@ -144,9 +144,8 @@ def apply_guide(logits, guide: Guide):
     """Add each row's logit bias, then send the tokens its bitmask forbids to -inf."""
     S, V = logits.shape
     logits = logits.at[jnp.arange(S)[:, None], guide.bias_ids].add(guide.bias_values)
-    t = jnp.arange(V)
-    allowed = (guide.bitmask[:, t // 32] >> (t % 32)) & 1
-    return jnp.where(allowed == 1, logits, -jnp.inf)
+    bits = (guide.bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # no gather
+    return jnp.where(bits.reshape(S, -1)[:, :V] == 1, logits, -jnp.inf)
 
 
 def _full(logits, rows: Rows, history: History, filtering: bool, guide: Guide | None = None):
