@@ -110,6 +110,11 @@ def main(argv=None):
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="folder with tokenizer.json for the grammars (default: embedded model's)")
     args = ap.parse_args(argv)
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        raise SystemExit("llguidance is not installed here: structured output (and this "
+                         "benchmark) need it; pip install llguidance") from None
     from pallasite.model import config_from_dict, default_model_path, init_params
     from pallasite.model.tokenizer import Tokenizer
     env = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
