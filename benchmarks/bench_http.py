@@ -69,11 +69,14 @@ def main(argv=None):
     record = {}
     t0 = time.perf_counter()
     if not args.skip_step:
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_structured", "--out", str(out)],
-                       check=True)
-        step = json.loads((out / "structured.json").read_text())
-        record["structured_step"] = step
-        record["constrained_step_ratio"] = step["constrained_step_ratio"]
+        done = subprocess.run([sys.executable, "-m", "benchmarks.bench_structured", "--out",
+                               str(out)])
+        if done.returncode == 0:
+            step = json.loads((out / "structured.json").read_text())
+            record["structured_step"] = step
+            record["constrained_step_ratio"] = step["constrained_step_ratio"]
+        else:
+            print(f"the structured step benchmark failed (exit {done.returncode}); going on")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
