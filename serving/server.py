@@ -310,9 +310,10 @@ async def serve(args) -> int:
                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                     max_queue=args.max_queue, grace_s=args.grace_period)
     port = await server.start()
-    where = [f"gRPC on {args.host}:{port}"] if port is not None else []
+    where = [f"listening on {args.host}:{port}"] if port is not None else []
     if server.http_port is not None:
-        where.append(f"OpenAI HTTP on http://{args.host}:{server.http_port}/v1")
+        where.append(f"OpenAI HTTP on http://{args.host}:{server.http_port}/v1" if where else
+                     f"listening on http://{args.host}:{server.http_port}/v1 (OpenAI HTTP)")
     if server.metrics_port is not None:
         where.append(f"metrics on http://{args.host}:{server.metrics_port}/metrics")
     print(f"pallasite: {', '.join(where)}; loading the model", flush=True)

@@ -444,16 +444,20 @@ def test_serve_process_drains_on_sigterm_and_exits_0(checkpoint):
     args = ["--model", str(checkpoint), "--host", "127.0.0.1", "--port", "0", "--metrics-port",
             "-1", "--max-model-len", "128", "--num-pages", "32", "--page-size", "8",
             "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--token-buckets", "8,32",
-            "--page-buckets", "16", "--grace-period", "20"]
+            "--page-buckets", "16", "--grace-period", "20", "--http-port", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "pallasite.serving.server", *args],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on 127.0.0.1:" in line, line
         port = int(line.split("127.0.0.1:")[1].split(",")[0].split(";")[0])
+        http_port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
         with Client(f"127.0.0.1:{port}", timeout=60) as c:
             c.wait_ready(120)
             assert c.model_info().model_name == checkpoint.name
+            # The OpenAI HTTP API of the same process is up too.
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as r:
+                assert r.status == 200
             stream = c.stream("The quick", max_tokens=60, **GREEDY)
             first = next(stream)
             proc.send_signal(signal.SIGTERM)
