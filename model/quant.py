@@ -261,8 +261,11 @@ def quantize_params(params, scheme: str = "fp8"):
         keys = tuple(getattr(k, "key", k) for k in path)
         if linear_axes(keys) is None:
             return leaf
-        return quantize_fp8(leaf, contract_axes_of(keys))
+        return _jit_quantize_fp8(leaf, contract_axes_of(keys))
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+_jit_quantize_fp8 = jax.jit(quantize_fp8, static_argnums=1)
 
 
 def weight_bytes(params) -> int:

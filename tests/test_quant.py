@@ -91,3 +91,34 @@ def test_quantize_on_load(tmp_path):
                                       np.asarray(want[name].q, np.float32))
     with pytest.raises(ValueError, match="'int3' is not one of fp8"):
         load_hf(tmp_path, quantization="int3")
+
+
+def test_llm_with_fp8_weights_generates_what_its_weights_say(tmp_path):
+    from pallasite.serving.llm import LLM, SamplingParams
+    hf_models.save("qwen3", tmp_path)
+    with LLM(tmp_path, quantization="fp8", max_model_len=64, num_pages=32, page_size=8,
+             max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16],
+             page_buckets=[8]) as llm:
+        params = llm.engine.params
+        assert quant.is_quantized(params["layers_0"]["mlp"]["w_up"])
+        prompt = [5, 17, 33, 2, 9]
+        out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0,
+                                                    ignore_eos=True))[0]
+        ids = list(prompt)
+        ref = jax.jit(lambda p, x: forward_logits(p, llm.config, x))
+        for _ in range(5):
+            padded = np.zeros((1, 16), np.int32)
+            padded[0, :len(ids)] = ids
+            ids.append(int(np.argmax(ref(params, padded)[0, len(ids) - 1])))
+        assert list(out.token_ids) == ids[len(prompt):]
+
+
+def test_unknown_quantization_is_refused_with_the_choices(capsys):
+    from pallasite.cli import build_parser
+    from pallasite.serving.llm import LLM
+    with pytest.raises(ValueError, match="'fp4' is not one of fp8"):
+        LLM("/nonexistent", quantization="fp4")  # refused before anything is read
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--quantization", "fp4"])
+        assert "invalid choice: 'fp4' (choose from" in capsys.readouterr().err
