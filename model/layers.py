@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from . import quant
 from .config import ModelConfig, RopeScaling
 
 
@@ -114,8 +115,8 @@ class MLP(nn.Module):
         w_gate = param(self, "w_gate", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (c.intermediate_size, c.hidden_size), ("mlp", "embed"), self.dtype)
-        h = jax.nn.silu(x @ w_gate) * (x @ w_up)
-        return h @ w_down
+        h = jax.nn.silu(quant.linear(x, w_gate)) * quant.linear(x, w_up)
+        return quant.linear(h, w_down)
 
 
 def route(x, router, top_k: int, renormalize: bool):
@@ -129,7 +130,10 @@ def route(x, router, top_k: int, renormalize: bool):
 
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
-    """SwiGLU over tokens already sorted by expert: one grouped matmul per projection."""
+    """SwiGLU over tokens already sorted by expert: one grouped matmul per projection.
+    Quantized experts pass as (values, scales [E, G, F]) pairs: the kernels dequantize them."""
+    if quant.is_quantized(w_gate):
+        w_gate, w_up, w_down = (quant.grouped_operand(w) for w in (w_gate, w_up, w_down))
     return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
 
 

@@ -59,6 +59,8 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    from pallasite.serving.server import add_quantization_argument
+    add_quantization_argument(p)
     p.add_argument("--max-model-len", type=int, default=None)
     from pallasite.sharding import add_mesh_arguments
     add_mesh_arguments(p)
@@ -95,7 +97,7 @@ def generate_locally(prompt: str, args) -> int:
         print(f"pallasite: no --model given: using the embedded default model ({folder})",
               file=sys.stderr)
     kwargs = dict(max_num_seqs=1, max_num_batched_tokens=256, token_buckets=[1, 256],
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, quantization=args.quantization)
     if args.dtype:
         kwargs["dtype"] = getattr(jnp, args.dtype)
     if args.mesh:
