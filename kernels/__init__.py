@@ -271,3 +271,22 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, interpret=Fals
     from . import w8a16_matmul as qm
     kw = qm.blocks_for(x.shape[0], q.shape[0], q.shape[1], scale.shape[0]) | blocks
     return qm.w8a16_matmul(x, q, scale, zero, interpret=interpret, **kw)
+
+
+# -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------
+INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and takes XLA's dot
+
+
+def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: int,
+               impl=None, interpret=False, **blocks):
+    """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`) -> [M, N] in x's dtype:
+    the Pallas kernel on GPU up to INT_MATMUL_MAX_ROWS rows, the dequantized weight through
+    XLA's dot above (prefill is compute-bound) and on other backends."""
+    from . import w4a16_matmul as im
+    kw = dict(bits=bits, group_size=group_size)
+    if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= INT_MATMUL_MAX_ROWS):
+        return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw, **blocks)
+    if not _use_pallas(impl, interpret):
+        return im.int_matmul_reference(x, words, scale, zero, perm, **kw)
+    w = im.dequantize(words, scale, zero, k=x.shape[-1], **kw).astype(x.dtype)
+    return (x if perm is None else x[..., perm]) @ w

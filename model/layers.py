@@ -58,6 +58,10 @@ def constrain(x, logical_axes: tuple):
 
 
 def param(module: nn.Module, name: str, shape, axes, dtype, init=None):
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if hasattr(value, "linear"):  # a packed layout (quant_int.PackedInt): not [in, out]
+            return value
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 

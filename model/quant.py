@@ -46,7 +46,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCHEMES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4}
 
 # The values `LLM(..., quantization=)` / `--quantization` accept; None = weights as loaded.
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "w4a16", "w8a16")  # the integer ones: model/quant_int.py
 
 
 def check_quantization(value):
@@ -167,6 +167,8 @@ def matrix(w: QArray, in_axes: int = 1, lead: int = 0) -> QArray:
 def linear(x, w, in_axes: int = 1, **kw):
     """x [..., in...] times w [in..., out...] -> [..., out...] in x's dtype: a plain matmul,
     or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8)."""
+    if hasattr(w, "linear"):  # a layout that multiplies itself (quant_int.PackedInt)
+        return w.linear(x, in_axes)
     in_shape, out_shape = w.shape[:in_axes], w.shape[in_axes:]
     lead = x.shape[:x.ndim - in_axes]
     x2 = x.reshape(-1, math.prod(in_shape))
@@ -256,6 +258,9 @@ def quantize_params(params, scheme: str = "fp8"):
     The loader quantizes tensor by tensor instead (`model.loader`)."""
     if check_quantization(scheme) is None:
         return params
+    if scheme != "fp8":
+        from .quant_int import quantize_params as quantize_int
+        return quantize_int(params, scheme)
 
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)

@@ -162,8 +162,8 @@ class LLM:
         """An LLM over weights already in memory (tests, benchmarks, freshly trained models).
         `quantization="fp8"` quantizes their linear weights first."""
         from ..model import quant
-        if quant.check_quantization(kwargs.pop("quantization", None)):
-            params = quant.quantize_params(params)
+        if mode := quant.check_quantization(kwargs.pop("quantization", None)):
+            params = quant.quantize_params(params, mode)
         llm = cls.__new__(cls)
         kwargs.setdefault("page_size", 16)
         kwargs.setdefault("max_num_seqs", 32)

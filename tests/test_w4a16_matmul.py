@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallasite.kernels import int_matmul as im
+from pallasite.kernels import w4a16_matmul as im
 
 
 def random_weight(rng, k, n, bits, group_size, asym):
