@@ -171,25 +171,50 @@ def bench_matmul(rng, ceiling):
 
 # -- batch-1 decode ------------------------------------------------------------------------------
 
-def bench_decode(layers: int):
+def random_w4a16(params, seed=0):
+    """Every dense linear weight as a random INT4 g128 PackedInt made on the device (random
+    words are valid codes; RTN of random weights on the host would take minutes at 8B)."""
+    from pallasite.model import quant
+    from pallasite.model.quant_int import PackedInt
+    key = [jax.random.key(seed)]
+
+    def one(path, leaf):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        axes = quant.linear_axes(keys)
+        if axes is None or axes[0] != 0:
+            return leaf
+        k, n = int(np.prod(leaf.shape[:axes[1]])), int(np.prod(leaf.shape[axes[1]:]))
+        key[0], sub = jax.random.split(key[0])
+        words = jax.random.bits(sub, (im.padded_k(k, 4) // 8, n), jnp.uint32).view(jnp.int32)
+        scale = jnp.full((im.padded_k(k, 4) // GROUP, n), 0.02 / 8, jnp.float32)
+        return PackedInt(words, scale, None, None, tuple(leaf.shape), axes[1], 4, GROUP)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def llama3_8b(layers: int = 32, **small):
     from pallasite.model import config as mc
-    from pallasite.model import quant_int
+    return mc.ModelConfig(**{**dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0), **small})
+
+
+def bench_decode(layers: int, cfg=None, tokens: int = 256):
     from pallasite.model.transformer import init_params
     from pallasite.serving.llm import LLM, SamplingParams
-    cfg = mc.ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_layers=layers, num_heads=32,
-                         num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
-                         rms_norm_eps=1e-5, rope_theta=500000.0)
+    cfg = cfg or llama3_8b(layers)
     records = []
     for mode in ("bf16", "w4a16"):
-        params = init_params(cfg, 0, jnp.bfloat16)
+        params = jax.jit(init_params, static_argnums=(0, 1, 2))(cfg, 0, jnp.bfloat16)
         if mode == "w4a16":
-            params = quant_int.quantize_params(params, cfg, bits=4, group_size=GROUP)
+            params = random_w4a16(params)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
-        llm = LLM.from_params(cfg, params, max_model_len=2048, max_num_seqs=4, num_pages=512)
+        llm = LLM.from_params(cfg, params, max_model_len=1024, max_num_seqs=4, num_pages=256,
+                              max_num_batched_tokens=128, token_buckets=[16, 128],
+                              page_buckets=[64])
         del params
         prompt = list(range(1, 129))
-        sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         for _ in llm.stream(prompt, SamplingParams(temperature=0.0, max_tokens=16,
                                                    ignore_eos=True)):
             pass
