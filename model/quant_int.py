@@ -208,3 +208,19 @@ def int_checkpoint(path, config, sources, expected, files):
     if quant_cfg is None:
         return None
     return IntCheckpoint(quant_cfg, config, sources, expected, files)
+
+
+def describe(params) -> str:
+    """How a params pytree's linear weights are stored, e.g. "w4a16 g128" or "fp8" ("" for
+    plain weights): what ModelInfo reports."""
+    from . import quant
+    kinds = set()
+    for leaf in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, PackedInt)
+                                or quant.is_quantized(w)):
+        if isinstance(leaf, PackedInt):
+            k = math.prod(leaf.shape[:leaf.in_axes])
+            kinds.add(f"w{leaf.bits}a16 " + ("channel" if leaf.group_size >= k
+                                             else f"g{leaf.group_size}"))
+        elif quant.is_quantized(leaf):
+            kinds.add(leaf.scheme)
+    return ", ".join(sorted(kinds))

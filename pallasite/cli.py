@@ -1,4 +1,4 @@
-"""`pallasite` command line: generate, serve, train, plan.
+"""`pallasite` command line: generate, serve, train, quantize, plan.
 
 `serve` and `train` define their own flags (`add_arguments` in their modules); `plan` owns its
 whole command line and is imported only when it runs.
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_arguments(sub.add_parser("serve", help="the gRPC generation service"))
     from pallasite.train.cli import add_arguments as train_arguments
     train_arguments(sub.add_parser("train", help="train or fine-tune a model"))
+    from pallasite.tools.quantize import add_arguments as quantize_arguments
+    quantize_arguments(sub.add_parser("quantize", help="write an INT4/INT8 weight-only "
+                                      "compressed-tensors checkpoint (rtn, awq, gptq)"))
     sub.add_parser("plan", help="rank sharding plans for a model on given GPUs (see "
                    "`pallasite plan --help`)", add_help=False)
     return parser
@@ -173,6 +176,9 @@ def main(argv=None) -> int:
     if args.command == "serve":
         from pallasite.serving.server import run
         return run(args)
+    if args.command == "quantize":
+        from pallasite.tools.quantize import run as quantize_run
+        return quantize_run(args)
     from pallasite.train.cli import run as train_run
     return train_run(args)
 

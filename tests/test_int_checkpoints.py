@@ -16,7 +16,7 @@ import tok_fixtures
 from int_fixtures import awq_linear, compressed_linear, ct_config, gptq_linear
 from pallasite.model import forward_logits, load_hf
 from pallasite.model.loader import CheckpointError
-from pallasite.model.quant_int import PackedInt
+from pallasite.model.quant_int import PackedInt, describe
 from pallasite.serving.llm import LLM, SamplingParams
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -83,6 +83,7 @@ def test_logits_equal_the_dequantized_twin(float_dir, tmp_path, fmt):
     config, params = load_hf(qdir, dtype=jnp.float32)
     wq = params["layers_0"]["attn"]["wq"]
     assert isinstance(wq, PackedInt) and wq.bits == 4 and (wq.perm is not None) == (fmt == "gptq")
+    assert describe(params) == "w4a16 g32"  # what ModelInfo reports
     _, twin_params = load_hf(twin, dtype=jnp.float32)
     tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 1, 250]])
     np.testing.assert_allclose(forward_logits(params, config, tokens),
