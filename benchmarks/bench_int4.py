@@ -4,12 +4,13 @@ Llama-3-8B layer shapes for M 1..16 against bf16 (XLA's dot) and torch's tinygem
 reads over the time against the copy ceiling measured here; then batch-1 decode of the
 8B-shaped model (random weights, quantized RTN g128) through `LLM.stream` against bf16.
 
-    python -m benchmarks.bench_int4 --out DIR [--only matmul,decode] [--layers 32]
+    python -m benchmarks.bench_int4 --out DIR [--only matmul,decode,sweep] [--layers 32]
 
 Each kernel is first checked against the jnp reference on fresh random inputs, with freed device
 memory poisoned (NaN) first so an unwritten output shows. Weights rotate over enough copies to
 exceed the L2 (50 MB), so every call reads them from HBM. Writes int4.json under --out and
-prints a table. About 3 minutes on an H100 (the decode part builds two 8B-shaped models).
+prints a table. About 3 minutes on an H100 (the decode part builds two 8B-shaped models);
+`--only sweep` times the kernel's block sizes (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -169,6 +170,32 @@ def bench_matmul(rng, ceiling):
     return records
 
 
+def sweep(rng):
+    """Block sizes of the kernel at two layer shapes, M 1 and 16: the fastest first."""
+    records = []
+    for name in ("o", "gate_up"):
+        k, n = SHAPES[name]
+        qs = int4_weights(rng, k, n, copies_for(k * n // 2))
+        for m in (1, 16):
+            x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+            for bn in (128, 256):
+                for splits in (1, 2, 4, 8):
+                    for stages in (3, 4):
+                        kw = dict(block_n=bn, num_splits=splits, num_stages=stages)
+                        try:
+                            ms = jax_ms_per_call(lambda x, w: im.int_matmul(
+                                x, *w, bits=4, group_size=GROUP, **kw), x, qs)
+                        except Exception as e:
+                            ms = float("inf")
+                            print(f"{name} M={m} {kw}: {type(e).__name__}", flush=True)
+                        records.append(dict(mode="w4a16_sweep", layer=name, M=m, ms=ms, **kw))
+        del qs
+    records.sort(key=lambda r: (r["layer"], r["M"], r["ms"]))
+    for r in records:
+        print(json.dumps(r), flush=True)
+    return records
+
+
 # -- batch-1 decode ------------------------------------------------------------------------------
 
 def random_w4a16(params, seed=0):
@@ -267,7 +294,7 @@ def main(argv=None):
     ceiling = copy_tbps()
     print(f"copy ceiling {ceiling:.2f} TB/s on {env['device']}", flush=True)
     parts = {"matmul": lambda: bench_matmul(rng, ceiling),
-             "decode": lambda: bench_decode(args.layers)}
+             "decode": lambda: bench_decode(args.layers), "sweep": lambda: sweep(rng)}
     for part in args.only.split(","):
         try:
             records += parts[part]()
