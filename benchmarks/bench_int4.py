@@ -226,7 +226,7 @@ def llama3_8b(layers: int = 32, **small):
         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0), **small})
 
 
-def bench_decode(layers: int, cfg=None, tokens: int = 256):
+def bench_decode(layers: int, cfg=None, tokens: int = 128):
     from pallasite.model.transformer import init_params
     from pallasite.serving.llm import LLM, SamplingParams
     cfg = cfg or llama3_8b(layers)

@@ -33,9 +33,9 @@ def test_pack_round_trip():
 
 
 @pytest.mark.parametrize("m,k,n,bits,group,asym,perm,splits", [
-    (1, 512, 256, 4, 128, False, False, 2),
+    (1, 512, 128, 4, 128, False, False, 2),
     (5, 512, 128, 4, 32, True, False, 1),
-    (33, 768, 256, 4, 64, True, True, 3),    # act order, 3 tiles in 3 splits
+    (33, 768, 128, 4, 64, True, True, 3),    # act order, 3 tiles in 3 splits
     (7, 320, 128, 4, 320, True, False, 2),   # channel-wise; K padded to the 512-row tile
     (3, 256, 128, 8, 128, False, False, 2),
     (17, 384, 128, 8, 64, True, True, 1),
