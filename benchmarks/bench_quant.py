@@ -4,8 +4,9 @@
     python -m benchmarks.bench_quant --out DIR --tiny   # CPU dry run of every part
 
 1. `matmul`: the W8A16 Pallas kernel vs the bf16 product (jnp) at the 8B layer shapes for
-   M = 1..16 rows, each checked first against its jnp reference on fresh inputs; time per product
-   over 16 distinct weight copies (no L2 reuse), fraction of the copy bandwidth in FP8 bytes.
+   M = 1..16 rows, each checked first against its jnp reference on fresh inputs (freed memory
+   poisoned); kernel time from a profiler trace with the L2 flushed (benchmarks/common.py), and
+   the fraction of the copy bandwidth in FP8 bytes; XLA's dequantize-then-dot beside it.
 2. `prefill_matmul`: W8A8 (XLA's FP8 dot, per-token activation scales included) vs the bf16
    product and W8A16 at M = 2048.
 3. `prefill`: a 2048-token prompt through the whole model (`forward_logits`), FP8 weights
@@ -21,7 +22,6 @@ stdout and OUT/quant.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
@@ -30,6 +30,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks import common
 
 SHAPES = {"wq": (4096, 4096), "wk/wv": (4096, 1024), "w_gate/w_up": (4096, 14336),
           "w_down": (14336, 4096)}
@@ -41,34 +43,16 @@ TINY = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_si
             max_position_embeddings=512)
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+def kernel_s(fn, *args):
+    """Seconds one call's kernels take on the GPU (profiler trace, L2 flushed first); on CPU
+    (--tiny) the host wall clock."""
+    if jax.default_backend() == "gpu":
+        return common.device_ms(fn, *args) / 1e3
+    return common.host_ms(jax.jit(fn), *args, reps=5) / 1e3
 
 
 def median_s(fn, *args, reps=10):
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
-def copy_bandwidth(tiny):
-    try:
-        from pallasite.tools.probe_gpu import copy_bandwidth as probe
-    except ImportError:
-        try:
-            from profiling.probe_gpu import copy_bandwidth as probe
-        except ImportError:
-            probe = None
-    if probe is not None:
-        return probe(gb=0.05 if tiny else 4)
-    n = (2**24 if tiny else 2**31) // 2
-    x = jnp.ones((n,), jnp.bfloat16)
-    return 4 * n / median_s(jax.jit(lambda x: x + 1), x), "jnp elementwise"
+    return common.host_ms(fn, *args, reps=reps) / 1e3
 
 
 def fp8_matrix(key, k, n):
@@ -79,45 +63,39 @@ def fp8_matrix(key, k, n):
 
 
 # -- 1, 2: the products -------------------------------------------------------------------------
-def bench_matmuls(rows, copies, bw, tiny, mode):
+def bench_matmuls(rows, bw, tiny, mode):
     from pallasite import kernels
     from pallasite.kernels import quant_reference as qr
     records = []
     shapes = {"small": (256, 512)} if tiny else SHAPES
+    path = "w8a16" if mode == "decode" else "w8a8"
     for name, (k, n) in shapes.items():
-        keys = jax.random.split(jax.random.key(k + n), copies + 1)
-        mats = [fp8_matrix(kk, k, n) for kk in keys[:copies]]
-        qs = [m[0] for m in mats]
-        ss = [m[1] for m in mats]
-        ws = [m[2] for m in mats]
+        key = jax.random.key(k + n)
+        q, scale, w = fp8_matrix(key, k, n)
         for m in rows:
-            x = jax.random.normal(keys[-1], (m, k), jnp.bfloat16)
-            path = "w8a16" if mode == "decode" else "w8a8"
-            fp8 = jax.jit(lambda x, qs, ss: [kernels.quant_matmul(x, q, s, mode=path)
-                                             for q, s in zip(qs, ss)])
-            # Check on fresh inputs: the kernel against its reference (same math).
-            x2 = jax.random.normal(jax.random.fold_in(keys[-1], 1), (m, k), jnp.bfloat16)
-            got = fp8(x2, qs[:1], ss[:1])[0]
-            ref = (qr.w8a16_reference if path == "w8a16" else qr.w8a8_reference)(x2, qs[0], ss[0])
-            err = rel_err(got, ref)
+            fp8 = lambda x, q, s: kernels.quant_matmul(x, q, s, mode=path)
+            # Checked first on fresh inputs, freed memory poisoned: against the same math.
+            if jax.default_backend() == "gpu":
+                common.poison()
+            x2 = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            got = jax.jit(fp8)(x2, q, scale)
+            ref = (qr.w8a16_reference if path == "w8a16" else qr.w8a8_reference)(x2, q, scale)
+            err = common.rel_err(got, ref)
             assert err <= 1e-3, f"{name} M={m} {path}: relative error {err:.2e} > 1e-3"
-            bf16 = jax.jit(lambda x, ws: [x @ w for w in ws])
-            t_fp8 = median_s(fp8, x, qs, ss) / copies
-            t_bf16 = median_s(bf16, x, ws) / copies
+            x = jax.random.normal(jax.random.fold_in(key, m + 1), (m, k), jnp.bfloat16)
+            t_fp8 = kernel_s(fp8, x, q, scale)
+            t_bf16 = kernel_s(lambda x, w: x @ w, x, w)
             rec = dict(mode="matmul" if mode == "decode" else "prefill_matmul", shape=name,
                        m=m, k=k, n=n, path=path, fp8_us=1e6 * t_fp8, bf16_us=1e6 * t_bf16,
                        speedup_vs_bf16=t_bf16 / t_fp8, rel_err=err)
             if mode == "decode":
                 rec["frac_of_copy_bw"] = (k * n + 4 * n + 2 * m * (k + n)) / t_fp8 / bw
-                w8a16_xla = jax.jit(lambda x, qs, ss: [qr.w8a16_reference(x, q, s)
-                                                       for q, s in zip(qs, ss)])
-                rec["xla_w8a16_us"] = 1e6 * median_s(w8a16_xla, x, qs, ss) / copies
+                rec["xla_w8a16_us"] = 1e6 * kernel_s(qr.w8a16_reference, x, q, scale)
             else:
                 flops = 2 * m * k * n
                 rec["fp8_tflops"], rec["bf16_tflops"] = flops / t_fp8 / 1e12, flops / t_bf16 / 1e12
-                w8a16 = jax.jit(lambda x, qs, ss: [kernels.quant_matmul(x, q, s, mode="w8a16")
-                                                   for q, s in zip(qs, ss)])
-                rec["w8a16_us"] = 1e6 * median_s(w8a16, x, qs, ss) / copies
+                rec["w8a16_us"] = 1e6 * kernel_s(
+                    lambda x, q, s: kernels.quant_matmul(x, q, s, mode="w8a16"), x, q, scale)
             records.append(rec)
             print(f"  {rec['mode']:14s} {name:12s} M={m:5d}  fp8 {rec['fp8_us']:8.1f} us  "
                   f"bf16 {rec['bf16_us']:8.1f} us  x{rec['speedup_vs_bf16']:.2f}", flush=True)
@@ -172,16 +150,16 @@ def main(argv=None):
     tiny = args.tiny
     from pallasite import kernels
     from pallasite.model import config_from_dict, init_params, quant
-    bw, how = copy_bandwidth(tiny)
-    gpu = getattr(jax.devices()[0], "device_kind", jax.default_backend())
+    bw, how = common.copy_bandwidth(gb=0.05 if tiny else 4)
+    gpu = common.run_info()["gpu"]
     print(f"{gpu}, jax {jax.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s ({how}), "
           f"FP8 tensor cores: {kernels.has_fp8_tensor_cores()}", flush=True)
     records = []
     t0 = time.time()
     if "matmul" in parts:
-        records += bench_matmuls([1, 2, 4, 8, 16], 2 if tiny else 16, bw, tiny, "decode")
+        records += bench_matmuls([1, 2, 4, 8, 16], bw, tiny, "decode")
     if "prefill_matmul" in parts:
-        records += bench_matmuls([64 if tiny else 2048], 2 if tiny else 4, bw, tiny, "prefill")
+        records += bench_matmuls([64 if tiny else 2048], bw, tiny, "prefill")
     config = config_from_dict(TINY if tiny else LLAMA3_8B)
     if parts & {"prefill", "batch1"}:
         params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()  # made on the device
@@ -204,9 +182,8 @@ def main(argv=None):
                             bf16_roofline_ms=1e3 * bf16_bytes / bw, fp8_bytes=fp8_bytes,
                             bf16_bytes=bf16_bytes))
         print(f"  batch1: {records[-1]}", flush=True)
-    common = dict(gpu=gpu, date=datetime.date.today().isoformat(), jax_version=jax.__version__,
-                  copy_bw_tbps=bw / 1e12, copy_bw_by=how, tiny=tiny)
-    records = [common | r for r in records]
+    head = common.run_info() | dict(copy_bw_tbps=bw / 1e12, copy_bw_by=how, tiny=tiny)
+    records = [head | r for r in records]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant.json").write_text(json.dumps(records, indent=1))
