@@ -29,6 +29,9 @@ calls on it. The layout:
 projections) and `matrix(w, in_axes)` views a QArray as the [K, N] (or [E, K, N]) matrix the
 kernels take: the blocks of the flattened axes must stay rectangular (an axis with block 1
 followed by whole or evenly-blocked axes), which every layout above satisfies.
+The kernels see plain arrays only: `kernels.quant_matmul(x [M, K], q [K, N], scale [G, N],
+zero)` (G = K / block_k; it picks W8A16 or W8A8, `kernels/__init__.py`) and, for stacked
+experts, `kernels.grouped_mlp` with (q, scale [E, G, N]) pairs (`grouped_operand`).
 """
 
 from __future__ import annotations
