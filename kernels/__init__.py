@@ -268,7 +268,9 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, interpret=Fals
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
         return qr.w8a8_matmul(x, q, scale)
-    if not _use_pallas(impl, interpret):
+    # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
+    old_gpu = q.dtype == jax.numpy.float8_e4m3fn and not interpret and not has_fp8_tensor_cores()
+    if not _use_pallas(impl, interpret) or old_gpu:
         return qr.w8a16_reference(x, q, scale, zero)
     from . import w8a16_matmul as qm
     kw = qm.blocks_for(x.shape[0], q.shape[0], q.shape[1], scale.shape[0]) | blocks

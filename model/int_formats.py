@@ -274,5 +274,9 @@ def parse_quantization_config(cfg: dict | None):
     if method == "gptq":
         return parse_gptq(cfg)
     if method == "compressed-tensors":
+        formats = {g.get("format") or cfg.get("format")
+                   for g in (cfg.get("config_groups") or {}).values()} or {cfg.get("format")}
+        if formats == {"float-quantized"}:
+            return None  # FP8: read by fp8_checkpoint
         return CompressedTensorsConfig(cfg)
     return None

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from . import quant
+from . import fp8_checkpoint, quant
 from .config import ModelConfig, load_config
 from .transformer import param_shapes
 
@@ -105,8 +105,38 @@ def hf_sources(config: ModelConfig) -> dict[tuple, tuple]:
     return out
 
 
-def _read(name: str, files: dict[str, Path], handles: dict) -> np.ndarray:
+def _stored_dtype(name: str, files: dict[str, Path], handles: dict) -> str:
+    """The safetensors dtype string ("BF16", "F8_E4M3", ...) of a tensor, without reading it."""
     file = files[name]
+    if file not in handles:
+        handles[file] = _open(file)
+    try:
+        return handles[file].get_slice(name).get_dtype()
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
+
+
+def _read_fp8(name: str, file: Path) -> np.ndarray:
+    """An F8_E4M3 tensor straight from the file (the safetensors numpy/flax readers have no
+    float8 type): the header's offsets, the bytes viewed as ml_dtypes' float8_e4m3fn."""
+    import ml_dtypes
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))[name]
+        start, end = meta["data_offsets"]
+        f.seek(8 + n + start)
+        raw = np.frombuffer(f.read(end - start), np.uint8)
+    return raw.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
+
+
+def _read(name: str, files: dict[str, Path], handles: dict, fp8_ok: bool = False) -> np.ndarray:
+    file = files[name]
+    if _stored_dtype(name, files, handles) == "F8_E4M3":
+        if not fp8_ok:
+            raise CheckpointError(f"tensor {name} in {file} is stored in FP8 without a scale "
+                                  "this loader knows of (config.json has no quantization_config "
+                                  "naming it)")
+        return _read_fp8(name, file)
     if file not in handles:
         handles[file] = _open(file)
     try:
@@ -156,8 +186,24 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
                                   "it loads as stored, on one device (no quantization=, no mesh)")
         for param_path in ints.linears:
             sources.pop(param_path)
+    fp8 = _fp8_format(path) if ints is None else None
     wanted = {name for names, _ in sources.values() for name in names}
     wanted |= ints.names() if ints is not None else set()
+    stored_fp8 = set()
+    if fp8 is not None:  # each FP8 weight brings its scale; a static input scale may come too
+        handles = {}
+        stored_fp8 = {n for n in wanted & files.keys()
+                      if _stored_dtype(n, files, handles) == "F8_E4M3"}
+        for name in sorted(stored_fp8):
+            if not fp8.quantized(name):
+                raise CheckpointError(f"tensor {name} is stored in FP8, but the checkpoint's "
+                                      "quantization_config leaves its module unquantized "
+                                      "(ignore / modules_to_not_convert)")
+        wanted |= {fp8.scale_name(n) for n in stored_fp8}
+        optional = {fp8.input_scale_name(n) for n in stored_fp8} & files.keys()
+        for name in sorted(optional):
+            _check_input_scale(name, _read(name, files, handles))
+        wanted |= optional
     missing = sorted(wanted - files.keys())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -170,13 +216,24 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
                               f"does not use: {extra[:5]} (in {files[extra[0]].name})")
     handles, params = {}, {}
     for param_path, (names, build) in sources.items():
-        arrays = [_read(n, files, handles) for n in names]
         want = _get(expected, param_path)
-        try:
-            value = build(*arrays) if build else arrays[0]
-        except ValueError:  # a reshape that cannot fit: reported as the shape error below
-            value = None
+        if names[0] in stored_fp8:
+            value = _fp8_param(fp8, param_path, names, build, want, files, handles)
+            if quant.is_quantized(value):
+                sharding = None if shardings is None else _get(shardings, param_path)
+                value = jax.tree.map(jnp.asarray, value) if sharding is None else \
+                    jax.device_put(value, quant.sharding_for(value, sharding))
+                _set(params, param_path, value)
+                continue
+            arrays = None  # a weight our model keeps in `dtype`: dequantized on the host
+        else:
+            arrays = [_read(n, files, handles) for n in names]
+            try:
+                value = build(*arrays) if build else arrays[0]
+            except ValueError:  # a reshape that cannot fit: reported as the shape error below
+                value = None
         if value is None or value.shape != want.shape:
+            arrays = arrays or [_read(names[0], files, handles, fp8_ok=True)]
             raise CheckpointError(
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
@@ -217,3 +274,64 @@ def _quantize_in_place(value, contract_axes, sharding, quantization="fp8", axes=
 @functools.lru_cache(maxsize=64)
 def _quantizer(contract_axes, out_shardings):
     return jax.jit(lambda w: quant.quantize_fp8(w, contract_axes), out_shardings=out_shardings)
+
+
+# -- published FP8 checkpoints (model/fp8_checkpoint.py) ---------------------------------------------
+def _fp8_format(path: Path):
+    """The checkpoint's FP8 format, None for a plain one; CheckpointError for one not read."""
+    config_file = path / "config.json"
+    try:
+        qc = json.loads(config_file.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if not qc:
+        return None
+    try:
+        return fp8_checkpoint.Fp8Format(qc)
+    except fp8_checkpoint.FormatError as e:
+        raise CheckpointError(f"{config_file}: quantization_config: {e}") from None
+
+
+def _check_input_scale(name, scale):
+    s = np.asarray(scale, np.float32)
+    if s.size != 1 or not np.isfinite(s).all() or (s <= 0).any():
+        raise CheckpointError(f"{name} must be one positive scale (per-tensor static input "
+                              f"scale), not shape {tuple(s.shape)} with values {s.ravel()[:4]}")
+
+
+def _fp8_param(fp8, param_path, names, build, want, files, handles):
+    """A QArray for a linear weight (values transposed as `build` does, scales likewise), or
+    the dequantized float32 array for any other param stored in FP8 (an LM head, a router)."""
+    qs, scales = [], []
+    for n in names:
+        q = _read(n, files, handles, fp8_ok=True)
+        if q.dtype != np.dtype("float8_e4m3fn") or q.ndim != 2:
+            raise CheckpointError(f"tensor {n} in {files[n].name} should be a 2-D "
+                                  f"float8_e4m3fn weight; it is {q.dtype} {tuple(q.shape)}")
+        try:
+            scales.append(fp8.scale_2d(n, q.shape, _read(fp8.scale_name(n), files, handles)))
+        except fp8_checkpoint.FormatError as e:
+            raise CheckpointError(str(e)) from None
+        qs.append(q)
+    axes = quant.linear_axes(param_path)
+    if axes is None:
+        deq = [quant.numpy_dequantize(q, s, (q.shape[0] // s.shape[0], q.shape[1] // s.shape[1]))
+               for q, s in zip(qs, scales)]
+        return build(*deq) if build else deq[0]
+    lead, in_axes = axes
+    try:
+        value = build(*qs)
+    except ValueError:
+        value = None
+    if value is None or value.shape != want.shape:
+        raise CheckpointError(
+            f"tensor {names[0]} in {files[names[0]].name} has shape {qs[0].shape}, which "
+            f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
+    scale_t = np.stack([s.T for s in scales]) if lead else scales[0].T
+    scale = fp8_checkpoint.to_param_scale(scale_t, want.shape, lead, in_axes)
+    if scale is None:
+        raise CheckpointError(f"{fp8.scale_name(names[0])}: blocks of {fp8.block} do not split "
+                              f"evenly over the axes of {'.'.join(param_path)} "
+                              f"{tuple(want.shape)}")
+    return quant.check(quant.QArray(value, scale.astype(np.float32), None, "fp8"),
+                       fp8.scale_name(names[0]))
