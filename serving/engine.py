@@ -9,6 +9,14 @@ The host runs one step ahead of the device: `step()` dispatches step n+1 and onl
 step n's tokens, so scheduling, packing and detokenizing overlap the device's work. A sequence
 decoding on a token the host has not seen yet reads it from `last_tokens`, a device array holding
 each slot's latest sample.
+
+The host path of a step, in order (each a method below; hooks go beside the one they extend):
+  `Scheduler.schedule`  picks the chunks (decode rows first, then prefill chunks);
+  `_admit_rows`         writes newly admitted sequences' constant rows into the batch state;
+  `BatchState.pack`     gathers the step's arrays from the slot-indexed batch state (batch.py);
+  `_dispatch`           runs the compiled forward pass and sampler, donating the device state;
+  `_collect`            reads step n-1's samples back and `_accept`s them in bulk: tokens and
+                        finish reasons first, then one batched detokenization, then outputs.
 """
 
 from __future__ import annotations
@@ -18,13 +26,16 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..model import Batch, forward, init_kv_cache
+from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
+from .batch import BatchState, int_layout, sample_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 
@@ -34,8 +45,6 @@ HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's histo
 # of HBM speed (tools/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
 # product. So the token axis is never shorter than two slots.
 MIN_TOKEN_BUCKET = 2
-INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
-HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
 
 
 @dataclasses.dataclass
@@ -45,8 +54,9 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the most likely (token id, logprob), best first
 
 
-@dataclasses.dataclass
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """What a request got from one step (a tuple: the engine makes one per running request per
+    step)."""
     request_id: str
     new_token_ids: list[int]
     text_delta: str
@@ -60,15 +70,7 @@ class RequestOutput:
     first_token_time: float | None
 
 
-def int_layout(T: int, S: int, P: int) -> dict[str, int]:
-    """The pieces of a step's int32 input to the forward pass, in order, and their sizes."""
-    return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
-                logits_indices=S, page_table=S * P)
-
-
-def sample_layout(S: int) -> dict[str, int]:
-    """The pieces of a step's int32 input to the sampler."""
-    return dict(sample_rows=S, rows=len(sampling.INT_FIELDS) * S)
+_new_output = tuple.__new__
 
 
 def geometric(limit: int, factor: int, start: int = 1) -> list[int]:
@@ -102,6 +104,8 @@ class Engine:
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
+        self.batch = BatchState(max_num_seqs, page_size, self.scheduler.page_table,
+                                self.token_buckets, self.page_buckets)
         self._place(mesh, num_pages)
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
@@ -166,7 +170,6 @@ class Engine:
                    logprobs=-1 if sp.logprobs is None else sp.logprobs)
         seq.row = sampling.pack_rows([row], 1)
         if self.tokenizer is not None:
-            from ..model.tokenizer import IncrementalDetokenizer
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
@@ -209,27 +212,36 @@ class Engine:
         return outputs
 
     def _launch(self, chunks: list[Chunk]):
-        for seq in self.scheduler.admitted:
-            if seq.penalized:
-                self._load_history(seq)
-        ints, sample_ints, floats, key, mode = self._pack(chunks)
-        exe = self._exe.get(key) or self._compile_now(key)
-        S = min(key[0], self.max_num_seqs)
-        sampler = self._samplers.get((S, mode)) or self._compile_sampler(S, mode)
-        kv, last_tokens, history = self.state
-        logits, kv = exe(self.params, kv, last_tokens, ints)
-        out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
-        out.copy_to_host_async()  # queued behind this step, not behind the next one
-        self.state = (kv, last_tokens, history)
+        self._admit_rows()
+        packed = self.batch.pack(chunks)
+        out = self._dispatch(packed)
         entry = None
         if self.step_log is not None:
-            entry = dict(T=key[0], P=key[1], rows=len(chunks), tokens=sum(c.length for c in chunks),
-                         decode_rows=sum(c.length == 1 and c.samples for c in chunks),
-                         context_tokens=sum(c.start + c.length for c in chunks),
+            entry = dict(T=packed.key[0], P=packed.key[1], rows=packed.n, tokens=packed.tokens,
+                         decode_rows=packed.decode_rows, context_tokens=packed.context_tokens,
                          running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
         return chunks, out, entry
+
+    def _admit_rows(self):
+        for seq in self.scheduler.admitted:
+            self.batch.admit(seq)
+            if seq.penalized:
+                self._load_history(seq)
+
+    def _dispatch(self, packed):
+        """Run one step on the device (asynchronously); returns the samples' device array."""
+        exe = self._exe.get(packed.key) or self._compile_now(packed.key)
+        S = min(packed.key[0], self.max_num_seqs)
+        sampler = self._samplers.get((S, packed.mode)) or self._compile_sampler(S, packed.mode)
+        kv, last_tokens, history = self.state
+        logits, kv = exe(self.params, kv, last_tokens, packed.ints)
+        out, last_tokens, history = sampler(logits, last_tokens, history, packed.sample_ints,
+                                            packed.floats)
+        out.copy_to_host_async()  # queued behind this step, not behind the next one
+        self.state = (kv, last_tokens, history)
+        return out
 
     def _collect(self, chunks: list[Chunk], out, entry):
         t = time.perf_counter()
@@ -237,74 +249,61 @@ class Engine:
         done = time.perf_counter()
         if entry is not None:
             entry["done"] = done
-        return [self._accept(c.seq, out[i]) for i, c in enumerate(chunks)
-                if c.samples and c.seq.status != FINISHED], done - t
+        rows = [i for i, c in enumerate(chunks) if c.samples and c.seq.status != FINISHED]
+        return self._accept([chunks[i].seq for i in rows], out[rows]), done - t
 
     # -- host side of a step ------------------------------------------------------------------
-    def _pack(self, chunks: list[Chunk]):
-        """Lay the chunks out on one flat token axis, padded to the smallest bucket that fits,
-        and pack everything into one int32 and one float32 array (two transfers)."""
-        ps, n = self.page_size, sum(c.length for c in chunks)
-        widest = max(self.pages.pages_for(c.start + c.length) for c in chunks)
-        T = next(b for b in self.token_buckets if b >= n)
-        P = next(b for b in self.page_buckets if b >= widest)
-        S = min(T, self.max_num_seqs)
-        tok, pos, slot = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32)
-        src = np.full(T, -1, np.int32)
-        qstart, ctx, last = np.zeros(S + 1, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
-        table, sample_row = np.zeros((S, P), np.int32), np.full(S, -1, np.int32)
-        floats, ints = sampling.pack_rows([], S)
-        at = 0
-        for i, c in enumerate(chunks):
-            seq, end = c.seq, c.start + c.length
-            pages = self.pages.table(seq.request_id)
-            known = seq.tokens[c.start:end]
-            tok[at:at + len(known)] = known
-            if len(known) < c.length:  # the newest token is still on the device
-                src[at + c.length - 1] = seq.slot
-            p = np.arange(c.start, end)
-            pos[at:at + c.length] = p
-            used = np.asarray(pages[:self.pages.pages_for(end)], np.int32)
-            slot[at:at + c.length] = used[p // ps] * ps + p % ps
-            table[i, :len(used)] = used
-            at += c.length
-            qstart[i + 1:] = at
-            ctx[i], last[i] = end, at - 1
-            floats[:, i], ints[:, i] = seq.row[0][:, 0], seq.row[1][:, 0]
-            ints[INDEX, i] = seq.num_output - c.samples  # the output index being drawn
-            ints[HISTORY_ROW, i] = seq.slot
-            if c.samples:
-                sample_row[i] = seq.slot
-        mode = max((c.seq.mode for c in chunks if c.samples), default=0)
-        packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel()])
-        return (packed, np.concatenate([sample_row, ints.ravel()]), floats.ravel(), (T, P),
-                sampling.MODES[mode])
+    def _accept(self, seqs: list[Sequence], out: np.ndarray) -> list[RequestOutput]:
+        """Take one sampled token per sequence: first every token and its finish reason, then
+        the new text of all of them in one batched detokenization, then the outputs."""
+        now, tokens, reasons = time.time(), out[:, 0].tolist(), []
+        for seq, token in zip(seqs, tokens):
+            seq.num_pending -= 1
+            seq.tokens.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token in seq.stop_ids:
+                reasons.append("stop")
+            elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
+                reasons.append("length")
+            else:
+                reasons.append(None)
+        texts = self._detokenize(seqs, tokens, reasons)
+        outputs = []
+        for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons)):
+            delta = ""
+            if texts is not None and seq.detok is not None:
+                seq.text += texts[i]
+                delta, hit_stop = self._text_delta(seq, final=reason is not None)
+                reason = "stop" if hit_stop else reason
+            if reason is not None:
+                self.seqs.pop(seq.request_id, None)
+                self.scheduler.finish(seq)
+            lps = self._logprobs(seq, token, out[i]) if seq.sampling.logprobs is not None else None
+            outputs.append(_new_output(RequestOutput, (
+                seq.request_id, [token], delta, lps, reason is not None, reason,
+                len(seq.prompt_ids), seq.cached_tokens, len(seq.tokens) - len(seq.prompt_ids),
+                seq.arrival_time, seq.first_token_time)))
+        return outputs
 
-    def _accept(self, seq: Sequence, row) -> RequestOutput:
-        token = int(row[0])
-        seq.num_pending -= 1
-        seq.tokens.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.time()
-        lps = None
-        if seq.sampling.logprobs is not None:  # row: token, logprob, top ids, top logprobs
-            n, width, f = seq.sampling.logprobs, (len(row) - 2) // 2, row.view(np.float32)
-            top = zip(row[2:2 + n].tolist(), f[2 + width:2 + width + n].tolist())
-            lps = [TokenLogprob(token, float(f[1]), list(top))]
-        reason = None
-        if token in seq.stop_ids:
-            reason = "stop"
-        elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
-            reason = "length"
-        if seq.detok is not None and reason != "stop":  # a stop token adds no text
-            seq.text += seq.detok.add(token)
-        delta, hit_stop = self._text_delta(seq, final=reason is not None)
-        if hit_stop:
-            reason = "stop"
-        if reason is not None:
-            self.seqs.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-        return self._output(seq, [token], delta, lps, reason)
+    def _detokenize(self, seqs, tokens, reasons) -> list[str] | None:
+        """Each sequence's new text (a stop token adds none), in one batched call."""
+        if self.tokenizer is None:
+            return None
+        todo = [i for i, r in enumerate(reasons) if r != "stop"]
+        texts = [""] * len(seqs)
+        new = IncrementalDetokenizer.add_many([seqs[i].detok for i in todo],
+                                              [tokens[i] for i in todo])
+        for i, text in zip(todo, new):
+            texts[i] = text
+        return texts
+
+    @staticmethod
+    def _logprobs(seq: Sequence, token: int, row) -> list[TokenLogprob]:
+        """row: token, logprob, top ids, top logprobs (floats bit-cast)."""
+        n, width, f = seq.sampling.logprobs, (len(row) - 2) // 2, row.view(np.float32)
+        top = zip(row[2:2 + n].tolist(), f[2 + width:2 + width + n].tolist())
+        return [TokenLogprob(token, float(f[1]), list(top))]
 
     def _text_delta(self, seq: Sequence, final: bool) -> tuple[str, bool]:
         """New text to send, and whether a stop string ended it. While running, a tail that could
