@@ -37,8 +37,7 @@ def sample_layout(S: int) -> dict[str, int]:
 
 class Packed:
     """One step's host arrays and its shape key (T, P); `S` rows, `n` of them real."""
-    __slots__ = ("ints", "sample_ints", "floats", "key", "mode", "n", "tokens", "decode_rows",
-                 "context_tokens")
+    __slots__ = ("ints", "sample_ints", "floats", "key", "mode", "n", "stats")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -118,5 +117,15 @@ class BatchState:
         ints_all = np.concatenate([tok, pos, kv_slot, src, qstart, ctx_lens, last, table.ravel()])
         return Packed(ints=ints_all, sample_ints=np.concatenate([sample_row, ints.ravel()]),
                       floats=floats.ravel(), key=(T, P), mode=sampling.MODES[mode], n=n,
-                      tokens=N, decode_rows=int(np.sum((length == 1) & samples)),
-                      context_tokens=int(ctx.sum()))
+                      stats=(start, length, samples))
+
+    @staticmethod
+    def describe(packed: Packed) -> dict:
+        """What a step holds, for the step log (benchmarks): tokens, rows, the K/V it reads and
+        the (query, key) pairs its attention computes."""
+        start, length, samples = (a.astype(np.int64) for a in packed.stats)
+        ctx, decode = start + length, (length == 1) & (samples > 0)
+        return dict(T=packed.key[0], P=packed.key[1], rows=packed.n, tokens=int(length.sum()),
+                    decode_rows=int(decode.sum()), sampled_rows=int(samples.sum()),
+                    context_tokens=int(ctx.sum()), decode_context=int(ctx[decode].sum()),
+                    attended_tokens=int((length * start + length * (length + 1) // 2).sum()))

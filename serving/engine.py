@@ -217,9 +217,7 @@ class Engine:
         out = self._dispatch(packed)
         entry = None
         if self.step_log is not None:
-            entry = dict(T=packed.key[0], P=packed.key[1], rows=packed.n, tokens=packed.tokens,
-                         decode_rows=packed.decode_rows, context_tokens=packed.context_tokens,
-                         running=len(self.scheduler.running),
+            entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
         return chunks, out, entry
