@@ -254,47 +254,45 @@ class Engine:
     def _accept(self, seqs: list[Sequence], out: np.ndarray) -> list[RequestOutput]:
         """Take one sampled token per sequence: first every token and its finish reason, then
         the new text of all of them in one batched detokenization, then the outputs."""
-        now, tokens, reasons = time.time(), out[:, 0].tolist(), []
-        for seq, token in zip(seqs, tokens):
+        now, tokens, reasons = time.time(), out[:, 0].tolist(), [None] * len(seqs)
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.num_pending -= 1
             seq.tokens.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if token in seq.stop_ids:
-                reasons.append("stop")
+                reasons[i] = "stop"
             elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
-                reasons.append("length")
-            else:
-                reasons.append(None)
-        texts = self._detokenize(seqs, tokens, reasons)
-        outputs = []
-        for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons)):
-            delta = ""
-            if texts is not None and seq.detok is not None:
-                seq.text += texts[i]
-                delta, hit_stop = self._text_delta(seq, final=reason is not None)
-                reason = "stop" if hit_stop else reason
+                reasons[i] = "length"
+        deltas = self._text(seqs, tokens, reasons) if self.tokenizer is not None else None
+        for seq, reason in zip(seqs, reasons):
             if reason is not None:
                 self.seqs.pop(seq.request_id, None)
                 self.scheduler.finish(seq)
-            lps = self._logprobs(seq, token, out[i]) if seq.sampling.logprobs is not None else None
-            outputs.append(_new_output(RequestOutput, (
-                seq.request_id, [token], delta, lps, reason is not None, reason,
-                len(seq.prompt_ids), seq.cached_tokens, len(seq.tokens) - len(seq.prompt_ids),
-                seq.arrival_time, seq.first_token_time)))
-        return outputs
+        return [_new_output(RequestOutput, (
+            seq.request_id, [token], "" if deltas is None else deltas[i],
+            None if seq.sampling.logprobs is None else self._logprobs(seq, token, out[i]),
+            reason is not None, reason, len(seq.prompt_ids), seq.cached_tokens,
+            len(seq.tokens) - len(seq.prompt_ids), seq.arrival_time, seq.first_token_time))
+            for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons))]
 
-    def _detokenize(self, seqs, tokens, reasons) -> list[str] | None:
-        """Each sequence's new text (a stop token adds none), in one batched call."""
-        if self.tokenizer is None:
-            return None
+    def _text(self, seqs, tokens, reasons) -> list[str]:
+        """Each sequence's text delta, its new tokens detokenized in one batched call (a stop
+        token adds no text); a stop string found in the text sets its reason to "stop"."""
         todo = [i for i, r in enumerate(reasons) if r != "stop"]
-        texts = [""] * len(seqs)
         new = IncrementalDetokenizer.add_many([seqs[i].detok for i in todo],
                                               [tokens[i] for i in todo])
+        texts, deltas = [""] * len(seqs), [""] * len(seqs)
         for i, text in zip(todo, new):
             texts[i] = text
-        return texts
+        for i, seq in enumerate(seqs):
+            seq.text += texts[i]
+            if not seq.sampling.stop:  # nothing to hold back
+                deltas[i], seq.sent = seq.text[seq.sent:], len(seq.text)
+                continue
+            deltas[i], hit_stop = self._text_delta(seq, final=reasons[i] is not None)
+            reasons[i] = "stop" if hit_stop else reasons[i]
+        return deltas
 
     @staticmethod
     def _logprobs(seq: Sequence, token: int, row) -> list[TokenLogprob]:
