@@ -39,8 +39,12 @@ def lengths_path(n: int) -> Path:
 
 
 def load_lengths(n: int, path: Path | None = None) -> list[tuple[int, int]]:
-    """The committed (prompt tokens, output tokens) pairs of `n` sampled conversations."""
-    path = Path(path) if path is not None else lengths_path(n)
+    """The first `n` committed (prompt tokens, output tokens) pairs: from `path`, or from the
+    smallest committed file that holds `n` (every file takes the same shuffled order further)."""
+    if path is None:
+        sizes = sorted(int(f.stem.rsplit("_", 1)[1]) for f in DATA.glob("sharegpt_lengths_*.json"))
+        path = lengths_path(next((m for m in sizes if m >= n), n))
+    path = Path(path)
     if not path.exists():
         raise MissingData(f"no ShareGPT lengths file at {path}: make it with "
                           f"`python -m benchmarks.sharegpt --write {n}` (needs the "
