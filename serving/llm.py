@@ -97,16 +97,18 @@ def default_model_folder() -> Path:
 
 
 class LLM:
-    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder
-    (None: the embedded default model). Sizes left as None are picked for the device
-    (`settings.engine_sizes`): small on CPU, throughput-sized on a GPU."""
+    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
+    a Hub name, `org/name[@revision]` (None: the embedded default model). Sizes left as None
+    are picked for the device (`settings.engine_sizes`): small on CPU, throughput-sized on a
+    GPU."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  mesh=None, seed: int = 0, **engine_kwargs):
         from ..model import load_hf
-        path = Path(path) if path is not None else default_model_folder()
+        from ..model.hub import resolve
+        path = resolve(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
         config, params = load_hf(path, dtype=dtype, **self._placement(path, mesh, dtype))
