@@ -22,7 +22,6 @@ scheduler's limits lowered), both in the same run.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -161,8 +160,8 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline) -
                kv_occupancy_max=max(e["pages_used"] for e in log) / engine.pages.num_pages,
                preemptions=stats["preemptions"],
                host_ms_per_step=stats["host_ms_per_step"],
-               wait_ms_per_step=stats["wait_ms_per_step"],
-               **budget_report(cost, log, bw, peak), **env)
+               wait_ms_per_step=stats["wait_ms_per_step"], **budget_report(cost, log, bw, peak))
+    rec = {**env, **rec}
     engine.scheduler.num_preemptions = 0
     return rec
 
@@ -232,10 +231,10 @@ def online(engine, config, args, env, deadline) -> list[dict]:
             reqs = requests(pairs, config.vocab_size, args.seed + int(rate * 10), f"{name}{rate}-")
             rec = run_online(engine, reqs, rate, np.random.default_rng(args.seed),
                              time.perf_counter() + min(left - 10, args.online_limit))
-            rec.update(mode="sharegpt_online", settings=name, max_num_seqs=seqs,
-                       max_num_batched_tokens=budget, prompts=len(reqs),
-                       slo=f"p99 TTFT <= {SLO_TTFT_S:g} s, p99 TPOT <= {1e3 * SLO_TPOT_S:g} ms",
-                       **env)
+            rec = {**env, **rec, **dict(
+                mode="sharegpt_online", settings=name, max_num_seqs=seqs,
+                max_num_batched_tokens=budget, prompts=len(reqs),
+                slo=f"p99 TTFT <= {SLO_TTFT_S:g} s, p99 TPOT <= {1e3 * SLO_TPOT_S:g} ms")}
             records.append(rec)
             print(json.dumps(rec), flush=True)
     sched.max_num_seqs, sched.budget = picked
@@ -252,10 +251,9 @@ def main(args):
     start = time.perf_counter()
     deadline = start + args.time_limit
     from pallasite.kernels import choose_impl
-    from pallasite.tools.probe_gpu import copy_bandwidth
-    env = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               attention=choose_impl(), model="tiny" if args.tiny else "llama3-8b-shaped",
+    from .common import copy_bandwidth, run_info
+    env = dict(**run_info(), attention=choose_impl(),
+               model="tiny" if args.tiny else "llama3-8b-shaped",
                lengths="benchmarks/data/sharegpt_lengths_N.json", tokenizer=sharegpt.TOKENIZER)
     print(json.dumps(env), flush=True)
     pairs = lengths(max(args.prompts + [args.online_prompts]), args.tiny)  # fail early if absent
