@@ -35,6 +35,7 @@ from ..model import Batch, forward, init_kv_cache
 from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
 from .batch import BatchState, int_layout, sample_layout
+from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 from .warmup import compile_all, default_page_buckets, first_run_loads
@@ -108,11 +109,14 @@ class Engine:
                                 self.token_buckets, self.page_buckets)
         self._place(mesh, num_pages)
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.guide = Guide(tokenizer, config.vocab_size, self.eos)  # structured output, logit bias
+        self._guided: set[str] = set()  # live requests the guide constrains or biases
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
+        self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
         self._exe: dict = {}  # (T, P) -> compiled forward pass
-        self._samplers: dict = {}  # (S, mode) -> compiled sampler
+        self._samplers: dict = {}  # (S, mode) or (S, mode, "guided") -> compiled sampler
         self._load = None  # compiled history loader
         self.compilations = 0
         self._rng = random.Random(seed)
@@ -150,6 +154,10 @@ class Engine:
         if bad:
             raise RequestError(f"stop token id {bad[0]} is outside the vocabulary "
                                f"(vocab_size {self.config.vocab_size})")
+        try:
+            self.guide.check(sampling_params)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
         if request_id in self.seqs:
@@ -169,6 +177,9 @@ class Engine:
                    frequency_penalty=sp.frequency_penalty, top_k=sp.top_k, seed=seq.seed,
                    logprobs=-1 if sp.logprobs is None else sp.logprobs)
         seq.row = sampling.pack_rows([row], 1)
+        self.guide.start(seq)
+        if Guide.guided(seq):
+            self._guided.add(request_id)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         self.scheduler.add(seq)
@@ -179,6 +190,7 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq)
+            self._guided.discard(request_id)
             self._outbox.append(self._output(seq, [], "", None, "abort"))
 
     def has_unfinished(self) -> bool:
@@ -198,7 +210,8 @@ class Engine:
         outputs, self._outbox = self._outbox, []
         chunks = self.scheduler.schedule()
         launched = self._launch(chunks) if chunks else None
-        wait = 0.0
+        early, wait = self._early  # the previous step, if a guided sampler read it back
+        outputs, self._early = outputs + early, ([], 0.0)
         for done in ([self._inflight] if self._inflight else []) + (
                 [launched] if launched and not self.overlap else []):
             out, wait_s = self._collect(*done)
@@ -214,7 +227,7 @@ class Engine:
     def _launch(self, chunks: list[Chunk]):
         self._admit_rows()
         packed = self.batch.pack(chunks)
-        out = self._dispatch(packed)
+        out = self._dispatch(packed, chunks)
         entry = None
         if self.step_log is not None:
             entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
@@ -228,18 +241,33 @@ class Engine:
             if seq.penalized:
                 self._load_history(seq)
 
-    def _dispatch(self, packed):
+    def _dispatch(self, packed, chunks):
         """Run one step on the device (asynchronously); returns the samples' device array."""
         exe = self._exe.get(packed.key) or self._compile_now(packed.key)
         S = min(packed.key[0], self.max_num_seqs)
-        sampler = self._samplers.get((S, packed.mode)) or self._compile_sampler(S, packed.mode)
         kv, last_tokens, history = self.state
         logits, kv = exe(self.params, kv, last_tokens, packed.ints)
-        out, last_tokens, history = sampler(logits, last_tokens, history, packed.sample_ints,
-                                            packed.floats)
+        ints, floats, skey = packed.sample_ints, packed.floats, (S, packed.mode)
+        if self._guided:  # only while a live request is constrained or biased
+            ints, floats, skey = self._guide_inputs(chunks, S, ints, floats, skey)
+        sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
+        out, last_tokens, history = sampler(logits, last_tokens, history, ints, floats)
         out.copy_to_host_async()  # queued behind this step, not behind the next one
         self.state = (kv, last_tokens, history)
         return out
+
+    def _guide_inputs(self, chunks, S: int, ints, floats, skey):
+        """Structured output and logit bias: the guided sampler variant and its extra inputs."""
+        if self._inflight and self.guide.needs_sync(chunks):
+            # A constrained row's mask needs the token of the step in flight: read it back now,
+            # while this step's forward pass runs; only the sampler waits for the mask.
+            self._early = self._collect(*self._inflight)
+            self._inflight = None
+        guided = self.guide.step_inputs(chunks, S)
+        if guided is None:
+            return ints, floats, skey
+        return (np.concatenate([ints, guided[0]]), np.concatenate([floats, guided[1]]),
+                skey + ("guided",))
 
     def _collect(self, chunks: list[Chunk], out, entry):
         t = time.perf_counter()
@@ -255,6 +283,7 @@ class Engine:
         """Take one sampled token per sequence: first every token and its finish reason, then
         the new text of all of them in one batched detokenization, then the outputs."""
         now, tokens, reasons = time.time(), out[:, 0].tolist(), [None] * len(seqs)
+        guided, complete = self._guided, []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.num_pending -= 1
             seq.tokens.append(token)
@@ -264,10 +293,17 @@ class Engine:
                 reasons[i] = "stop"
             elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
                 reasons[i] = "length"
-        deltas = self._text(seqs, tokens, reasons) if self.tokenizer is not None else None
+            if guided and seq.request_id in guided and self.guide.accept(seq, token):
+                complete.append(i)
+        deltas = None
+        if self.tokenizer is not None:
+            deltas = self._text(seqs, tokens, reasons, complete)
+        else:
+            self._complete(reasons, complete)
         for seq, reason in zip(seqs, reasons):
             if reason is not None:
                 self.seqs.pop(seq.request_id, None)
+                self._guided.discard(seq.request_id)
                 self.scheduler.finish(seq)
         return [_new_output(RequestOutput, (
             seq.request_id, [token], "" if deltas is None else deltas[i],
@@ -276,7 +312,7 @@ class Engine:
             len(seq.tokens) - len(seq.prompt_ids), seq.arrival_time, seq.first_token_time))
             for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons))]
 
-    def _text(self, seqs, tokens, reasons) -> list[str]:
+    def _text(self, seqs, tokens, reasons, complete) -> list[str]:
         """Each sequence's text delta, its new tokens detokenized in one batched call (a stop
         token adds no text); a stop string found in the text sets its reason to "stop"."""
         todo = [i for i, r in enumerate(reasons) if r != "stop"]
@@ -285,6 +321,7 @@ class Engine:
         texts, deltas = [""] * len(seqs), [""] * len(seqs)
         for i, text in zip(todo, new):
             texts[i] = text
+        self._complete(reasons, complete)
         for i, seq in enumerate(seqs):
             seq.text += texts[i]
             if not seq.sampling.stop:  # nothing to hold back
@@ -293,6 +330,11 @@ class Engine:
             deltas[i], hit_stop = self._text_delta(seq, final=reasons[i] is not None)
             reasons[i] = "stop" if hit_stop else reasons[i]
         return deltas
+
+    @staticmethod
+    def _complete(reasons, complete):
+        for i in complete:  # the grammar admits nothing more: done, its text kept
+            reasons[i] = reasons[i] or "stop"
 
     @staticmethod
     def _logprobs(seq: Sequence, token: int, row) -> list[TokenLogprob]:
@@ -337,12 +379,20 @@ class Engine:
         return logits, kv
 
     @staticmethod
-    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode):
+    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode, guided):
         """Sample each row, remember the tokens on the device, and pack the results in one
-        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast)."""
-        sample_row, rows_i = jnp.split(ints, [S])
+        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast).
+        The guided variant finds each row's bitmask and logit bias after the usual inputs."""
+        n_rows, n_floats = len(sampling.INT_FIELDS) * S, len(sampling.FLOAT_FIELDS) * S
+        sample_row, rows_i, extra = jnp.split(ints, [S, S + n_rows])
+        floats, bias_values = jnp.split(floats, [n_floats])
         rows = sampling.Rows.from_packed(floats.reshape(-1, S), rows_i.reshape(-1, S))
-        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode)
+        guide = None
+        if guided:
+            mask, bias_ids = jnp.split(extra, [extra.size - bias_values.size])
+            guide = sampling.Guide(mask.reshape(S, -1), bias_ids.reshape(S, -1),
+                                   bias_values.reshape(S, -1))
+        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode, guide)
         last_tokens = last_tokens.at[jnp.where(sample_row >= 0, sample_row, -1)].set(new)
         history = sampling.record(history, sample_row, new)
         f2i = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
@@ -358,24 +408,28 @@ class Engine:
         return fn.lower(self.params, kv, last_tokens,
                         jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
 
-    def _lower_sampler(self, S: int, mode: str):
+    def _lower_sampler(self, S: int, mode: str, guided: bool | str = False):
         _, last_tokens, history = self.state
         V = self.config.vocab_size
-        fn = self._jit(partial(self._sample_fn, S=S, mode=mode), donate_argnums=(1, 2))
+        fn = self._jit(partial(self._sample_fn, S=S, mode=mode, guided=bool(guided)),
+                       donate_argnums=(1, 2))
         spec = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype, sharding=self._inputs)
+        extra = guided_layout(S, V) if guided else (0, 0)
         return fn.lower(jax.ShapeDtypeStruct((S, V), jnp.float32, sharding=self._inputs),
-                        last_tokens, history, spec(sum(sample_layout(S).values()), jnp.int32),
-                        spec(len(sampling.FLOAT_FIELDS) * S, jnp.float32))
+                        last_tokens, history,
+                        spec(sum(sample_layout(S).values()) + extra[0], jnp.int32),
+                        spec(len(sampling.FLOAT_FIELDS) * S + extra[1], jnp.float32))
 
     def _compile_now(self, key):
         self._exe[key] = self._lower(key).compile()
         self.compilations += 1
         return self._exe[key]
 
-    def _compile_sampler(self, S: int, mode: str):
-        self._samplers[(S, mode)] = self._lower_sampler(S, mode).compile()
+    def _compile_sampler(self, S: int, mode: str, *guided):
+        key = (S, mode, *guided)
+        self._samplers[key] = self._lower_sampler(*key).compile()
         self.compilations += 1
-        return self._samplers[(S, mode)]
+        return self._samplers[key]
 
     def warmup(self, workers: int | None = None):
         """Compile every bucket and sampler variant (in parallel threads, as many as the cores
@@ -384,9 +438,11 @@ class Engine:
         keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
                        if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
         sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
-        samplers = [(S, m) for S in sizes for m in sampling.MODES if (S, m) not in self._samplers]
+        samplers = [(S, m, *g) for S in sizes for m in sampling.MODES for g in ((), ("guided",))
+                    if (S, m, *g) not in self._samplers]
         lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
-        names = [f"step T={T} P={P}" for T, P in keys] + [f"sampler S={S} {m}" for S, m in samplers]
+        names = [f"step T={T} P={P}" for T, P in keys] + [" ".join(["sampler", f"S={k[0]}", *k[1:]])
+                                                           for k in samplers]
         compiled = compile_all(lowered, names, workers)
         self._exe.update(zip(keys, compiled[:len(keys)]))
         self._samplers.update(zip(samplers, compiled[len(keys):]))
@@ -401,13 +457,16 @@ class Engine:
             kv, last_tokens, history = self.state
             _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
             self.state = (kv, last_tokens, history)
-        for S, mode in samplers:
+        for S, mode, *guided in samplers:
             floats, rows = sampling.pack_rows([], S)
             ints = np.concatenate([np.full(S, -1, np.int32), rows.ravel()])  # -1: no sample
+            extra = guided_layout(S, self.config.vocab_size) if guided else (0, 0)
+            ints = np.concatenate([ints, np.full(extra[0], -1, np.int32)])
+            floats = np.concatenate([floats.ravel(), np.zeros(extra[1], np.float32)])
             kv, last_tokens, history = self.state
             logits = jnp.zeros((S, self.config.vocab_size), jnp.float32, device=self._inputs)
-            _, last_tokens, history = self._samplers[(S, mode)](logits, last_tokens, history,
-                                                                ints, floats.ravel())
+            _, last_tokens, history = self._samplers[(S, mode, *guided)](
+                logits, last_tokens, history, ints, floats)
             self.state = (kv, last_tokens, history)
         jax.block_until_ready(self.state)
         return self
