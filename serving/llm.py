@@ -22,6 +22,7 @@ from .engine import Engine, RequestOutput, TokenLogprob
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
+from .settings import default_num_pages, engine_sizes  # noqa: F401  (default_num_pages: re-export)
 from .structured import MAX_LOGIT_BIAS, StructuredOutput
 
 
@@ -107,34 +108,19 @@ def default_model_folder() -> Path:
     return Path(default_model_path())
 
 
-def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int,
-                      fraction: float = 0.7) -> int:
-    """Pages for a full context per sequence slot, capped at `fraction` of the device's free
-    memory (the rest is for activations); where memory is not reported, uncapped."""
-    page_bytes = 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
-        jnp.dtype(dtype).itemsize
-    want = max_num_seqs * -(-max_model_len // page_size)
-    one_seq = -(-max_model_len // page_size)
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-        return max(min(want, int(free // page_bytes)), one_seq)
-    # No memory report (CPU): XLA:CPU copies the donated pool every step (measured: a 200 MB
-    # pool makes a decode step 13x slower), so keep it to a few full contexts.
-    return min(want, 4 * one_seq)
-
-
 class LLM:
     """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
     a Hub name, `org/name[@revision]` (None: the embedded default model). `quantization="fp8"`
     stores every linear weight in float8_e4m3fn with float32 per-output-channel scales,
     "w4a16" / "w8a16" in INT4 (group 128) / INT8 (per channel), quantized as it loads; an
-    AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored."""
+    AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored. Sizes left as None
+    are picked for the device (`settings.engine_sizes`): small on CPU, throughput-sized on a
+    GPU."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
-                 num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0,
-                 quantization: str | None = None, **engine_kwargs):
+                 num_pages: int | None = None, page_size: int = 16,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 mesh=None, seed: int = 0, quantization: str | None = None, **engine_kwargs):
         from ..model import load_hf, quant
         from ..model.hub import resolve
         quant.check_quantization(quantization)
@@ -181,18 +167,21 @@ class LLM:
             params = quant.quantize_params(params, mode)
         llm = cls.__new__(cls)
         kwargs.setdefault("page_size", 16)
-        kwargs.setdefault("max_num_seqs", 32)
-        kwargs.setdefault("max_num_batched_tokens", 512)
         llm._start(config, params, tokenizer, **kwargs)
         return llm
 
     def _start(self, config, params, tokenizer, *, max_model_len=None, num_pages=None,
-               page_size=16, warmup=True, **engine_kwargs):
+               page_size=16, max_num_seqs=None, max_num_batched_tokens=None,
+               token_buckets=None, warmup=True, **engine_kwargs):
         self.config, self.tokenizer = config, tokenizer
         max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
-        if num_pages is None:
-            num_pages = default_num_pages(config, page_size, jax.tree.leaves(params)[0].dtype,
-                                          max_model_len, engine_kwargs["max_num_seqs"])
+        sizes = engine_sizes(config, jax.tree.leaves(params)[0].dtype,
+                             max_model_len=max_model_len, page_size=page_size,
+                             num_pages=num_pages, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             token_buckets=token_buckets)
+        num_pages = sizes.pop("num_pages")
+        engine_kwargs.update({k: v for k, v in sizes.items() if v is not None})
         max_model_len = min(max_model_len, num_pages * page_size)
         # A mesh with data > 1 gets one engine per data slice behind one front door.
         self.engine = engine_for_mesh(config, params, tokenizer, num_pages=num_pages,

@@ -223,9 +223,12 @@ def add_arguments(parser):
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV cache pages (default: what fits in the device's memory)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="tokens per step (prefill chunks plus decodes)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences per step (default: 32 on CPU; on a GPU as many as "
+                             "the KV pool holds at 256 tokens each, up to 1024)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step, prefill chunks plus decodes (default: 512 on "
+                             "CPU, 8192 on a GPU)")
     parser.add_argument("--token-buckets", type=_ints, default=None,
                         help="comma-separated token-axis sizes to compile (default: the engine's)")
     parser.add_argument("--page-buckets", type=_ints, default=None,
