@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from .loader import CheckpointError
+from .errors import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble within a word's 8 columns
 

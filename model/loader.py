@@ -18,11 +18,8 @@ from safetensors import safe_open
 
 from . import fp8_checkpoint, quant
 from .config import ModelConfig, load_config
+from .errors import CheckpointError
 from .transformer import param_shapes
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded as the config describes."""
 
 
 # Buffers some exporters save that carry no weights.

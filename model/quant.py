@@ -270,8 +270,7 @@ def quantize_params(params, scheme: str = "fp8"):
     if check_quantization(scheme) is None:
         return params
     if scheme != "fp8":
-        from .quant_int import quantize_params as quantize_int
-        return quantize_int(params, scheme)
+        raise ValueError(f"quantize_params takes 'fp8'; {scheme!r} is quant_int.quantize_params'")
 
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)

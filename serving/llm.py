@@ -162,9 +162,10 @@ class LLM:
     def from_params(cls, config, params, tokenizer=None, **kwargs) -> "LLM":
         """An LLM over weights already in memory (tests, benchmarks, freshly trained models).
         `quantization="fp8"` quantizes their linear weights first."""
-        from ..model import quant
+        from ..model import quant, quant_int
         if mode := quant.check_quantization(kwargs.pop("quantization", None)):
-            params = quant.quantize_params(params, mode)
+            pack = quant.quantize_params if mode == "fp8" else quant_int.quantize_params
+            params = pack(params, mode)
         llm = cls.__new__(cls)
         kwargs.setdefault("page_size", 16)
         llm._start(config, params, tokenizer, **kwargs)
