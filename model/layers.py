@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -66,20 +67,50 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
     axis_name: str = "embed"
+    plus_one: bool = False  # Gemma: scale by (1 + weight), in f32 before the cast back
 
     @nn.compact
     def __call__(self, x):
-        scale = param(self, "scale", (self.dim,), (self.axis_name,), self.dtype, nn.initializers.ones)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = param(self, "scale", (self.dim,), (self.axis_name,), self.dtype, init)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * x32.astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jnp.ndarray:
-    """Inverse frequencies [head_dim // 2], with linear or Llama-3 scaling applied."""
-    inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+def _yarn(inv, inv_scaled, dim: int, theta: float, s: RopeScaling):
+    """Blend per frequency: extrapolate (keep) those that turn more than beta_fast times over the
+    pretraining length, interpolate (divide by factor) those under beta_slow, ramp between."""
+    def dim_of(rotations):  # the dimension index that turns `rotations` times
+        return dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_scaled * ramp + inv * (1 - ramp)
+
+
+def rope_frequencies(dim: int, theta: float, scaling: RopeScaling, seq_lens=None) -> jnp.ndarray:
+    """Inverse frequencies [dim // 2] of a RoPE over `dim` dims, with the scaling applied.
+    LongRoPE picks its short or long set per token by the length of the token's sequence so
+    far, `seq_lens` [..., T] (then the result is [..., T, dim // 2]), as transformers picks it
+    per forward call by its largest position."""
+    exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    inv = 1.0 / theta ** exponent
     if scaling.kind == "linear":
         return inv / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn(inv, inv / scaling.factor, dim, theta, scaling)
+    if scaling.kind == "longrope":
+        long = (seq_lens > scaling.original_max_position)[..., None]
+        factors = jnp.where(long, jnp.asarray(scaling.long_factor, jnp.float32),
+                            jnp.asarray(scaling.short_factor, jnp.float32))
+        return 1.0 / (factors * theta ** exponent)
     if scaling.kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
         old = scaling.original_max_position
@@ -94,14 +125,22 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jnp.n
     return inv
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [..., T, heads, D], positions [..., T]; rotates the two halves of D (HF convention)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
+    """x [..., T, heads, D], positions [..., T]; rotates the two halves of the leading
+    2 * len(inv_freq) dims of D (HF convention), the rest pass through. cos and sin are scaled
+    by `attention_factor` (YaRN, LongRoPE)."""
+    rot = 2 * inv_freq.shape[-1]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, rot/2]
+    cos = jnp.cos(angles)[..., None, :] * attention_factor
+    sin = jnp.sin(angles)[..., None, :] * attention_factor
+    x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+def activation(name: str):
+    """The gate's nonlinearity: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+    return {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, approximate=True)}[name]
 
 
 class MLP(nn.Module):
@@ -114,7 +153,7 @@ class MLP(nn.Module):
         w_gate = param(self, "w_gate", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (c.intermediate_size, c.hidden_size), ("mlp", "embed"), self.dtype)
-        h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+        h = activation(c.hidden_act)(x @ w_gate) * (x @ w_up)
         return h @ w_down
 
 

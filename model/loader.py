@@ -61,14 +61,30 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     L = f"layers_{i}"
     t = lambda w: w.T  # HF Linear stores [out, in]; params are [in, out]
-    out = {
-        (L, "attn_norm", "scale"): ([p + "input_layernorm.weight"], None),
-        (L, "mlp_norm", "scale"): ([p + "post_attention_layernorm.weight"], None),
+    out = {(L, "attn_norm", "scale"): ([p + "input_layernorm.weight"], None)}
+    if c.sandwich_norms:  # Gemma: norms after attention and around the MLP
+        out[(L, "attn_post_norm", "scale")] = ([p + "post_attention_layernorm.weight"], None)
+        out[(L, "mlp_norm", "scale")] = ([p + "pre_feedforward_layernorm.weight"], None)
+        out[(L, "mlp_post_norm", "scale")] = ([p + "post_feedforward_layernorm.weight"], None)
+    else:
+        out[(L, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], None)
+    if c.model_type == "phi3":  # one fused projection each for q|k|v and gate|up, split here
+        qkv, rows = [p + "self_attn.qkv_proj.weight"], np.cumsum([0, h * hd, kv * hd, kv * hd])
+        part = lambda i, n: lambda w: w[rows[i]:rows[i + 1]].T.reshape(d, n, hd)
+        out[(L, "attn", "wq")], out[(L, "attn", "wk")], out[(L, "attn", "wv")] = (
+            (qkv, part(0, h)), (qkv, part(1, kv)), (qkv, part(2, kv)))
+        out[(L, "attn", "wo")] = ([p + "self_attn.o_proj.weight"], lambda w: w.T.reshape(h, hd, d))
+        gate_up, f = [p + "mlp.gate_up_proj.weight"], c.intermediate_size
+        out[(L, "mlp", "w_gate")] = (gate_up, lambda w: w[:f].T)
+        out[(L, "mlp", "w_up")] = (gate_up, lambda w: w[f:].T)
+        out[(L, "mlp", "w_down")] = ([p + "mlp.down_proj.weight"], t)
+        return out
+    out.update({
         (L, "attn", "wq"): ([p + "self_attn.q_proj.weight"], lambda w: w.T.reshape(d, h, hd)),
         (L, "attn", "wk"): ([p + "self_attn.k_proj.weight"], lambda w: w.T.reshape(d, kv, hd)),
         (L, "attn", "wv"): ([p + "self_attn.v_proj.weight"], lambda w: w.T.reshape(d, kv, hd)),
         (L, "attn", "wo"): ([p + "self_attn.o_proj.weight"], lambda w: w.T.reshape(h, hd, d)),
-    }
+    })
     if c.qkv_bias:
         out[(L, "attn", "bq")] = ([p + "self_attn.q_proj.bias"], lambda b: b.reshape(h, hd))
         out[(L, "attn", "bk")] = ([p + "self_attn.k_proj.bias"], lambda b: b.reshape(kv, hd))

@@ -19,6 +19,20 @@ FAMILIES = {
                                        "original_max_position_embeddings": 64})),
     "llama_linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                           dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_yarn": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 32})),
+    "qwen3_yarn_mscale": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                          dict(head_dim=32, rope_scaling={
+                              "rope_type": "yarn", "factor": 8.0, "mscale": 0.9,
+                              "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                              "truncate": False, "original_max_position_embeddings": 16})),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(pad_token_id=0)),
+    # Pretrained on 24 positions: the 37-token parity test runs on the long factors.
+    "phi3_longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        pad_token_id=0, max_position_embeddings=512, original_max_position_embeddings=24,
+        rope_scaling={"rope_type": "longrope", "partial_rotary_factor": 0.5,
+                      "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.5, 2.0, 3.0, 5.0]})),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(sliding_window=None, num_key_value_heads=4)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
@@ -34,12 +48,12 @@ FAMILIES = {
 }
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, **overrides):
     """A float32 torch model of `family` with every weight random (norm scales near one, biases
-    non-zero), so that no parameter can be loaded wrong unnoticed."""
+    non-zero), so that no parameter can be loaded wrong unnoticed. `overrides` change its config."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**BASE, **extra}))
+    model = model_cls(config_cls(**{**BASE, **extra, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -49,7 +63,7 @@ def build(family: str, seed: int = 0):
     return model.eval()
 
 
-def save(family: str, folder, seed: int = 0, **save_kwargs):
-    model = build(family, seed)
+def save(family: str, folder, seed: int = 0, config: dict | None = None, **save_kwargs):
+    model = build(family, seed, **(config or {}))
     model.save_pretrained(folder, **save_kwargs)
     return model
