@@ -65,9 +65,9 @@ def _is_hopper() -> bool:
 
 # The options each Pallas kernel implements; a call with any other option set runs the reference.
 _KERNEL_TAKES = {
-    "flash": set(),
+    "flash": {"sliding_window", "logit_softcap", "sinks"},
     "flash_mosaic": set(),
-    "paged": set(),
+    "paged": {"sliding_window", "logit_softcap", "sinks", "k_scale", "v_scale"},
     "paged_mosaic": set(),
 }
 
