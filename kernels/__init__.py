@@ -226,10 +226,16 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=
 GROUPED_MIN_ROWS_PER_EXPERT = 16  # below this many rows per expert, XLA's ragged_dot is used
 
 
-def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=False, **blocks):
+def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, impl=None,
+                interpret=False, **blocks):
     """Mixture-of-experts SwiGLU: x [M, D] sorted by expert, `group_sizes` [E] rows per expert,
     w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
-    in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`)."""
+    in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`).
+    `glu(gate, up)` replaces silu(gate) * up; `biases` (b_gate [E, F], b_up [E, F], b_down
+    [E, D]) are added per expert (GPT-OSS)."""
+    if glu is not None or biases is not None:  # the Pallas path runs only SwiGLU without biases
+        return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down,
+                                               glu=glu or reference.silu_glu, biases=biases)
     tile = 128
     # Measured on the H100 (docs/BENCHMARKS.md, MoE experts): with fewer than ~16 rows per
     # expert (decode) XLA's ragged_dot is as fast or faster; from there on this path wins.

@@ -169,9 +169,21 @@ def write_kv_reference(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=N
     return k_pages, v_pages
 
 
-def grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down):
-    """SwiGLU experts over rows sorted by expert (group g's rows use expert g's weights); rows
-    past sum(group_sizes) give zeros."""
-    h = jax.nn.silu(jax.lax.ragged_dot(x, w_gate, group_sizes))
-    h = h * jax.lax.ragged_dot(x, w_up, group_sizes)
-    return jax.lax.ragged_dot(h, w_down, group_sizes)
+def silu_glu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down, *, glu=silu_glu, biases=None):
+    """Gated experts over rows sorted by expert (group g's rows use expert g's weights): SwiGLU,
+    or `glu(gate, up)`, with optional per-expert `biases` (b_gate [E, F], b_up [E, F], b_down
+    [E, D]). Rows past sum(group_sizes) give zeros."""
+    gate, up = jax.lax.ragged_dot(x, w_gate, group_sizes), jax.lax.ragged_dot(x, w_up, group_sizes)
+    if biases is not None:
+        expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                            total_repeat_length=x.shape[0])
+        gate, up = gate + biases[0][expert], up + biases[1][expert]
+    y = jax.lax.ragged_dot(glu(gate, up), w_down, group_sizes)
+    if biases is None:
+        return y
+    real = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(real[:, None], y + biases[2][expert], 0)

@@ -51,6 +51,10 @@ class Attention(nn.Module):
             self.bq = param(self, "bq", (h, hd), ("heads", "head_dim"), self.dtype, zeros)
             self.bk = param(self, "bk", (kv, hd), ("kv_heads", "head_dim"), self.dtype, zeros)
             self.bv = param(self, "bv", (kv, hd), ("kv_heads", "head_dim"), self.dtype, zeros)
+        if c.o_bias:
+            self.bo = param(self, "bo", (d,), ("embed",), self.dtype, nn.initializers.zeros)
+        if c.sinks:
+            self.sinks = param(self, "sinks", (h,), ("heads",), self.dtype, nn.initializers.zeros)
         if c.qk_norm:
             self.q_norm = RMSNorm(hd, c.rms_norm_eps, self.dtype, "head_dim", c.norm_plus_one)
             self.k_norm = RMSNorm(hd, c.rms_norm_eps, self.dtype, "head_dim", c.norm_plus_one)
@@ -74,13 +78,17 @@ class Attention(nn.Module):
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None):
         q, k, v = self.qkv(x, positions, batch)
         c = self.config
-        attend_layer = functools.partial(attend, **attention_options(c, self.layer))
+        options = attention_options(c, self.layer)
+        if c.sinks:
+            options["sinks"] = self.sinks
+        attend_layer = functools.partial(attend, **options)
         hooks = device_hooks()
         if hooks is None:
             o, layer_cache = attend_layer(q, k, v, segment_ids, layer_cache, batch)
         else:  # on a mesh: the kernels run once per shard of heads
             o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch)
-        return jnp.einsum("...hk,hkd->...d", o, self.wo), layer_cache
+        out = jnp.einsum("...hk,hkd->...d", o, self.wo)
+        return (out + self.bo if c.o_bias else out), layer_cache
 
 
 def sequence_lengths(positions, batch: Batch | None):

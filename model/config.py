@@ -12,13 +12,15 @@ import math
 from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
-            "gemma3_text")
+            "gemma3_text", "gpt_oss")
 # Families whose every layer takes `sliding_window` when it is set (no per-layer choice).
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
 GEMMA = ("gemma2", "gemma3_text")
 # transformers' defaults where config.json leaves max_position_embeddings out.
 MAX_POSITIONS = {"mistral": 131072, "mixtral": 131072, "qwen2": 32768, "qwen3": 32768,
-                 "qwen3_moe": 32768, "gemma2": 8192, "gemma3_text": 131072}
+                 "qwen3_moe": 32768, "gemma2": 8192, "gemma3_text": 131072,
+                 "gpt_oss": 131072}
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -83,6 +85,15 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # GPT-OSS: a learned sink logit per head, a bias on the output projection, the router and
+    # each expert; softmax over the top-k logits; clamped SwiGLU (gate * sigmoid(alpha * gate) *
+    # (up + 1), gate <= limit, |up| <= limit); experts shipped as MXFP4 ("mxfp4") or plain.
+    sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    expert_weights: str = ""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -216,7 +227,11 @@ def _rope(raw: dict, rotary_dim: int):
         raise ConfigError(f"rope_parameters per layer type is not supported for "
                           f"{raw['model_type']}")
     params = {**(raw.get("rope_scaling") or {}), **given}
-    theta = float(_get(params, "rope_theta", default=_get(raw, "rope_theta", default=10000.0)))
+    if raw["model_type"] == "gpt_oss" and not params:  # transformers' GptOssConfig default
+        params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": False, "original_max_position_embeddings": 4096}
+    default_theta = 150000.0 if raw["model_type"] == "gpt_oss" else 10000.0
+    theta = float(_get(params, "rope_theta", default=_get(raw, "rope_theta", default=default_theta)))
     return theta, _scaling(params, raw, rotary_dim), None, None
 
 
@@ -224,7 +239,7 @@ def _activation(raw: dict, model_type: str) -> str:
     # Gemma's MLP reads `hidden_activation`; the others read `hidden_act`.
     act = (raw.get("hidden_activation") or "gelu_pytorch_tanh") if model_type in GEMMA else (
         raw.get("hidden_act") or "silu")
-    if act not in ACTIVATIONS or (model_type in ("mixtral", "qwen3_moe") and act != "silu"):
+    if act not in ACTIVATIONS or (model_type in MOE and act != "silu"):
         raise ConfigError(f"hidden_act {act!r} is not supported for {model_type} "
                           f"(supported: {sorted(ACTIVATIONS)}; experts: silu)")
     return ACTIVATIONS[act]
@@ -234,7 +249,7 @@ def _layer_types(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str
     """(per-layer attention types, sliding window), read as transformers reads each family."""
     full = ("full_attention",) * num_layers
     defaults = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4096, "gemma2": 4096,
-                "gemma3_text": 4096}
+                "gemma3_text": 4096, "gpt_oss": 128}
     window = raw.get("sliding_window", defaults.get(model_type))
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
@@ -248,8 +263,8 @@ def _layer_types(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str
         first = raw.get("max_window_layers", 28)
         types = tuple("sliding_attention" if i >= first else "full_attention"
                       for i in range(num_layers))
-    else:  # Gemma: sliding except every `pattern`-th layer (Gemma 2: every other)
-        pattern = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
+    else:  # Gemma, GPT-OSS: sliding except every `pattern`-th layer (every other but Gemma 3)
+        pattern = raw.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
         types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
                       for i in range(num_layers))
     unknown = set(types) - set(LAYER_TYPES)
@@ -271,6 +286,10 @@ def _check_unsupported(raw: dict, model_type: str):
             raise ConfigError(
                 "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                 "is not supported")
+    quant = raw.get("quantization_config")
+    if quant and not (model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
+        raise ConfigError(f"quantization_config {quant.get('quant_method')!r} is not supported "
+                          "(only gpt_oss's mxfp4 experts, dequantized on load)")
     partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                      raw.get("partial_rotary_factor", 1.0))
     if model_type != "phi3" and partial not in (None, 1, 1.0):
@@ -296,7 +315,8 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
         window = None
     eos = raw.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    moe = model_type in ("mixtral", "qwen3_moe")
+    moe = model_type in MOE
+    oss = model_type == "gpt_oss"
     cap = lambda key, gemma2_default: raw.get(key, gemma2_default if model_type == "gemma2" else None)
     return ModelConfig(
         model_type=model_type,
@@ -308,11 +328,11 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
         num_kv_heads=int(_get(raw, "num_key_value_heads", default=heads)),
         head_dim=head_dim,
         max_position_embeddings=max_pos,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if oss else 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
-        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", oss)),
         qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         hidden_act=_activation(raw, model_type),
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
@@ -331,7 +351,15 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
         moe_intermediate_size=int(
             raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0) if moe else 0,
         # Mixtral always renormalizes its top-k weights; Qwen3-MoE only when norm_topk_prob.
-        norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", True)),
+        # GPT-OSS takes the softmax over the top-k logits: normalized by construction.
+        norm_topk_prob=True if model_type in ("mixtral", "gpt_oss") else bool(
+            raw.get("norm_topk_prob", True)),
+        sinks=oss,
+        o_bias=oss and bool(raw.get("attention_bias", True)),
+        expert_bias=oss,
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)) if oss else None,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)) if oss else 1.0,
+        expert_weights="mxfp4" if raw.get("quantization_config") else "",
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos,
         name=name,

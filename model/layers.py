@@ -157,9 +157,13 @@ class MLP(nn.Module):
         return h @ w_down
 
 
-def route(x, router, top_k: int, renormalize: bool):
+def route(x, router, top_k: int, renormalize: bool, router_bias=None):
     """Top-k routing as Mixtral and Qwen3-MoE do it: softmax over all experts in f32, keep the
-    top k, optionally renormalize them to sum to one. Returns (weights [N, k], experts [N, k])."""
+    top k, optionally renormalize them to sum to one. With a `router_bias` (GPT-OSS): the top k
+    of the biased logits, softmax over those k. Returns (weights [N, k], experts [N, k])."""
+    if router_bias is not None:
+        logits, experts = jax.lax.top_k((x @ router + router_bias).astype(jnp.float32), top_k)
+        return jax.nn.softmax(logits, axis=-1).astype(x.dtype), experts
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
@@ -167,9 +171,19 @@ def route(x, router, top_k: int, renormalize: bool):
     return weights.astype(x.dtype), experts
 
 
-def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
-    """SwiGLU over tokens already sorted by expert: one grouped matmul per projection."""
-    return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
+def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=None, biases=None):
+    """SwiGLU (or `glu`) over tokens already sorted by expert: one grouped matmul per
+    projection."""
+    return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=glu,
+                               biases=biases)
+
+
+def clamped_swiglu(limit: float, alpha: float):
+    """GPT-OSS's expert activation: gate clamped above, up clamped both ways, up shifted by 1."""
+    def glu(gate, up):
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(gate * alpha) * (up + 1)
+    return glu
 
 
 def moe_dispatch_combine(x, weights, experts, num_experts, expert_fn):
@@ -197,10 +211,20 @@ class MoE(nn.Module):
         w_gate = param(self, "w_gate", (e, d, f), ("experts", "embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (e, d, f), ("experts", "embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (e, f, d), ("experts", "mlp", "embed"), self.dtype)
+        router_bias, biases, glu = None, None, None
+        if c.expert_bias:
+            zeros = nn.initializers.zeros
+            router_bias = param(self, "router_bias", (e,), (None,), self.dtype, zeros)
+            biases = (param(self, "b_gate", (e, f), ("experts", "mlp"), self.dtype, zeros),
+                      param(self, "b_up", (e, f), ("experts", "mlp"), self.dtype, zeros),
+                      param(self, "b_down", (e, d), ("experts", "embed"), self.dtype, zeros))
+        if c.swiglu_limit is not None:
+            glu = clamped_swiglu(c.swiglu_limit, c.swiglu_alpha)
         shape = x.shape
         x = x.reshape(-1, d)
         if (hooks := _HOOKS.get()) is not None:
             return hooks.moe(x, router, w_gate, w_up, w_down).reshape(shape)
-        weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob)
-        expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down)
+        weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob, router_bias)
+        expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down, glu,
+                                                         biases)
         return moe_dispatch_combine(x, weights, experts, e, expert_fn).reshape(shape)

@@ -301,6 +301,27 @@ def test_moe_model_on_a_mesh_equals_one_device(moe_checkpoint, moe_ref, shape):
     check_mesh(config, on_mesh, layout, moe_ref)
 
 
+# -- newer families: windows, soft caps, Gemma's norms and Phi-3's fused weights, same rules ----
+
+@mesh_test
+@pytest.mark.parametrize("family,shape", [("gemma3", (1, 2, 1)), ("gemma2", (2, 2, 1)),
+                                          ("phi3", (1, 4, 1)), ("qwen2_window", (1, 4, 1))],
+                         ids=["gemma3-tp2", "gemma2-dp2xtp2", "phi3-tp4", "qwen2_window-tp4"])
+def test_newer_families_on_a_mesh_equal_one_device(family, shape, tmp_path):
+    import hf_models
+    from pallasite.model import load_hf
+    from pallasite.sharding import Layout, MeshPlan, make_mesh, param_shardings
+    hf_models.save(family, tmp_path)
+    config, params = load_hf(tmp_path, dtype=jnp.float32)
+    layout = Layout(config, make_mesh(MeshPlan(*shape)))
+    _, on_mesh = load_hf(tmp_path, dtype=jnp.float32,
+                         shardings=param_shardings(config, layout.mesh))
+    t, d, hd = layout.plan.tensor, config.hidden_size, config.head_dim
+    check_split(on_mesh["layers_0"]["attn"]["wq"], P(None, "tensor", None), (d, 4 // t, hd))
+    check_split(on_mesh["layers_0"]["mlp"]["w_up"], P(None, "tensor"), (d, 96 // t))
+    check_mesh(config, on_mesh, layout, reference(config, params))
+
+
 @mesh_test
 def test_the_cpu_stand_in_for_ragged_all_to_all_is_exact():
     """The stand-in for the ragged all-to-all (CPU has none) equals the collective's definition:
