@@ -64,12 +64,12 @@ FAMILIES = {
 }
 
 
-def build(family: str, seed: int = 0, **overrides):
+def build(family: str, seed: int = 0, config: dict | None = None):
     """A float32 torch model of `family` with every weight random (norm scales near one, biases
-    non-zero), so that no parameter can be loaded wrong unnoticed. `overrides` change its config."""
+    non-zero), so that no parameter can be loaded wrong unnoticed. `config` overrides fields."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**BASE, **extra, **overrides}))
+    model = model_cls(config_cls(**{**BASE, **extra, **(config or {})}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -80,6 +80,6 @@ def build(family: str, seed: int = 0, **overrides):
 
 
 def save(family: str, folder, seed: int = 0, config: dict | None = None, **save_kwargs):
-    model = build(family, seed, **(config or {}))
+    model = build(family, seed, config)
     model.save_pretrained(folder, **save_kwargs)
     return model
