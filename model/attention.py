@@ -78,22 +78,25 @@ class Attention(nn.Module):
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None):
         q, k, v = self.qkv(x, positions, batch)
         c = self.config
-        options = attention_options(c, self.layer)
-        if c.sinks:
-            options["sinks"] = self.sinks
-        attend_layer = functools.partial(attend, **options)
+        attend_layer = functools.partial(attend, **attention_options(c, self.layer))
+        # Sinks are per query head: on a mesh they are split with the heads.
+        sinks = dict(sinks=self.sinks) if c.sinks else {}
         hooks = device_hooks()
         if hooks is None:
-            o, layer_cache = attend_layer(q, k, v, segment_ids, layer_cache, batch)
+            o, layer_cache = attend_layer(q, k, v, segment_ids, layer_cache, batch, **sinks)
         else:  # on a mesh: the kernels run once per shard of heads
-            o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch)
+            o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch,
+                                             **sinks)
         out = jnp.einsum("...hk,hkd->...d", o, self.wo)
         return (out + self.bo if c.o_bias else out), layer_cache
 
 
 def sequence_lengths(positions, batch: Batch | None):
     """Per token, the length of its sequence after this call: the row's last position + 1
-    (dense), or its sequence's context length (a ragged batch)."""
+    (dense), or its sequence's context length (a ragged batch). LongRoPE picks its factors by
+    it. Keys already in the pages keep the factors they were written with: when a sequence
+    first passes the pretraining length, transformers recomputes its whole cache with the long
+    factors, a paged cache does not (the two agree again for prompts that start past it)."""
     if batch is None:
         return jnp.broadcast_to(jnp.max(positions, axis=-1, keepdims=True) + 1, positions.shape)
     tokens = jnp.arange(positions.shape[-1])
@@ -103,7 +106,7 @@ def sequence_lengths(positions, batch: Batch | None):
 
 def attention_options(config: ModelConfig, layer: int) -> dict:
     """The kernels' keyword arguments for `layer`: its window, soft cap and score scale (only
-    those that differ from plain causal attention)."""
+    those that differ from plain causal attention; sinks, a param, come with the call)."""
     options = dict(sliding_window=config.window(layer), logit_softcap=config.attn_logit_softcap)
     if config.query_pre_attn_scalar is not None:
         options["sm_scale"] = config.sm_scale
@@ -114,7 +117,7 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
                 **options):
     """The calls into `kernels/`: dense causal attention, or write this step's K/V into the
     layer's pages and attend over them. Works on whatever heads it is given (all, or a shard).
-    `options` (sliding_window, logit_softcap, sm_scale) go to the kernel as they are."""
+    `options` (sliding_window, logit_softcap, sm_scale, sinks) go to the kernel as they are."""
     if layer_cache is None:
         return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids,
                                        **options), None

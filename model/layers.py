@@ -223,7 +223,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, d)
         if (hooks := _HOOKS.get()) is not None:
-            return hooks.moe(x, router, w_gate, w_up, w_down).reshape(shape)
+            extras = {} if biases is None else dict(router_bias=router_bias, biases=biases)
+            return hooks.moe(x, router, w_gate, w_up, w_down, glu=glu, **extras).reshape(shape)
         weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob, router_bias)
         expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down, glu,
                                                          biases)
