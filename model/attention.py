@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .. import kernels
+from . import quant
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, device_hooks, param, rope_frequencies
 
@@ -62,9 +63,7 @@ class Attention(nn.Module):
     def qkv(self, x, positions, batch: Batch | None = None):
         """x [..., T, D] -> q [..., T, H, hd], k and v [..., T, KV, hd], RoPE applied."""
         c = self.config
-        q = jnp.einsum("...d,dhk->...hk", x, self.wq)
-        k = jnp.einsum("...d,dhk->...hk", x, self.wk)
-        v = jnp.einsum("...d,dhk->...hk", x, self.wv)
+        q, k, v = (quant.linear(x, w) for w in (self.wq, self.wk, self.wv))
         if c.qkv_bias:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if c.qk_norm:
@@ -87,7 +86,7 @@ class Attention(nn.Module):
         else:  # on a mesh: the kernels run once per shard of heads
             o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch,
                                              **sinks)
-        out = jnp.einsum("...hk,hkd->...d", o, self.wo)
+        out = quant.linear(o, self.wo, in_axes=2)
         return (out + self.bo if c.o_bias else out), layer_cache
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from . import quant
 from .config import ModelConfig, RopeScaling
 
 
@@ -58,6 +59,10 @@ def constrain(x, logical_axes: tuple):
 
 
 def param(module: nn.Module, name: str, shape, axes, dtype, init=None):
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if hasattr(value, "linear"):  # a packed layout (quant_int.PackedInt): not [in, out]
+            return value
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
@@ -153,8 +158,8 @@ class MLP(nn.Module):
         w_gate = param(self, "w_gate", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (c.intermediate_size, c.hidden_size), ("mlp", "embed"), self.dtype)
-        h = activation(c.hidden_act)(x @ w_gate) * (x @ w_up)
-        return h @ w_down
+        h = activation(c.hidden_act)(quant.linear(x, w_gate)) * quant.linear(x, w_up)
+        return quant.linear(h, w_down)
 
 
 def route(x, router, top_k: int, renormalize: bool, router_bias=None):
@@ -172,8 +177,13 @@ def route(x, router, top_k: int, renormalize: bool, router_bias=None):
 
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=None, biases=None):
-    """SwiGLU (or `glu`) over tokens already sorted by expert: one grouped matmul per
-    projection."""
+    """SwiGLU (or `glu`, with per-expert `biases`) over tokens already sorted by expert: one
+    grouped matmul per projection. Quantized experts pass as (values, scales [E, G, F]) pairs:
+    the kernels dequantize them."""
+    if quant.is_quantized(w_gate):
+        if glu is not None or biases is not None:
+            raise ValueError("quantized experts take only SwiGLU without biases (not GPT-OSS's)")
+        w_gate, w_up, w_down = (quant.grouped_operand(w) for w in (w_gate, w_up, w_down))
     return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=glu,
                                biases=biases)
 

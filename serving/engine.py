@@ -24,6 +24,7 @@ import numpy as np
 
 from ..model import Batch, forward, init_kv_cache
 from . import sampling
+from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 from .warmup import compile_all, default_page_buckets, first_run_loads
@@ -104,11 +105,13 @@ class Engine:
                              f" and the pages of max_model_len ({max_pages})")
         self._place(mesh, num_pages)
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.guide = Guide(tokenizer, config.vocab_size, self.eos)  # structured output, logit bias
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
+        self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
         self._exe: dict = {}  # (T, P) -> compiled forward pass
-        self._samplers: dict = {}  # (S, mode) -> compiled sampler
+        self._samplers: dict = {}  # (S, mode) or (S, mode, "guided") -> compiled sampler
         self._load = None  # compiled history loader
         self.compilations = 0
         self._rng = random.Random(seed)
@@ -146,6 +149,10 @@ class Engine:
         if bad:
             raise RequestError(f"stop token id {bad[0]} is outside the vocabulary "
                                f"(vocab_size {self.config.vocab_size})")
+        try:
+            self.guide.check(sampling_params)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
         if request_id in self.seqs:
@@ -165,6 +172,7 @@ class Engine:
                    frequency_penalty=sp.frequency_penalty, top_k=sp.top_k, seed=seq.seed,
                    logprobs=-1 if sp.logprobs is None else sp.logprobs)
         seq.row = sampling.pack_rows([row], 1)
+        self.guide.start(seq)
         if self.tokenizer is not None:
             from ..model.tokenizer import IncrementalDetokenizer
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
@@ -195,7 +203,8 @@ class Engine:
         outputs, self._outbox = self._outbox, []
         chunks = self.scheduler.schedule()
         launched = self._launch(chunks) if chunks else None
-        wait = 0.0
+        early, wait = self._early  # the previous step, if a guided sampler read it back
+        outputs, self._early = outputs + early, ([], 0.0)
         for done in ([self._inflight] if self._inflight else []) + (
                 [launched] if launched and not self.overlap else []):
             out, wait_s = self._collect(*done)
@@ -215,9 +224,19 @@ class Engine:
         ints, sample_ints, floats, key, mode = self._pack(chunks)
         exe = self._exe.get(key) or self._compile_now(key)
         S = min(key[0], self.max_num_seqs)
-        sampler = self._samplers.get((S, mode)) or self._compile_sampler(S, mode)
         kv, last_tokens, history = self.state
         logits, kv = exe(self.params, kv, last_tokens, ints)
+        if self._inflight and self.guide.needs_sync(chunks):
+            # A constrained row's mask needs the token of the step in flight: read it back now,
+            # while this step's forward pass runs; only the sampler waits for the mask.
+            self._early = self._collect(*self._inflight)
+            self._inflight = None
+        guided = self.guide.step_inputs(chunks, S)
+        if guided is not None:  # constrained or biased rows: the guided variant takes more
+            sample_ints, floats = (np.concatenate([sample_ints, guided[0]]),
+                                   np.concatenate([floats, guided[1]]))
+        skey = (S, mode) + (("guided",) if guided is not None else ())
+        sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
         out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
         out.copy_to_host_async()  # queued behind this step, not behind the next one
         self.state = (kv, last_tokens, history)
@@ -284,6 +303,7 @@ class Engine:
         token = int(row[0])
         seq.num_pending -= 1
         seq.tokens.append(token)
+        complete = self.guide.accept(seq, token)
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
         lps = None
@@ -298,6 +318,8 @@ class Engine:
             reason = "length"
         if seq.detok is not None and reason != "stop":  # a stop token adds no text
             seq.text += seq.detok.add(token)
+        if complete and reason is None:  # the grammar admits nothing more: done, text kept
+            reason = "stop"
         delta, hit_stop = self._text_delta(seq, final=reason is not None)
         if hit_stop:
             reason = "stop"
@@ -342,12 +364,20 @@ class Engine:
         return logits, kv
 
     @staticmethod
-    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode):
+    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode, guided):
         """Sample each row, remember the tokens on the device, and pack the results in one
-        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast)."""
-        sample_row, rows_i = jnp.split(ints, [S])
+        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast).
+        The guided variant finds each row's bitmask and logit bias after the usual inputs."""
+        n_rows, n_floats = len(sampling.INT_FIELDS) * S, len(sampling.FLOAT_FIELDS) * S
+        sample_row, rows_i, extra = jnp.split(ints, [S, S + n_rows])
+        floats, bias_values = jnp.split(floats, [n_floats])
         rows = sampling.Rows.from_packed(floats.reshape(-1, S), rows_i.reshape(-1, S))
-        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode)
+        guide = None
+        if guided:
+            mask, bias_ids = jnp.split(extra, [extra.size - bias_values.size])
+            guide = sampling.Guide(mask.reshape(S, -1), bias_ids.reshape(S, -1),
+                                   bias_values.reshape(S, -1))
+        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode, guide)
         last_tokens = last_tokens.at[jnp.where(sample_row >= 0, sample_row, -1)].set(new)
         history = sampling.record(history, sample_row, new)
         f2i = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
@@ -363,24 +393,28 @@ class Engine:
         return fn.lower(self.params, kv, last_tokens,
                         jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
 
-    def _lower_sampler(self, S: int, mode: str):
+    def _lower_sampler(self, S: int, mode: str, guided: bool | str = False):
         _, last_tokens, history = self.state
         V = self.config.vocab_size
-        fn = self._jit(partial(self._sample_fn, S=S, mode=mode), donate_argnums=(1, 2))
+        fn = self._jit(partial(self._sample_fn, S=S, mode=mode, guided=bool(guided)),
+                       donate_argnums=(1, 2))
         spec = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype, sharding=self._inputs)
+        extra = guided_layout(S, V) if guided else (0, 0)
         return fn.lower(jax.ShapeDtypeStruct((S, V), jnp.float32, sharding=self._inputs),
-                        last_tokens, history, spec(sum(sample_layout(S).values()), jnp.int32),
-                        spec(len(sampling.FLOAT_FIELDS) * S, jnp.float32))
+                        last_tokens, history,
+                        spec(sum(sample_layout(S).values()) + extra[0], jnp.int32),
+                        spec(len(sampling.FLOAT_FIELDS) * S + extra[1], jnp.float32))
 
     def _compile_now(self, key):
         self._exe[key] = self._lower(key).compile()
         self.compilations += 1
         return self._exe[key]
 
-    def _compile_sampler(self, S: int, mode: str):
-        self._samplers[(S, mode)] = self._lower_sampler(S, mode).compile()
+    def _compile_sampler(self, S: int, mode: str, *guided):
+        key = (S, mode, *guided)
+        self._samplers[key] = self._lower_sampler(*key).compile()
         self.compilations += 1
-        return self._samplers[(S, mode)]
+        return self._samplers[key]
 
     def warmup(self, workers: int | None = None):
         """Compile every bucket and sampler variant (in parallel threads, as many as the cores
@@ -389,9 +423,11 @@ class Engine:
         keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
                        if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
         sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
-        samplers = [(S, m) for S in sizes for m in sampling.MODES if (S, m) not in self._samplers]
+        samplers = [(S, m, *g) for S in sizes for m in sampling.MODES for g in ((), ("guided",))
+                    if (S, m, *g) not in self._samplers]
         lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
-        names = [f"step T={T} P={P}" for T, P in keys] + [f"sampler S={S} {m}" for S, m in samplers]
+        names = [f"step T={T} P={P}" for T, P in keys] + [" ".join(["sampler", f"S={k[0]}", *k[1:]])
+                                                           for k in samplers]
         compiled = compile_all(lowered, names, workers)
         self._exe.update(zip(keys, compiled[:len(keys)]))
         self._samplers.update(zip(samplers, compiled[len(keys):]))
@@ -406,13 +442,16 @@ class Engine:
             kv, last_tokens, history = self.state
             _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
             self.state = (kv, last_tokens, history)
-        for S, mode in samplers:
+        for S, mode, *guided in samplers:
             floats, rows = sampling.pack_rows([], S)
             ints = np.concatenate([np.full(S, -1, np.int32), rows.ravel()])  # -1: no sample
+            extra = guided_layout(S, self.config.vocab_size) if guided else (0, 0)
+            ints = np.concatenate([ints, np.full(extra[0], -1, np.int32)])
+            floats = np.concatenate([floats.ravel(), np.zeros(extra[1], np.float32)])
             kv, last_tokens, history = self.state
             logits = jnp.zeros((S, self.config.vocab_size), jnp.float32, device=self._inputs)
-            _, last_tokens, history = self._samplers[(S, mode)](logits, last_tokens, history,
-                                                                ints, floats.ravel())
+            _, last_tokens, history = self._samplers[(S, mode, *guided)](
+                logits, last_tokens, history, ints, floats)
             self.state = (kv, last_tokens, history)
         jax.block_until_ready(self.state)
         return self
