@@ -60,14 +60,34 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     L = f"layers_{i}"
     t = lambda w: w.T  # HF Linear stores [out, in]; params are [in, out]
-    out = {
-        (L, "attn_norm", "scale"): ([p + "input_layernorm.weight"], None),
-        (L, "mlp_norm", "scale"): ([p + "post_attention_layernorm.weight"], None),
+    out = {(L, "attn_norm", "scale"): ([p + "input_layernorm.weight"], None)}
+    if c.sandwich_norms:  # Gemma: norms after attention and around the MLP
+        out[(L, "attn_post_norm", "scale")] = ([p + "post_attention_layernorm.weight"], None)
+        out[(L, "mlp_norm", "scale")] = ([p + "pre_feedforward_layernorm.weight"], None)
+        out[(L, "mlp_post_norm", "scale")] = ([p + "post_feedforward_layernorm.weight"], None)
+    else:
+        out[(L, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], None)
+    if c.model_type == "phi3":  # one fused projection each for q|k|v and gate|up, split here
+        qkv, rows = [p + "self_attn.qkv_proj.weight"], np.cumsum([0, h * hd, kv * hd, kv * hd])
+        part = lambda i, n: lambda w: w[rows[i]:rows[i + 1]].T.reshape(d, n, hd)
+        out[(L, "attn", "wq")], out[(L, "attn", "wk")], out[(L, "attn", "wv")] = (
+            (qkv, part(0, h)), (qkv, part(1, kv)), (qkv, part(2, kv)))
+        out[(L, "attn", "wo")] = ([p + "self_attn.o_proj.weight"], lambda w: w.T.reshape(h, hd, d))
+        gate_up, f = [p + "mlp.gate_up_proj.weight"], c.intermediate_size
+        out[(L, "mlp", "w_gate")] = (gate_up, lambda w: w[:f].T)
+        out[(L, "mlp", "w_up")] = (gate_up, lambda w: w[f:].T)
+        out[(L, "mlp", "w_down")] = ([p + "mlp.down_proj.weight"], t)
+        return out
+    out.update({
         (L, "attn", "wq"): ([p + "self_attn.q_proj.weight"], lambda w: w.T.reshape(d, h, hd)),
         (L, "attn", "wk"): ([p + "self_attn.k_proj.weight"], lambda w: w.T.reshape(d, kv, hd)),
         (L, "attn", "wv"): ([p + "self_attn.v_proj.weight"], lambda w: w.T.reshape(d, kv, hd)),
         (L, "attn", "wo"): ([p + "self_attn.o_proj.weight"], lambda w: w.T.reshape(h, hd, d)),
-    }
+    })
+    if c.o_bias:
+        out[(L, "attn", "bo")] = ([p + "self_attn.o_proj.bias"], None)
+    if c.sinks:
+        out[(L, "attn", "sinks")] = ([p + "self_attn.sinks"], None)
     if c.qkv_bias:
         out[(L, "attn", "bq")] = ([p + "self_attn.q_proj.bias"], lambda b: b.reshape(h, hd))
         out[(L, "attn", "bk")] = ([p + "self_attn.k_proj.bias"], lambda b: b.reshape(kv, hd))
@@ -79,6 +99,9 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out[(L, "mlp", ours)] = ([f"{p}mlp.{theirs}.weight"], t)
         return out
+    if c.model_type == "gpt_oss":
+        out.update(_gpt_oss_experts(c, p, L))
+        return out
     if c.model_type == "mixtral":
         block, names = p + "block_sparse_moe.", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
     else:
@@ -89,6 +112,48 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
         out[(L, "moe", ours)] = (
             [f"{block}experts.{e}.{theirs}.weight" for e in range(c.num_experts)], stack)
     return out
+
+
+def _gpt_oss_experts(c: ModelConfig, p: str, L: str) -> dict[tuple, tuple]:
+    """GPT-OSS keeps all experts in one tensor per projection, stored [E, in, out], gate and up
+    interleaved along out; or as MXFP4 blocks and scales of the [E, out, in] weights."""
+    x = p + "mlp.experts."
+    gate, up = (lambda w: w[..., ::2]), (lambda w: w[..., 1::2])
+    if c.expert_weights == "mxfp4":
+        gate_up = [x + "gate_up_proj_blocks", x + "gate_up_proj_scales"]
+        down = [x + "down_proj_blocks", x + "down_proj_scales"]
+        deq = lambda blocks, scales: np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2)
+        w_gate, w_up, w_down = (lambda b, s: gate(deq(b, s))), (lambda b, s: up(deq(b, s))), deq
+    else:
+        gate_up, down = [x + "gate_up_proj"], [x + "down_proj"]
+        w_gate, w_up, w_down = gate, up, None
+    return {
+        (L, "moe", "router"): ([p + "mlp.router.weight"], lambda w: w.T),
+        (L, "moe", "router_bias"): ([p + "mlp.router.bias"], None),
+        (L, "moe", "w_gate"): (gate_up, w_gate),
+        (L, "moe", "w_up"): (gate_up, w_up),
+        (L, "moe", "w_down"): (down, w_down),
+        (L, "moe", "b_gate"): ([x + "gate_up_proj_bias"], gate),
+        (L, "moe", "b_up"): ([x + "gate_up_proj_bias"], up),
+        (L, "moe", "b_down"): ([x + "down_proj_bias"], None),
+    }
+
+
+# FP4 E2M1 by its 4-bit code (sign, 2 exponent bits, 1 mantissa bit; low nibble first in a byte).
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 -> float32. blocks [..., G, 16] uint8 (32 FP4 values per block, two a byte),
+    scales [..., G] uint8 E8M0 (2 ** (s - 127)) -> [..., G * 32]."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not fit scales {scales.shape}")
+    values = np.stack([FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]], axis=-1)
+    values = values.reshape(*scales.shape, 32)
+    out = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return out.reshape(*scales.shape[:-1], -1)
 
 
 def hf_sources(config: ModelConfig) -> dict[tuple, tuple]:
@@ -141,9 +206,10 @@ def _read(name: str, files: dict[str, Path], handles: dict, fp8_ok: bool = False
             tensor = handles[file].get_tensor(name)
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
-    if tensor.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+    packed = name.endswith(("_blocks", "_scales"))  # MXFP4 experts: bytes
+    if tensor.dtype not in ((jnp.uint8,) if packed else (jnp.float32, jnp.float16, jnp.bfloat16)):
         raise CheckpointError(f"tensor {name} in {file} has dtype {tensor.dtype}; "
-                              "expected float32, float16 or bfloat16")
+                              f"expected {'uint8' if packed else 'float32, float16 or bfloat16'}")
     return np.asarray(tensor)
 
 
