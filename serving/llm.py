@@ -95,10 +95,25 @@ def default_model_folder() -> Path:
     return Path(default_model_path())
 
 
+# --kv-cache-dtype: "auto" stores K/V in the weights' dtype; "fp8" (alias "fp8_e4m3") in
+# float8_e4m3fn with float32 per-KV-head scales (docs/kernels_notes.md).
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype_of(name: str):
+    """The KV pages' dtype for a `kv_cache_dtype` option (None: the weights'), or a ValueError
+    naming the valid choices."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of "
+                         f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] and jnp.dtype(KV_CACHE_DTYPES[name])
+
+
 def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int,
                       fraction: float = 0.7) -> int:
     """Pages for a full context per sequence slot, capped at `fraction` of the device's free
-    memory (the rest is for activations); where memory is not reported, uncapped."""
+    memory (the rest is for activations); where memory is not reported, uncapped. `dtype` is
+    the pages': a float8 page takes half a bf16 one's bytes, so twice as many fit."""
     page_bytes = 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
         jnp.dtype(dtype).itemsize
     want = max_num_seqs * -(-max_model_len // page_size)
@@ -118,8 +133,10 @@ class LLM:
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0, **engine_kwargs):
+                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0,
+                 kv_cache_dtype: str = "auto", **engine_kwargs):
         from ..model import load_hf
+        kv_cache_dtype_of(kv_cache_dtype)  # refuse a bad value before loading anything
         path = Path(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -134,7 +151,7 @@ class LLM:
         self._start(config, params, tokenizer, max_model_len=max_model_len, num_pages=num_pages,
                     page_size=page_size, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, mesh=mesh, seed=seed,
-                    **engine_kwargs)
+                    kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
 
     @staticmethod
     def _placement(path, mesh, dtype) -> dict:
@@ -164,17 +181,18 @@ class LLM:
         return llm
 
     def _start(self, config, params, tokenizer, *, max_model_len=None, num_pages=None,
-               page_size=16, warmup=True, **engine_kwargs):
+               page_size=16, warmup=True, kv_cache_dtype="auto", **engine_kwargs):
         self.config, self.tokenizer = config, tokenizer
         max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype) or jax.tree.leaves(params)[0].dtype
         if num_pages is None:
-            num_pages = default_num_pages(config, page_size, jax.tree.leaves(params)[0].dtype,
-                                          max_model_len, engine_kwargs["max_num_seqs"])
+            num_pages = default_num_pages(config, page_size, kv_dtype, max_model_len,
+                                          engine_kwargs["max_num_seqs"])
         max_model_len = min(max_model_len, num_pages * page_size)
         # A mesh with data > 1 gets one engine per data slice behind one front door.
         self.engine = engine_for_mesh(config, params, tokenizer, num_pages=num_pages,
                                       page_size=page_size, max_model_len=max_model_len,
-                                      **engine_kwargs)
+                                      kv_cache_dtype=kv_dtype, **engine_kwargs)
         if warmup:
             self.engine.warmup()
         self.loop = self._loop = EngineLoop(self.engine)  # `_loop`: an older name, kept for now
