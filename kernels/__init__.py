@@ -187,11 +187,16 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, impl=None, interpret=False, **blocks):
-    """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D]."""
+    """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D].
+    Without Pallas (CPU) it runs blockwise in jnp over the context in use (`ragged_jnp.py`)."""
     opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                 k_scale=k_scale, v_scale=v_scale)
     used = _options(**opts)
-    if not _use_pallas(impl, interpret) or not used <= _KERNEL_TAKES["paged"]:
+    if not _use_pallas(impl, interpret):
+        from . import ragged_jnp
+        return ragged_jnp.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
+                                                 page_table, sm_scale=sm_scale, **opts)
+    if not used <= _KERNEL_TAKES["paged"]:
         return reference.ragged_paged_attention_reference(
             q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
             **opts)

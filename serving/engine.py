@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -27,11 +26,12 @@ from ..model import Batch, forward, init_kv_cache
 from . import sampling
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
+from .warmup import compile_all, default_page_buckets, first_run_loads
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
 # the k and v projections) into a multiply and a reduction that stream the weights at a quarter
-# of HBM speed (tools/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
+# of HBM speed (profiling/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
 # product. So the token axis is never shorter than two slots.
 MIN_TOKEN_BUCKET = 2
 INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
@@ -100,7 +100,7 @@ class Engine:
         max_pages = self.pages.pages_for(self.max_model_len)
         self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or geometric(
             max_num_batched_tokens, 4) + [max_num_seqs]})
-        self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
+        self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
@@ -385,21 +385,22 @@ class Engine:
         return self._samplers[(S, mode)]
 
     def warmup(self, workers: int | None = None):
-        """Compile every bucket and sampler variant (in parallel threads) and the history
-        loader, then run each once on an all-padding batch, which writes no page and no slot."""
-        keys = [(T, P) for T in self.token_buckets for P in self.page_buckets]
-        keys = [k for k in keys if k not in self._exe]
+        """Compile every bucket and sampler variant (in parallel threads, as many as the cores
+        and memory take: `warmup.py`) and the history loader, then (on GPU, where a first run
+        loads modules) run each once on an all-padding batch, which writes no page and no slot."""
+        keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
+                       if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
         sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
         samplers = [(S, m) for S in sizes for m in sampling.MODES if (S, m) not in self._samplers]
         lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
-        with ThreadPoolExecutor(workers or min(8, len(lowered) or 1)) as pool:
-            compiled = list(pool.map(lambda lo: lo.compile(), lowered))
+        names = [f"step T={T} P={P}" for T, P in keys] + [f"sampler S={S} {m}" for S, m in samplers]
+        compiled = compile_all(lowered, names, workers)
         self._exe.update(zip(keys, compiled[:len(keys)]))
         self._samplers.update(zip(samplers, compiled[len(keys):]))
         self.compilations += len(lowered)
         if self._load is None:
             self._compile_load()
-        for T, P in keys:
+        for T, P in keys if first_run_loads() else ():
             S = min(T, self.max_num_seqs)
             fill = dict(kv_slots=-1, sources=-1)  # padding: no write
             ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)

@@ -128,16 +128,17 @@ def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num
 
 
 class LLM:
-    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder
-    (None: the embedded default model)."""
+    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
+    a Hub name, `org/name[@revision]` (None: the embedded default model)."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, mesh=None, seed: int = 0,
                  kv_cache_dtype: str = "auto", **engine_kwargs):
         from ..model import load_hf
+        from ..model.hub import resolve
         kv_cache_dtype_of(kv_cache_dtype)  # refuse a bad value before loading anything
-        path = Path(path) if path is not None else default_model_folder()
+        path = resolve(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
         config, params = load_hf(path, dtype=dtype, **self._placement(path, mesh, dtype))

@@ -161,9 +161,10 @@ class BackgroundServer:
 # -- pallasite serve ----------------------------------------------------------------------------
 def add_arguments(parser):
     parser.add_argument("--model", default=None,
-                        help="Hugging Face checkpoint folder (default: the embedded model)")
+                        help="Hugging Face checkpoint folder or Hub name org/name[@revision] "
+                        "(default: the embedded model)")
     parser.add_argument("--served-model-name", default=None,
-                        help="name reported by ModelInfo (default: the folder's name)")
+                        help="name reported by ModelInfo (default: the Hub name or the folder's name)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9090,
@@ -239,10 +240,20 @@ def random_llm(folder, dtype: str | None, kwargs):
     from .llm import LLM
     if folder is None:
         raise ValueError("--random-weights needs --model, a folder with a config.json")
-    config = load_config(folder)
+    from ..model.hub import resolve
+    config = load_config(resolve(folder))
     dtype = getattr(jnp, dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
     params = jax.jit(lambda: init_params(config, 0, dtype))()  # made on the device
     return LLM.from_params(config, params, None, **kwargs)
+
+
+def served_name(model) -> str:
+    """A Hub name is reported as given (`org/name`); a folder by its name."""
+    from ..model.hub import is_repo_id
+    if model is None:
+        return "default"
+    return model.partition("@")[0] if is_repo_id(model) and not Path(model).exists() \
+        else Path(model).name
 
 
 def setup_logging(level: str):
@@ -267,7 +278,7 @@ async def serve(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    name = args.served_model_name or (Path(args.model).name if args.model else "default")
+    name = args.served_model_name or served_name(args.model)
     loading = asyncio.create_task(server.load(llm_factory(args), name))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -5,7 +5,7 @@ import time
 
 from test_server import checkpoint, llm, server  # noqa: F401  (module fixtures, built anew here)
 
-from pallasite.tools import bench_online
+from benchmarks import bench_online
 
 
 def check_sane(rec, requests):

@@ -1,9 +1,9 @@
 """Online load generator: streams requests to a running `pallasite serve` and measures what its
 users see.
 
-    python tools/bench_online.py --server 127.0.0.1:50051 --rate 1,2,4,8 --num-requests 200
-    python tools/bench_online.py --server HOST:PORT --concurrency 32 --prompts prompts.jsonl
-    python tools/bench_serving.py --online ...        (the same)
+    python -m benchmarks.bench_online --server 127.0.0.1:50051 --rate 1,2,4,8 --num-requests 200
+    python -m benchmarks.bench_online --server HOST:PORT --concurrency 32 --prompts prompts.jsonl
+    python -m benchmarks.bench_serving --online ...        (the same)
 
 Arrivals are Poisson at each `--rate` (requests/s; `inf` sends them all at once), or come from
 `--concurrency` clients that each send their next request when the previous one ends. Each run
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
 import math
 import random
@@ -233,6 +232,7 @@ def parse(argv):
 
 async def bench(args) -> list[dict]:
     from pallasite.serving.client import AsyncClient, Client
+    from .common import run_info
     with Client(args.server) as c:
         info = c.wait_ready(args.wait_ready).model_info()
     loads = [("rate", float(x)) for x in args.rate.split(",")] if args.rate else \
@@ -248,7 +248,7 @@ async def bench(args) -> list[dict]:
                max_num_seqs=info.max_num_seqs, kv_pages=info.kv_pages,
                input_len=list(args.input_len), output_len=list(args.output_len),
                prompts=args.prompts or "random",
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+               **run_info(device=False))
     records = []
     async with AsyncClient(args.server) as client:
         async for _ in client.stream(prompt_of(workload(args.seed + len(loads))[0]), max_tokens=2, **sampling):
