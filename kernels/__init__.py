@@ -119,6 +119,15 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
                                  interpret=interpret, **{k: opts[k] for k in used}, **kw)
 
 
+def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
+    """Key tiles a query block of `span` tokens reads at most: the page table's, or with a
+    sliding window the pages that window (and the block) can reach."""
+    pages = page_table.shape[1]
+    if sliding_window is not None:
+        pages = min(pages, -(-(sliding_window + span - 1) // page_size) + 1)
+    return -(-pages // pages_per_block)
+
+
 def _mosaic_decode_params(q, k_pages, page_table, blocks):
     kw = tuning.params("decode_mosaic") | blocks
     if "num_splits" not in kw:
@@ -169,7 +178,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
     from . import paged
     kw = tuning.params("decode", k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
-        tiles = -(-page_table.shape[1] // kw["pages_per_block"])
+        tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window)
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
     return paged.paged_attention(q, k_pages, v_pages, context_lens, page_table,
                                  sm_scale=sm_scale, interpret=interpret, **opts, **kw)
@@ -179,16 +188,15 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, impl=None, interpret=False, **blocks):
     """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D].
-    Without Pallas (CPU) it runs blockwise in jnp over the context in use (`ragged_jnp.py`),
-    or, with attention options, as the reference."""
+    Without Pallas (CPU) it runs blockwise in jnp over the context in use (`ragged_jnp.py`)."""
     opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                 k_scale=k_scale, v_scale=v_scale)
     used = _options(**opts)
-    if not _use_pallas(impl, interpret) and not used:
+    if not _use_pallas(impl, interpret):
         from . import ragged_jnp
         return ragged_jnp.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
-                                                 page_table, sm_scale=sm_scale)
-    if not _use_pallas(impl, interpret) or not used <= _KERNEL_TAKES["paged"]:
+                                                 page_table, sm_scale=sm_scale, **opts)
+    if not used <= _KERNEL_TAKES["paged"]:
         return reference.ragged_paged_attention_reference(
             q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
             **opts)
@@ -202,7 +210,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         group = q.shape[1] // k_pages.shape[0]
         rows = max(kw["block_rows"], 16, group)
         blocks_needed = max(-(-T * group // rows), S)
-        tiles = -(-page_table.shape[1] // kw["pages_per_block"])
+        tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
+                           T if mixed else 1)
         kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles, mixed)
     return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                         page_table, sm_scale=sm_scale, interpret=interpret,

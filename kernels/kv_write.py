@@ -57,6 +57,7 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, inter
     T, KV, D = k.shape
     whole = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
     pages = whole(*k_pages.shape)
+    n = 4 if k_scale is None else 5  # flat inputs (no scales: no leaf)
     scales = None
     if k_scale is not None:
         scales = jnp.stack([head_scale(x, KV) for x in (k_scale, v_scale)])
@@ -68,7 +69,7 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, inter
         out_specs=[pages, pages],
         out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={3: 0, 4: 1},
+        input_output_aliases={n - 2: 0, n - 1: 1},  # the pages: the last two leaves
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="pallasite_kv_write",

@@ -116,12 +116,16 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
                 **options):
     """The calls into `kernels/`: dense causal attention, or write this step's K/V into the
     layer's pages and attend over them. Works on whatever heads it is given (all, or a shard).
-    `options` (sliding_window, logit_softcap, sm_scale, sinks) go to the kernel as they are."""
+    `options` (sliding_window, logit_softcap, sm_scale, sinks) go to the kernel as they are. A
+    layer cache of float8 pages carries their per-KV-head scales after them."""
     if layer_cache is None:
         return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids,
                                        **options), None
-    k_pages, v_pages = kernels.write_kv(*layer_cache, k, v, batch.slots)
+    k_pages, v_pages, *scales = layer_cache
+    scale_kw = dict(zip(("k_scale", "v_scale"), scales))
+    k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch.slots, **scale_kw)
     o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
-                                       batch.context_lens, batch.page_table, **options)
-    return o, (k_pages, v_pages)
+                                       batch.context_lens, batch.page_table, **options,
+                                       **scale_kw)
+    return o, (k_pages, v_pages, *scales)
 

@@ -126,7 +126,22 @@ def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int):
     return (config.num_kv_heads, num_pages, page_size, config.head_dim)
 
 
+KV_SCALE = 1.0  # the per-KV-head scale of float8 pages (K and V are stored as x / scale)
+
+
+def kv_layer_cache(full, shape, dtype):
+    """One layer's cache: (k_pages, v_pages) each `shape` [kv_heads, pages, page, head_dim] in
+    `dtype`; with a one-byte dtype (float8) also (k_scale, v_scale), float32 [kv_heads, 1, 1, 1]
+    (the pages' rank, so they shard like the pages). `full(shape, value, dtype)` makes each."""
+    pages = (full(shape, 0, dtype), full(shape, 0, dtype))
+    if jnp.dtype(dtype).itemsize > 1:
+        return pages
+    scale = (shape[0], 1, 1, 1)
+    return pages + (full(scale, KV_SCALE, jnp.float32), full(scale, KV_SCALE, jnp.float32))
+
+
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16):
-    """A list per layer of (k_pages, v_pages), each [kv_heads, num_pages, page_size, head_dim]."""
+    """A list per layer of (k_pages, v_pages), each [kv_heads, num_pages, page_size, head_dim];
+    float8 pages come with their scales (`kv_layer_cache`)."""
     shape = kv_cache_shape(config, num_pages, page_size)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+    return [kv_layer_cache(jnp.full, shape, dtype) for _ in range(config.num_layers)]

@@ -86,8 +86,10 @@ class Engine:
     def __init__(self, config, params, tokenizer=None, *, num_pages: int, page_size: int = 16,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, kv_cache_dtype=None):
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
+        # The KV pages' dtype (None: the weights'); float8 pages carry per-KV-head scales.
+        self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or jax.tree.leaves(params)[0].dtype)
         self.page_size, self.max_num_seqs = page_size, max_num_seqs
         self.max_model_len = max_model_len or min(config.max_position_embeddings,
                                                   num_pages * page_size)
@@ -127,7 +129,7 @@ class Engine:
         """The device state: KV pages, the last sample of each slot (+ a scratch slot) and the
         penalties' history. On a mesh, params and pages go on their shards, the rest is
         replicated, and the step follows those shardings."""
-        config, dtype = self.config, jax.tree.leaves(self.params)[0].dtype
+        config, dtype = self.config, self.kv_cache_dtype
         last_tokens = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
         history = sampling.init_history(self.max_num_seqs, config.vocab_size)
         self._jit, self._inputs = jax.jit, None

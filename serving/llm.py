@@ -108,6 +108,20 @@ def default_model_folder() -> Path:
     return Path(default_model_path())
 
 
+# --kv-cache-dtype: "auto" stores K/V in the weights' dtype; "fp8" (alias "fp8_e4m3") in
+# float8_e4m3fn with float32 per-KV-head scales (docs/kernels_notes.md).
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype_of(name: str):
+    """The KV pages' dtype for a `kv_cache_dtype` option (None: the weights'), or a ValueError
+    naming the valid choices."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of "
+                         f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] and jnp.dtype(KV_CACHE_DTYPES[name])
+
+
 class LLM:
     """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
     a Hub name, `org/name[@revision]` (None: the embedded default model). `quantization="fp8"`
@@ -120,10 +134,12 @@ class LLM:
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 mesh=None, seed: int = 0, quantization: str | None = None, **engine_kwargs):
+                 mesh=None, seed: int = 0, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", **engine_kwargs):
         from ..model import load_hf, quant
         from ..model.hub import resolve
         quant.check_quantization(quantization)
+        kv_cache_dtype_of(kv_cache_dtype)  # refuse a bad value before loading anything
         path = resolve(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -139,7 +155,7 @@ class LLM:
         self._start(config, params, tokenizer, max_model_len=max_model_len, num_pages=num_pages,
                     page_size=page_size, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, mesh=mesh, seed=seed,
-                    **engine_kwargs)
+                    kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
 
     @staticmethod
     def _placement(path, mesh, dtype, quantization=None) -> dict:
@@ -173,11 +189,11 @@ class LLM:
 
     def _start(self, config, params, tokenizer, *, max_model_len=None, num_pages=None,
                page_size=16, max_num_seqs=None, max_num_batched_tokens=None,
-               token_buckets=None, warmup=True, **engine_kwargs):
+               token_buckets=None, warmup=True, kv_cache_dtype="auto", **engine_kwargs):
         self.config, self.tokenizer = config, tokenizer
         max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
-        sizes = engine_sizes(config, jax.tree.leaves(params)[0].dtype,
-                             max_model_len=max_model_len, page_size=page_size,
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype) or jax.tree.leaves(params)[0].dtype
+        sizes = engine_sizes(config, kv_dtype, max_model_len=max_model_len, page_size=page_size,
                              num_pages=num_pages, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              token_buckets=token_buckets)
@@ -187,7 +203,7 @@ class LLM:
         # A mesh with data > 1 gets one engine per data slice behind one front door.
         self.engine = engine_for_mesh(config, params, tokenizer, num_pages=num_pages,
                                       page_size=page_size, max_model_len=max_model_len,
-                                      **engine_kwargs)
+                                      kv_cache_dtype=kv_dtype, **engine_kwargs)
         if warmup:
             self.engine.warmup()
         self.loop = self._loop = EngineLoop(self.engine)  # `_loop`: an older name, kept for now

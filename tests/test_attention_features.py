@@ -236,3 +236,22 @@ def test_options_lower_for_gpu():
     rows = sds((5, 8, 128), jnp.bfloat16)
     text = kv_write.write_kv.trace(f8, f8, rows, rows, i32(5), k_scale=f32(8), v_scale=f32(8))
     assert "pallasite_kv_write" in text.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("window,softcap,sinks,fp8", [(20, None, False, False),
+                                                      (9, 30.0, True, True),
+                                                      (None, None, True, True)])
+def test_ragged_jnp_options(window, softcap, sinks, fp8):
+    """The CPU serving path (blockwise jnp) takes the options like the reference."""
+    from pallasite.kernels import ragged_jnp
+    q, kp, vp, qs, ctx, table, *_ = windowed_case(3, [13, 1, 5, 1], [60, 80, 0, 9], 8, 2, 16, 8,
+                                                  window, pad_tokens=2)
+    opts = dict(sliding_window=window, logit_softcap=softcap,
+                sinks=jnp.linspace(-1.0, 2.0, 8) if sinks else None)
+    if fp8:
+        scale = jnp.asarray([0.02, 0.5])
+        kp, vp = quantized(kp, scale), quantized(vp, scale)
+        opts |= dict(k_scale=scale, v_scale=scale.reshape(2, 1, 1, 1))
+    ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table, **opts)
+    out = ragged_jnp.ragged_paged_attention(q, kp, vp, qs, ctx, table, pages_per_block=2, **opts)
+    assert rel_err(out, ref) < 1e-5
