@@ -24,6 +24,9 @@ MAX_POSITIONS = {"mistral": 131072, "mixtral": 131072, "qwen2": 32768, "qwen3": 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
+WEIGHT_FORMATS = ("fp8", "compressed-tensors", "awq", "gptq")
+
+
 class ConfigError(ValueError):
     """A checkpoint's config asks for something pallasite does not support."""
 
@@ -287,9 +290,13 @@ def _check_unsupported(raw: dict, model_type: str):
                 "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                 "is not supported")
     quant = raw.get("quantization_config")
-    if quant and not (model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
-        raise ConfigError(f"quantization_config {quant.get('quant_method')!r} is not supported "
-                          "(only gpt_oss's mxfp4 experts, dequantized on load)")
+    method = (quant or {}).get("quant_method")
+    # Weight formats the loader reads (model/fp8_checkpoint.py, model/int_formats.py check
+    # their options), and gpt_oss's mxfp4 experts, dequantized on load.
+    if quant and method not in WEIGHT_FORMATS and not (model_type == "gpt_oss"
+                                                        and method == "mxfp4"):
+        raise ConfigError(f"quantization_config {method!r} is not supported (supported: "
+                          f"{', '.join(WEIGHT_FORMATS)}, and mxfp4 for gpt_oss)")
     partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                      raw.get("partial_rotary_factor", 1.0))
     if model_type != "phi3" and partial not in (None, 1, 1.0):

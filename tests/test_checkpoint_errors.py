@@ -21,9 +21,9 @@ def write_config(folder, **changes):
 
 @pytest.mark.parametrize("changes, words", [
     (dict(model_type="gpt2"), "model_type 'gpt2'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
-    (dict(model_type="mistral", sliding_window=128, max_position_embeddings=4096), "sliding_window"),
-    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling type 'dynamic'"),
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
+    (dict(hidden_act="relu"), "hidden_act"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]),
      "mlp_only_layers"),

@@ -177,6 +177,6 @@ def test_compressed_tensors_per_tensor_and_refusals(tmp_path):
     refused(lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"),
             r"weights.strategy 'group' is not supported")
     refused(lambda q: q.update(format="pack-quantized"),
-            r"format 'pack-quantized' is not supported")
+            r"type='float' is not supported")
     refused(lambda q: q.update(ignore=["lm_head", "o_proj"]),
             r"o_proj.weight is stored in FP8, but .* leaves its module unquantized")
