@@ -27,6 +27,7 @@ from ..model import Batch, forward, init_kv_cache
 from . import sampling
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
+from .speculative import SpeculativeConfig, make_speculator
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
@@ -58,12 +59,15 @@ class RequestOutput:
     completion_tokens: int
     arrival_time: float
     first_token_time: float | None
+    spec_proposed: int = 0  # speculative tokens proposed for this request so far
+    spec_accepted: int = 0  # ... and accepted
 
 
-def int_layout(T: int, S: int, P: int) -> dict[str, int]:
-    """The pieces of a step's int32 input to the forward pass, in order, and their sizes."""
+def int_layout(T: int, S: int, P: int, R: int = 1) -> dict[str, int]:
+    """The pieces of a step's int32 input to the forward pass, in order, and their sizes. R:
+    logits rows per sequence (1 + the speculative tokens)."""
     return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
-                logits_indices=S, page_table=S * P)
+                logits_indices=S * R, page_table=S * P)
 
 
 def sample_layout(S: int) -> dict[str, int]:
@@ -83,7 +87,7 @@ class Engine:
     def __init__(self, config, params, tokenizer=None, *, num_pages: int, page_size: int = 16,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, speculative_config=None, draft=None):
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
         self.page_size, self.max_num_seqs = page_size, max_num_seqs
         self.max_model_len = max_model_len or min(config.max_position_embeddings,
@@ -96,13 +100,21 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         max_pages = self.pages.pages_for(self.max_model_len)
+        spec = SpeculativeConfig.parse(speculative_config)
         self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or geometric(
-            max_num_batched_tokens, 4) + [max_num_seqs]})
+            max_num_batched_tokens, 4) + [max_num_seqs]} | self._spec_buckets(spec))
         self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
         self._place(mesh, num_pages)
+        # Speculation: proposals follow the previous step's tokens, so its steps do not overlap.
+        self.spec = make_speculator(spec, target_config=config, params_dtype=jax.tree.leaves(
+            self.params)[0].dtype, pages=self.pages, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
+            page_buckets=self.page_buckets, draft=draft)
+        self.rows = self.spec.rows if self.spec else 1
+        self.overlap = overlap and self.spec is None
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
@@ -114,6 +126,10 @@ class Engine:
         self._rng = random.Random(seed)
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
         self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
+
+    def _spec_buckets(self, spec) -> set[int]:
+        """A token bucket for one speculating sequence (1 + k tokens), for batch-1 latency."""
+        return set() if spec is None else {spec.num_speculative_tokens + 1}
 
     def _place(self, mesh, num_pages: int):
         """The device state: KV pages, the last sample of each slot (+ a scratch slot) and the
@@ -184,6 +200,7 @@ class Engine:
     def stats(self) -> dict:
         steps = max(self.totals["steps"], 1)
         return {**self.pages.stats(), **self.scheduler.stats(), "compilations": self.compilations,
+                **(self.spec.stats() if self.spec else {}),
                 "steps": self.totals["steps"],
                 "host_ms_per_step": 1e3 * self.totals["host_s"] / steps,
                 "wait_ms_per_step": 1e3 * self.totals["wait_s"] / steps}
@@ -193,7 +210,12 @@ class Engine:
         """Dispatch the next step, then collect the previous one's results."""
         t0 = time.perf_counter()
         outputs, self._outbox = self._outbox, []
+        if self.spec:
+            self.spec.plan(self.scheduler.running, self.scheduler.budget - len(
+                self.scheduler.running), self.max_model_len)
         chunks = self.scheduler.schedule()
+        if self.spec and chunks:
+            self.spec.propose(chunks, self.scheduler.admitted)
         launched = self._launch(chunks) if chunks else None
         wait = 0.0
         for done in ([self._inflight] if self._inflight else []) + (
@@ -214,7 +236,7 @@ class Engine:
                 self._load_history(seq)
         ints, sample_ints, floats, key, mode = self._pack(chunks)
         exe = self._exe.get(key) or self._compile_now(key)
-        S = min(key[0], self.max_num_seqs)
+        S = min(key[0], self.max_num_seqs) * self.rows
         sampler = self._samplers.get((S, mode)) or self._compile_sampler(S, mode)
         kv, last_tokens, history = self.state
         logits, kv = exe(self.params, kv, last_tokens, ints)
@@ -237,6 +259,10 @@ class Engine:
         done = time.perf_counter()
         if entry is not None:
             entry["done"] = done
+        if self.spec:  # each sequence's rows: its newest token and each proposal
+            out = out.reshape(-1, self.rows, out.shape[-1])
+            return [self.spec.verify(self, c, out[i]) for i, c in enumerate(chunks)
+                    if c.samples and c.seq.status != FINISHED], done - t
         return [self._accept(c.seq, out[i]) for i, c in enumerate(chunks)
                 if c.samples and c.seq.status != FINISHED], done - t
 
@@ -248,17 +274,17 @@ class Engine:
         widest = max(self.pages.pages_for(c.start + c.length) for c in chunks)
         T = next(b for b in self.token_buckets if b >= n)
         P = next(b for b in self.page_buckets if b >= widest)
-        S = min(T, self.max_num_seqs)
+        S, R = min(T, self.max_num_seqs), self.rows
         tok, pos, slot = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32)
         src = np.full(T, -1, np.int32)
-        qstart, ctx, last = np.zeros(S + 1, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
-        table, sample_row = np.zeros((S, P), np.int32), np.full(S, -1, np.int32)
-        floats, ints = sampling.pack_rows([], S)
+        qstart, ctx, last = np.zeros(S + 1, np.int32), np.zeros(S, np.int32), np.zeros(S * R, np.int32)
+        table, sample_row = np.zeros((S, P), np.int32), np.full(S * R, -1, np.int32)
+        floats, ints = sampling.pack_rows([], S * R)
         at = 0
         for i, c in enumerate(chunks):
             seq, end = c.seq, c.start + c.length
             pages = self.pages.table(seq.request_id)
-            known = seq.tokens[c.start:end]
+            known = seq.tokens[c.start:end - len(c.draft)] + c.draft
             tok[at:at + len(known)] = known
             if len(known) < c.length:  # the newest token is still on the device
                 src[at + c.length - 1] = seq.slot
@@ -269,12 +295,16 @@ class Engine:
             table[i, :len(used)] = used
             at += c.length
             qstart[i + 1:] = at
-            ctx[i], last[i] = end, at - 1
-            floats[:, i], ints[:, i] = seq.row[0][:, 0], seq.row[1][:, 0]
-            ints[INDEX, i] = seq.num_output - c.samples  # the output index being drawn
-            ints[HISTORY_ROW, i] = seq.slot
+            ctx[i] = end
+            # Row i * R + j: the logits after the chunk's (j + 1)-th last-but-draft token, drawn
+            # as output index (the next one) + j.
+            rows = slice(i * R, i * R + len(c.draft) + 1)
+            last[rows] = np.arange(at - 1 - len(c.draft), at)
+            floats[:, rows], ints[:, rows] = seq.row[0][:, :1], seq.row[1][:, :1]
+            ints[INDEX, rows] = seq.num_output - c.samples + np.arange(len(c.draft) + 1)
+            ints[HISTORY_ROW, rows] = seq.slot
             if c.samples:
-                sample_row[i] = seq.slot
+                sample_row[i * R] = seq.slot
         mode = max((c.seq.mode for c in chunks if c.samples), default=0)
         packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel()])
         return (packed, np.concatenate([sample_row, ints.ravel()]), floats.ravel(), (T, P),
@@ -332,7 +362,7 @@ class Engine:
         """The model over one ragged batch: logits of the sampled rows [S, V] and the new KV.
         `shape` (T, S, P) tells how `ints` is laid out."""
         T, S, P = shape
-        sizes = list(int_layout(T, S, P).values())
+        sizes = list(int_layout(T, S, P, self.rows).values())
         tok, pos, slot, src, qstart, ctx, last, table = jnp.split(ints, np.cumsum(sizes)[:-1])
         tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
         batch = Batch(qstart, ctx, table.reshape(S, P), slot, last)
@@ -357,7 +387,7 @@ class Engine:
     def _lower(self, key):
         T, P = key
         S = min(T, self.max_num_seqs)
-        n_int = sum(int_layout(T, S, P).values())
+        n_int = sum(int_layout(T, S, P, self.rows).values())
         fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=1)
         kv, last_tokens, _ = self.state
         return fn.lower(self.params, kv, last_tokens,
@@ -387,7 +417,7 @@ class Engine:
         loader, then run each once on an all-padding batch, which writes no page and no slot."""
         keys = [(T, P) for T in self.token_buckets for P in self.page_buckets]
         keys = [k for k in keys if k not in self._exe]
-        sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
+        sizes = sorted({min(T, self.max_num_seqs) * self.rows for T in self.token_buckets})
         samplers = [(S, m) for S in sizes for m in sampling.MODES if (S, m) not in self._samplers]
         lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
         with ThreadPoolExecutor(workers or min(8, len(lowered) or 1)) as pool:
@@ -401,7 +431,7 @@ class Engine:
             S = min(T, self.max_num_seqs)
             fill = dict(kv_slots=-1, sources=-1)  # padding: no write
             ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)
-                                   for name, n in int_layout(T, S, P).items()])
+                                   for name, n in int_layout(T, S, P, self.rows).items()])
             kv, last_tokens, history = self.state
             _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
             self.state = (kv, last_tokens, history)
@@ -413,6 +443,8 @@ class Engine:
             _, last_tokens, history = self._samplers[(S, mode)](logits, last_tokens, history,
                                                                 ints, floats.ravel())
             self.state = (kv, last_tokens, history)
+        if self.spec:
+            self.compilations += self.spec.warmup()
         jax.block_until_ready(self.state)
         return self
 

@@ -47,6 +47,10 @@ class Sequence:
     detok: object = None
     text: str = ""
     sent: int = 0
+    # Speculative decoding: tokens proposed to follow the newest one in the next step, and the
+    # speculation's own state (speculative.SpecState).
+    draft: list = dataclasses.field(default_factory=list)
+    spec: object = None
 
     def __post_init__(self):
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -74,6 +78,7 @@ class Chunk:
     start: int
     length: int
     samples: bool
+    draft: list = dataclasses.field(default_factory=list)  # proposals: the chunk's last tokens
 
 
 class Scheduler:
@@ -141,14 +146,16 @@ class Scheduler:
                 continue
             if seq.num_output >= seq.max_output:
                 continue  # its pending token is its last: it finishes when that arrives
+            if seq.draft and not self.pages.grow(seq.request_id, seq.total_len + len(seq.draft)):
+                seq.draft = []  # no room to speculate: decode one token
             while not self.pages.grow(seq.request_id, seq.total_len):
                 preempted = True
                 self._preempt(self.running[-1])
                 if seq.status != RUNNING:
                     break
             else:
-                chunks.append(self._chunk(seq, 1))
-                budget -= 1
+                chunks.append(self._chunk(seq, 1, seq.draft))
+                budget -= chunks[-1].length
         for seq in self.running:  # prefills under way, oldest first
             if budget > 0 and seq.total_len - seq.num_computed > 1:
                 chunks.append(self._chunk(seq, budget))
@@ -163,10 +170,11 @@ class Scheduler:
             self.pages.cache_full_pages(c.seq.request_id, c.seq.tokens[:c.start + c.length])
         return chunks
 
-    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+    def _chunk(self, seq: Sequence, budget: int, draft=()) -> Chunk:
         n = min(seq.total_len - seq.num_computed, budget)
-        chunk = Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.total_len)
-        seq.num_computed += n
+        chunk = Chunk(seq, seq.num_computed, n + len(draft), seq.num_computed + n == seq.total_len,
+                      list(draft))
+        seq.num_computed += chunk.length
         seq.num_pending += chunk.samples  # its sample reaches the host a step later
         return chunk
 

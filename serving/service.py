@@ -258,7 +258,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 vocab_size=e.config.vocab_size, dtype=str(jax.tree.leaves(e.params)[0].dtype),
                 mesh=describe_mesh(e), eos_token_ids=sorted(e.eos),
                 has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
-                max_num_seqs=e.max_num_seqs, kv_pages=e.pages.num_pages, page_size=e.page_size)
+                max_num_seqs=e.max_num_seqs, kv_pages=e.pages.num_pages, page_size=e.page_size,
+                speculative=e.spec.config.describe() if getattr(e, "spec", None) else "")
 
 
 def describe_mesh(engine) -> str:
