@@ -67,7 +67,7 @@ def step_inputs(engine, context: int, draft: list[int]):
     """A decoding sequence with `context` tokens in its cache (pages allocated, K/V as they
     are) and `draft` proposals, packed as the engine packs a step."""
     seq = Sequence("bench", [1 + i % 200 for i in range(context)], None)
-    seq.row = engine_row(engine)
+    seq.row, seq.mode = engine_row(engine), 0  # greedy
     engine.pages.grow("bench", context + len(draft))
     seq.num_computed, seq.slot = context - 1 + 1 + len(draft), 0
     chunk = Chunk(seq, context - 1, 1 + len(draft), True, list(draft))
@@ -183,7 +183,7 @@ def acceptance(args) -> dict:
         stats = llm.engine.stats()
     rec.update(ngram_mean_accepted=stats["spec_mean_accepted"],
                ngram_greedy_identical=got == want_copy,
-               ngram_tokens_per_s_note="copy workload; per verify step of sequences with a match")
+               ngram_workload="a held-out document, a blank line, its first 32 tokens again")
     rec.update(prompts=len(prompts), max_tokens=args.max_tokens, k=K)
     return rec
 

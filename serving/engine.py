@@ -101,8 +101,8 @@ class Engine:
                                    max_model_len=self.max_model_len)
         max_pages = self.pages.pages_for(self.max_model_len)
         spec = SpeculativeConfig.parse(speculative_config)
-        self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or geometric(
-            max_num_batched_tokens, 4) + [max_num_seqs]} | self._spec_buckets(spec))
+        self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or (
+            geometric(max_num_batched_tokens, 4) + [max_num_seqs] + self._spec_buckets(spec))})
         self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
@@ -127,9 +127,10 @@ class Engine:
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
         self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
 
-    def _spec_buckets(self, spec) -> set[int]:
-        """A token bucket for one speculating sequence (1 + k tokens), for batch-1 latency."""
-        return set() if spec is None else {spec.num_speculative_tokens + 1}
+    @staticmethod
+    def _spec_buckets(spec) -> list[int]:
+        """A default token bucket for one speculating sequence (1 + k tokens): batch 1."""
+        return [] if spec is None else [spec.num_speculative_tokens + 1]
 
     def _place(self, mesh, num_pages: int):
         """The device state: KV pages, the last sample of each slot (+ a scratch slot) and the

@@ -97,8 +97,8 @@ def draft_folder(model: str) -> Path:
         from ..model import default_model_path
         path = Path(default_model_path()) / "draft"
         if not (path / "model.safetensors").is_file():
-            raise ValueError(f"the default model's draft is missing from {path} (see "
-                             "train/recipes/default_draft.py to train it)")
+            raise ValueError(f"the default model's draft is missing from {path} (train it: "
+                             "python -m pallasite.train.default_draft --out DIR --install)")
         return path
     path = Path(model)
     if not (path / "config.json").is_file():
@@ -312,9 +312,12 @@ def make_speculator(spec, *, target_config, params_dtype, pages, max_num_seqs: i
         draft = load_hf(draft_folder(config.model), dtype=params_dtype)
     draft_config, draft_params = draft
     check_vocab(draft_config.vocab_size, target_config.vocab_size)
+    # The draft computes what the target does, plus at most one token a sequence that it lags
+    # behind (the last proposal of a fully accepted run): its largest bucket is that much wider.
+    buckets = sorted(token_buckets)
     model = DraftModel(draft_config, draft_params, pages, max_num_seqs=max_num_seqs,
-                       token_buckets=sorted(set(token_buckets)
-                                            | {max_num_batched_tokens + max_num_seqs}),
+                       token_buckets=buckets[:-1] + [max(buckets[-1], max_num_batched_tokens)
+                                                     + max_num_seqs],
                        page_buckets=page_buckets)
     return Speculator(config, DraftProposer(config, model))
 
