@@ -128,7 +128,7 @@ def verify_cost(args) -> dict:
 # -- 2, 3, 5. acceptance on the default pair ----------------------------------------------------
 def held_out_documents(n: int) -> list[str]:
     """The last documents of the training order (seed 0): packed last, so in the held-out rows."""
-    from pallasite.tools.train_default import help_topics, stdlib_docstrings
+    from pallasite.train.default_model import help_topics, stdlib_docstrings
     docs = help_topics() + stdlib_docstrings()
     order = np.random.default_rng(0).permutation(len(docs))
     return [docs[i] for i in order[-n:]]

@@ -146,10 +146,12 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, impl=None, interpret=False, **blocks):
-    """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D]."""
+    """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D].
+    Without Pallas (CPU) it runs blockwise in jnp over the context in use (`ragged_jnp.py`)."""
     if not _use_pallas(impl, interpret):
-        return reference.ragged_paged_attention_reference(
-            q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale)
+        from . import ragged_jnp
+        return ragged_jnp.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
+                                                 page_table, sm_scale=sm_scale)
     from . import paged
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.

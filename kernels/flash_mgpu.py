@@ -26,7 +26,7 @@ What bounds it (H100, docs/kernels_notes.md): at S=4096 it runs 655-663 TFLOP/s 
 counted as half the full product), 66%-67% of the 989 TFLOP/s bf16 tensor-core peak (a large
 matrix product reaches 798): 1.12x cuDNN causal, device-timed, and 0.97x-0.98x full. A
 work item's 128-key step takes ~1.7 us against 1.12 us of tensor-core work at peak. The softmax
-is why (`tools/profile_flash.py`, `tools/ncu_flash.py`): a thread's 64 exp2 issue as one run of
+is why (`profiling/profile_flash.py`, `profiling/ncu_flash.py`): a thread's 64 exp2 issue as one run of
 MUFU.EX2 (16 results per clock and SM: 512 cycles a warp), the O rescale and P's conversion
 wait behind it in issue order, and with the two consumers taking turns their softmaxes
 alternate, so a step lasts about two softmaxes while the tensor cores idle. P's row sums run
@@ -42,7 +42,7 @@ stays off.
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
 else (grid, TMA ring, barriers, masks, online softmax, stores) runs as written. The wgmma calls
-and register layouts are checked only on the GPU (`tools/bench_kernels.py`).
+and register layouts are checked only on the GPU (`benchmarks/bench_kernels.py`).
 """
 
 from __future__ import annotations
@@ -446,7 +446,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
                     profile_dir=None, interpret=False):
     """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
     CTAs as tiles each runs one, as a plain grid would. `profile_dir` (GPU) writes a trace of
-    each warpgroup's named phases there (`tools/profile_flash.py` reads it). `overlap`
+    each warpgroup's named phases there (`profiling/profile_flash.py` reads it). `overlap`
     software-pipelines each consumer (`_overlapped_loop`); measured no faster on the H100, off.
     `late_sum` (staggered loop) takes P's row sums while P V runs: 1.6% faster causal."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)

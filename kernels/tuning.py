@@ -1,4 +1,4 @@
-"""Block sizes per GPU, chosen by `tools/bench_kernels.py --sweep` runs (see docs/kernels_notes.md).
+"""Block sizes per GPU, chosen by `benchmarks/bench_kernels.py --sweep` runs (see docs/kernels_notes.md).
 
 Keys are matched as substrings of `jax.devices()[0].device_kind`; "default" serves any other GPU
 and interpret mode. `target_programs` is how many (block, kv head, split) programs the split-K
@@ -18,7 +18,7 @@ _DEFAULT = {
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     # Mosaic GPU decode (Hopper; "decode_backend" says where it is the default). H100 and H200
-    # sweeps of 2026-11-23 (tools/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
+    # sweeps of 2026-11-23 (benchmarks/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
@@ -33,7 +33,7 @@ _DEFAULT = {
     "kv_write": dict(impl="xla"),
 }
 
-# H100 80GB HBM3, JAX 0.11.2, `tools/bench_kernels.py --sweep`: the best flash tiles at B=4,
+# H100 80GB HBM3, JAX 0.11.2, `benchmarks/bench_kernels.py --sweep`: the best flash tiles at B=4,
 # S=4096, causal (2026-11-22); the best decode tiles over (B=64, ctx 4k) and (B=1, ctx 32k)
 # (2026-11-23: 64-key tiles, 3 stages, 0.386 ms at B=64 ctx 4k against 0.435 for 128 keys and 2).
 # block_rows=64 lets Triton use warpgroup MMAs even for decode (rows past the group are masked).
@@ -48,7 +48,7 @@ _H100 = dict(
     kv_write=dict(impl="pallas"),
 )
 
-# H200, JAX 0.11.2, `tools/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
+# H200, JAX 0.11.2, `benchmarks/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
 # docs/benchmarks/h200_*): the Mosaic GPU decode kernel's TMA page copies lead at batch 1 / 32k
 # (46.4 vs 53.2 us, device time), are level at batch 64 / 4k (0.266 vs 0.265 ms) and trail by 8%
 # at batch 64-256 / 1k; on the H100 the Triton kernel is level or ahead. The H200's own

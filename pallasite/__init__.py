@@ -8,6 +8,7 @@
 _EXPORTS = {
     "LLM": "pallasite.serving.llm",
     "SamplingParams": "pallasite.serving.llm",
+    "StructuredOutput": "pallasite.serving.structured",
     "Completion": "pallasite.serving.llm",
     "load_hf": "pallasite.model",
     "load_config": "pallasite.model",

@@ -50,7 +50,8 @@ def generation_defaults(folder) -> dict:
 
 def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint folder (default: the embedded default model)")
+                   help="Hugging Face checkpoint folder or Hub name org/name[@revision] "
+                   "(default: the embedded default model)")
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="stream from a running `pallasite serve` instead of loading a model")
     p.add_argument("--wait", type=float, default=300, metavar="SECONDS",
@@ -91,8 +92,10 @@ def run_generate(args) -> int:
 
 def generate_locally(prompt: str, args) -> int:
     import jax.numpy as jnp
+    from pallasite.model import CheckpointError, ConfigError
     from pallasite.serving.llm import LLM, SamplingParams, default_model_folder
-    folder = args.model or default_model_folder()
+    from pallasite.model.hub import resolve
+    folder = resolve(args.model) if args.model else default_model_folder()
     if args.model is None:
         print(f"pallasite: no --model given: using the embedded default model ({folder})",
               file=sys.stderr)
@@ -115,7 +118,11 @@ def generate_locally(prompt: str, args) -> int:
                                   **sampling_kwargs(args, generation_defaults(folder)))
     except ValueError as e:
         raise SystemExit(f"pallasite generate: {e}") from None
-    with LLM(folder, **kwargs) as llm:
+    try:
+        llm = LLM(folder, **kwargs)
+    except (ConfigError, CheckpointError) as e:
+        raise SystemExit(f"pallasite generate: {e}") from None
+    with llm:
         if args.chat:
             if llm.tokenizer is None or not llm.tokenizer.chat_template:
                 raise SystemExit("pallasite generate: --chat needs a model with a chat template")

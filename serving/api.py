@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 
 from .llm import SamplingParams
+from .structured import StructuredOutput, StructuredOutputError
 from .proto import pb
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -26,11 +27,27 @@ class ApiError(Exception):
 
 
 # -- requests ---------------------------------------------------------------------------------
+def structured_output(msg: pb.SamplingParams) -> StructuredOutput | None:
+    if not msg.HasField("structured_output"):
+        return None
+    so = msg.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ApiError(INVALID, "sampling.structured_output is set but empty: set one of "
+                                "json_schema, json_object, regex, choice, grammar")
+    value = list(so.choice.options) if kind == "choice" else getattr(so, kind)
+    try:
+        return StructuredOutput(**{kind: value})
+    except StructuredOutputError as e:
+        raise ApiError(INVALID, f"sampling.structured_output.{kind}: {e}") from None
+
+
 def sampling_params(msg: pb.SamplingParams, vocab_size: int) -> SamplingParams:
     kwargs = {f: getattr(msg, f) for f in OPTIONAL_SAMPLING if msg.HasField(f)}
     try:
         sp = SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-                            ignore_eos=msg.ignore_eos, **kwargs)
+                            ignore_eos=msg.ignore_eos, logit_bias=dict(msg.logit_bias) or None,
+                            structured_output=structured_output(msg), **kwargs)
     except ValueError as e:  # its message names the field and the rule
         raise ApiError(INVALID, str(e).replace("SamplingParams.", "sampling.")) from None
     check_token_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab_size)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -25,14 +24,16 @@ import numpy as np
 
 from ..model import Batch, forward, init_kv_cache
 from . import sampling
+from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 from .speculative import SpeculativeConfig, make_speculator
+from .warmup import compile_all, default_page_buckets, first_run_loads
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
 # the k and v projections) into a multiply and a reduction that stream the weights at a quarter
-# of HBM speed (tools/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
+# of HBM speed (profiling/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
 # product. So the token axis is never shorter than two slots.
 MIN_TOKEN_BUCKET = 2
 INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
@@ -103,7 +104,7 @@ class Engine:
         spec = SpeculativeConfig.parse(speculative_config)
         self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or (
             geometric(max_num_batched_tokens, 4) + [max_num_seqs] + self._spec_buckets(spec))})
-        self.page_buckets = sorted(set(page_buckets or [max(1, max_pages // 8), max_pages]))
+        self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
@@ -116,11 +117,13 @@ class Engine:
         self.rows = self.spec.rows if self.spec else 1
         self.overlap = overlap and self.spec is None
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.guide = Guide(tokenizer, config.vocab_size, self.eos)  # structured output, logit bias
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
+        self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
         self._exe: dict = {}  # (T, P) -> compiled forward pass
-        self._samplers: dict = {}  # (S, mode) -> compiled sampler
+        self._samplers: dict = {}  # (S, mode) or (S, mode, "guided") -> compiled sampler
         self._load = None  # compiled history loader
         self.compilations = 0
         self._rng = random.Random(seed)
@@ -163,6 +166,10 @@ class Engine:
         if bad:
             raise RequestError(f"stop token id {bad[0]} is outside the vocabulary "
                                f"(vocab_size {self.config.vocab_size})")
+        try:
+            self.guide.check(sampling_params)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
         if request_id in self.seqs:
@@ -182,6 +189,7 @@ class Engine:
                    frequency_penalty=sp.frequency_penalty, top_k=sp.top_k, seed=seq.seed,
                    logprobs=-1 if sp.logprobs is None else sp.logprobs)
         seq.row = sampling.pack_rows([row], 1)
+        self.guide.start(seq)
         if self.tokenizer is not None:
             from ..model.tokenizer import IncrementalDetokenizer
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
@@ -213,12 +221,13 @@ class Engine:
         outputs, self._outbox = self._outbox, []
         if self.spec:
             self.spec.plan(self.scheduler.running, self.scheduler.budget - len(
-                self.scheduler.running), self.max_model_len)
+                self.scheduler.running), self.max_model_len, skip=self.guide.guided)
         chunks = self.scheduler.schedule()
         if self.spec and chunks:
             self.spec.propose(chunks, self.scheduler.admitted)
         launched = self._launch(chunks) if chunks else None
-        wait = 0.0
+        early, wait = self._early  # the previous step, if a guided sampler read it back
+        outputs, self._early = outputs + early, ([], 0.0)
         for done in ([self._inflight] if self._inflight else []) + (
                 [launched] if launched and not self.overlap else []):
             out, wait_s = self._collect(*done)
@@ -238,9 +247,19 @@ class Engine:
         ints, sample_ints, floats, key, mode = self._pack(chunks)
         exe = self._exe.get(key) or self._compile_now(key)
         S = min(key[0], self.max_num_seqs) * self.rows
-        sampler = self._samplers.get((S, mode)) or self._compile_sampler(S, mode)
         kv, last_tokens, history = self.state
         logits, kv = exe(self.params, kv, last_tokens, ints)
+        if self._inflight and self.guide.needs_sync(chunks):
+            # A constrained row's mask needs the token of the step in flight: read it back now,
+            # while this step's forward pass runs; only the sampler waits for the mask.
+            self._early = self._collect(*self._inflight)
+            self._inflight = None
+        guided = self.guide.step_inputs(self.spec.spread(chunks) if self.spec else chunks, S)
+        if guided is not None:  # constrained or biased rows: the guided variant takes more
+            sample_ints, floats = (np.concatenate([sample_ints, guided[0]]),
+                                   np.concatenate([floats, guided[1]]))
+        skey = (S, mode) + (("guided",) if guided is not None else ())
+        sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
         out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
         out.copy_to_host_async()  # queued behind this step, not behind the next one
         self.state = (kv, last_tokens, history)
@@ -315,6 +334,7 @@ class Engine:
         token = int(row[0])
         seq.num_pending -= 1
         seq.tokens.append(token)
+        complete = self.guide.accept(seq, token)
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
         lps = None
@@ -329,6 +349,8 @@ class Engine:
             reason = "length"
         if seq.detok is not None and reason != "stop":  # a stop token adds no text
             seq.text += seq.detok.add(token)
+        if complete and reason is None:  # the grammar admits nothing more: done, text kept
+            reason = "stop"
         delta, hit_stop = self._text_delta(seq, final=reason is not None)
         if hit_stop:
             reason = "stop"
@@ -373,12 +395,20 @@ class Engine:
         return logits, kv
 
     @staticmethod
-    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode):
+    def _sample_fn(logits, last_tokens, history, ints, floats, *, S, mode, guided):
         """Sample each row, remember the tokens on the device, and pack the results in one
-        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast)."""
-        sample_row, rows_i = jnp.split(ints, [S])
+        int32 array [S, 2 + 2n]: token, logprob, top ids, top logprobs (floats bit-cast).
+        The guided variant finds each row's bitmask and logit bias after the usual inputs."""
+        n_rows, n_floats = len(sampling.INT_FIELDS) * S, len(sampling.FLOAT_FIELDS) * S
+        sample_row, rows_i, extra = jnp.split(ints, [S, S + n_rows])
+        floats, bias_values = jnp.split(floats, [n_floats])
         rows = sampling.Rows.from_packed(floats.reshape(-1, S), rows_i.reshape(-1, S))
-        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode)
+        guide = None
+        if guided:
+            mask, bias_ids = jnp.split(extra, [extra.size - bias_values.size])
+            guide = sampling.Guide(mask.reshape(S, -1), bias_ids.reshape(S, -1),
+                                   bias_values.reshape(S, -1))
+        new, lp, top_ids, top_lp = sampling.sample(logits, rows, history, mode, guide)
         last_tokens = last_tokens.at[jnp.where(sample_row >= 0, sample_row, -1)].set(new)
         history = sampling.record(history, sample_row, new)
         f2i = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
@@ -394,41 +424,48 @@ class Engine:
         return fn.lower(self.params, kv, last_tokens,
                         jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
 
-    def _lower_sampler(self, S: int, mode: str):
+    def _lower_sampler(self, S: int, mode: str, guided: bool | str = False):
         _, last_tokens, history = self.state
         V = self.config.vocab_size
-        fn = self._jit(partial(self._sample_fn, S=S, mode=mode), donate_argnums=(1, 2))
+        fn = self._jit(partial(self._sample_fn, S=S, mode=mode, guided=bool(guided)),
+                       donate_argnums=(1, 2))
         spec = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype, sharding=self._inputs)
+        extra = guided_layout(S, V) if guided else (0, 0)
         return fn.lower(jax.ShapeDtypeStruct((S, V), jnp.float32, sharding=self._inputs),
-                        last_tokens, history, spec(sum(sample_layout(S).values()), jnp.int32),
-                        spec(len(sampling.FLOAT_FIELDS) * S, jnp.float32))
+                        last_tokens, history,
+                        spec(sum(sample_layout(S).values()) + extra[0], jnp.int32),
+                        spec(len(sampling.FLOAT_FIELDS) * S + extra[1], jnp.float32))
 
     def _compile_now(self, key):
         self._exe[key] = self._lower(key).compile()
         self.compilations += 1
         return self._exe[key]
 
-    def _compile_sampler(self, S: int, mode: str):
-        self._samplers[(S, mode)] = self._lower_sampler(S, mode).compile()
+    def _compile_sampler(self, S: int, mode: str, *guided):
+        key = (S, mode, *guided)
+        self._samplers[key] = self._lower_sampler(*key).compile()
         self.compilations += 1
-        return self._samplers[(S, mode)]
+        return self._samplers[key]
 
     def warmup(self, workers: int | None = None):
-        """Compile every bucket and sampler variant (in parallel threads) and the history
-        loader, then run each once on an all-padding batch, which writes no page and no slot."""
-        keys = [(T, P) for T in self.token_buckets for P in self.page_buckets]
-        keys = [k for k in keys if k not in self._exe]
+        """Compile every bucket and sampler variant (in parallel threads, as many as the cores
+        and memory take: `warmup.py`) and the history loader, then (on GPU, where a first run
+        loads modules) run each once on an all-padding batch, which writes no page and no slot."""
+        keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
+                       if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
         sizes = sorted({min(T, self.max_num_seqs) * self.rows for T in self.token_buckets})
-        samplers = [(S, m) for S in sizes for m in sampling.MODES if (S, m) not in self._samplers]
+        samplers = [(S, m, *g) for S in sizes for m in sampling.MODES for g in ((), ("guided",))
+                    if (S, m, *g) not in self._samplers]
         lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
-        with ThreadPoolExecutor(workers or min(8, len(lowered) or 1)) as pool:
-            compiled = list(pool.map(lambda lo: lo.compile(), lowered))
+        names = [f"step T={T} P={P}" for T, P in keys] + [" ".join(["sampler", f"S={k[0]}", *k[1:]])
+                                                           for k in samplers]
+        compiled = compile_all(lowered, names, workers)
         self._exe.update(zip(keys, compiled[:len(keys)]))
         self._samplers.update(zip(samplers, compiled[len(keys):]))
         self.compilations += len(lowered)
         if self._load is None:
             self._compile_load()
-        for T, P in keys:
+        for T, P in keys if first_run_loads() else ():
             S = min(T, self.max_num_seqs)
             fill = dict(kv_slots=-1, sources=-1)  # padding: no write
             ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)
@@ -436,13 +473,16 @@ class Engine:
             kv, last_tokens, history = self.state
             _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
             self.state = (kv, last_tokens, history)
-        for S, mode in samplers:
+        for S, mode, *guided in samplers:
             floats, rows = sampling.pack_rows([], S)
             ints = np.concatenate([np.full(S, -1, np.int32), rows.ravel()])  # -1: no sample
+            extra = guided_layout(S, self.config.vocab_size) if guided else (0, 0)
+            ints = np.concatenate([ints, np.full(extra[0], -1, np.int32)])
+            floats = np.concatenate([floats.ravel(), np.zeros(extra[1], np.float32)])
             kv, last_tokens, history = self.state
             logits = jnp.zeros((S, self.config.vocab_size), jnp.float32, device=self._inputs)
-            _, last_tokens, history = self._samplers[(S, mode)](logits, last_tokens, history,
-                                                                ints, floats.ravel())
+            _, last_tokens, history = self._samplers[(S, mode, *guided)](
+                logits, last_tokens, history, ints, floats)
             self.state = (kv, last_tokens, history)
         if self.spec:
             self.compilations += self.spec.warmup()

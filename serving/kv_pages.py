@@ -124,6 +124,16 @@ class KVPages:
                 else:
                     self.free_list.append(page)
 
+    def cached_prefix_tokens(self, tokens) -> int:
+        """Tokens of the longest run of full pages of `tokens` in the prefix cache (read only)."""
+        parent, n = self.root, 0
+        for i in range(len(tokens) // self.page_size):
+            parent = page_digest(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+            if parent not in self.cache:
+                break
+            n += self.page_size
+        return n
+
     # -- internals -----------------------------------------------------------------------------
     def _ref(self, page: int):
         if self.refs[page] == 0:

@@ -22,6 +22,7 @@ from .engine import Engine, RequestOutput, TokenLogprob
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
+from .structured import MAX_LOGIT_BIAS, StructuredOutput
 
 
 @dataclasses.dataclass
@@ -29,7 +30,9 @@ class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and penalties of
     1 (repetition) or 0 (presence, frequency) are off. A seed (taken modulo 2**32) makes the
     output reproducible whatever else runs in the same batch; max_tokens None runs to the
-    context limit. logprobs n returns the sampled token's and the n best tokens' logprobs."""
+    context limit. logprobs n returns the sampled token's and the n best tokens' logprobs.
+    logit_bias {token id: bias in [-100, 100]} is added to those logits before sampling;
+    structured_output constrains the output to a JSON schema, regex, choice or grammar."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -43,6 +46,8 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -65,6 +70,13 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs)
                                                    and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or in [0, {MAX_LOGPROBS}]"),
+            ("logit_bias", self.logit_bias is None or (
+                isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+                and all(_is_int(t) and t >= 0 and -100 <= b <= 100
+                        for t, b in self.logit_bias.items())),
+             f"None or at most {MAX_LOGIT_BIAS} {{token id: bias in [-100, 100]}}"),
+            ("structured_output", self.structured_output is None
+             or isinstance(self.structured_output, StructuredOutput), "None or a StructuredOutput"),
         ]
         for field, ok, rule in rules:
             if not ok:
@@ -115,17 +127,19 @@ def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num
 
 
 class LLM:
-    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder
-    (None: the embedded default model). `speculative_config` turns on speculative decoding, in
-    vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2} or {"method": "draft_model", "model": DRAFT_PATH,
-    "num_speculative_tokens": 4} ("default-draft": the default model's own draft)."""
+    """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
+    a Hub name, `org/name[@revision]` (None: the embedded default model). `speculative_config`
+    turns on speculative decoding, in vLLM's shape: {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or
+    {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": 4}
+    ("default-draft": the default model's own draft)."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, mesh=None, seed: int = 0, **engine_kwargs):
         from ..model import load_hf
-        path = Path(path) if path is not None else default_model_folder()
+        from ..model.hub import resolve
+        path = resolve(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
         config, params = load_hf(path, dtype=dtype, **self._placement(path, mesh, dtype))

@@ -5,12 +5,20 @@ on each other's collectives. The front door only picks a replica for each new re
 merges their outputs; it has the same surface as `Engine`, so `EngineLoop` and `LLM` drive
 either.
 
-A request goes to the replica with the most free KV pages after what its queue will claim, ties
-broken by the shorter queue, then the lower index. It stays there until it finishes (its pages
-live there); nothing migrates.
+A request goes where its prompt's prefix is: to the replica whose prefix cache holds the longest
+run of its full pages, or, when none holds any, to the replica its first page hashes to, so that
+requests sharing a prefix that arrive together meet on one replica and all but the first hit the
+cache. Affinity yields to balance: a replica already carrying `affinity_slack` more sequences
+than the least loaded one, or without room for the prompt, is passed over for the one with the
+most free KV pages after what its queue will claim (ties: the shorter queue, then the lower
+index); prompts shorter than a page go there too. A request stays where it lands until it
+finishes (its pages live there); nothing migrates.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
 
 from .engine import Engine
 from .scheduler import RequestError
@@ -39,7 +47,7 @@ class Replicas:
     def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
         if request_id in self.owner:
             raise RequestError(f"request id {request_id!r} is already in use")
-        engine = self.pick()
+        engine = self.pick(prompt_ids)
         engine.add_request(request_id, prompt_ids, sampling_params)
         self.owner[request_id] = engine
 
@@ -83,17 +91,41 @@ class Replicas:
     def compilations(self) -> int:
         return sum(e.compilations for e in self.replicas)
 
-    # -- balancing ----------------------------------------------------------------------------
-    def pick(self) -> Engine:
-        """The replica with the most free pages once its queue is admitted, then the shortest
-        queue."""
-        def room(i_engine):
-            i, engine = i_engine
-            pages, sched = engine.pages.stats(), engine.scheduler.waiting
-            queued = sum(engine.pages.pages_for(len(s.prompt_ids)) for s in sched)
-            free = pages["pages_free"] + pages["pages_cached"] - queued
-            return (-free, len(engine.scheduler.running) + len(sched), i)
-        return min(enumerate(self.replicas), key=room)[1]
+    # -- routing ------------------------------------------------------------------------------
+    affinity_slack = 4  # sequences a prefix's home may carry beyond the least loaded replica
+
+    def pick(self, prompt_ids=()) -> Engine:
+        """The replica for a new request: its prefix's home unless that one is overloaded or
+        full, else the one with the most room."""
+        return self.replicas[pick_replica(prompt_ids, [_load(e) for e in self.replicas],
+                                          [e.pages for e in self.replicas], self.affinity_slack)]
+
+
+def _load(engine) -> tuple[int, int]:
+    """(free KV pages once its queue is admitted, sequences running or waiting)."""
+    pages, waiting = engine.pages.stats(), engine.scheduler.waiting
+    queued = sum(engine.pages.pages_for(len(s.prompt_ids)) for s in waiting)
+    return (pages["pages_free"] + pages["pages_cached"] - queued,
+            len(engine.scheduler.running) + len(waiting))
+
+
+def pick_replica(prompt_ids, loads, pools, slack: int) -> int:
+    """Index of the replica for a prompt, from each replica's (free pages, sequences) and its
+    KV page pool."""
+    best = min(range(len(loads)), key=lambda i: (-loads[i][0], loads[i][1], i))
+    page = pools[0].page_size
+    if len(prompt_ids) < page:
+        return best
+    hits = [pool.cached_prefix_tokens(prompt_ids[:-1]) for pool in pools]
+    if max(hits):
+        home = hits.index(max(hits))
+    else:  # nobody has it yet: where its first page hashes, so its siblings meet there
+        digest = hashlib.blake2b(array("i", prompt_ids[:page]).tobytes(), digest_size=8).digest()
+        home = int.from_bytes(digest, "little") % len(loads)
+    need = pools[home].pages_for(len(prompt_ids)) - hits[home] // page
+    if loads[home][1] <= loads[best][1] + slack and loads[home][0] >= need:
+        return home
+    return best
 
 
 def _on_mesh(params, mesh) -> bool:

@@ -131,10 +131,28 @@ def _draw(logits, rows: Rows, filtering: bool):
     return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # Gumbel-max: a softmax draw
 
 
-def _full(logits, rows: Rows, history: History, filtering: bool):
+class Guide(NamedTuple):
+    """Per-row token constraints of the "guided" variants: bitmask [S, ceil(V/32)] int32 (bit
+    t%32 of word t//32 set: token t allowed; all ones for a free row) and a sparse logit bias,
+    ids and values [S, K] (padding: +0 on token 0)."""
+    bitmask: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+
+
+def apply_guide(logits, guide: Guide):
+    """Add each row's logit bias, then send the tokens its bitmask forbids to -inf."""
+    S, V = logits.shape
+    logits = logits.at[jnp.arange(S)[:, None], guide.bias_ids].add(guide.bias_values)
+    bits = (guide.bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # no gather
+    return jnp.where(bits.reshape(S, -1)[:, :V] == 1, logits, -jnp.inf)
+
+
+def _full(logits, rows: Rows, history: History, filtering: bool, guide: Guide | None = None):
     """Penalties, sampling (or argmax for greedy rows) and logprobs, for every row."""
     r = jnp.where(rows.history_row < 0, history.seen.shape[0] - 1, rows.history_row)
-    penalized = apply_penalties(logits, history.seen[r], history.counts[r], rows)
+    penalized = apply_penalties(logits if guide is None else apply_guide(logits, guide),
+                                history.seen[r], history.counts[r], rows)
     tokens = jnp.where(rows.temperature > 0, _draw(penalized, rows, filtering),
                        jnp.argmax(penalized, axis=-1).astype(jnp.int32))
     lp = jax.nn.log_softmax(logits, axis=-1)
@@ -149,13 +167,14 @@ def _greedy(logits):
             jnp.zeros((*tokens.shape, n), jnp.float32))
 
 
-def sample(logits, rows: Rows, history: History, mode: str = "filter"):
+def sample(logits, rows: Rows, history: History, mode: str = "filter", guide: Guide | None = None):
     """logits [S, V] float32 -> tokens [S] int32, their logprobs [S], top ids [S, n] and top
     logprobs [S, n] (n = MAX_LOGPROBS). Logprobs are of the model's own distribution (before
     penalties, temperature and filters), and zeros in the "greedy" mode.
 
     `mode` (static, one of MODES) must cover every row: "greedy" ignores temperature,
-    penalties and logprobs; "sample" ignores top-k, top-p and min-p; "filter" does everything."""
+    penalties and logprobs; "sample" ignores top-k, top-p and min-p; "filter" does everything.
+    A `guide` (the guided variants) constrains and biases what is drawn, not the logprobs."""
     if mode == "greedy":
-        return _greedy(logits)
-    return _full(logits, rows, history, filtering=mode == "filter")
+        return _greedy(logits if guide is None else apply_guide(logits, guide))
+    return _full(logits, rows, history, filtering=mode == "filter", guide=guide)

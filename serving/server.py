@@ -1,12 +1,14 @@
-"""`pallasite serve`: the gRPC server process around the Generation service.
+"""`pallasite serve`: the gRPC and OpenAI HTTP servers around the Generation service.
 
     pallasite serve --model PATH --port 50051 --metrics-port 9090
+    pallasite serve --model PATH --http-port 8000            (HTTP only; add --port for both)
 
 The port opens at once, with the standard health service reporting NOT_SERVING and generation
 calls answered UNAVAILABLE while the model loads and compiles; then SERVING. Server reflection
 lists the services. SIGTERM or SIGINT drains: health NOT_SERVING, new calls UNAVAILABLE, calls
 under way get a grace period and are then aborted, and the process exits 0. Prometheus metrics
 are served over HTTP; each generation writes one JSON log line (logger pallasite.serving.requests).
+The OpenAI-compatible API (serving/http.py) runs on the same event loop and engine.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import contextlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,17 +47,49 @@ except ImportError:
 class Server:
     """The gRPC server, its health and metrics, and its lifecycle: start, load, drain."""
 
-    def __init__(self, *, host: str = "0.0.0.0", port: int = 50051, metrics_port: int | None = None,
-                 max_queue: int = 1024, grace_s: float = 30.0):
+    def __init__(self, *, host: str = "0.0.0.0", port: int | None = 50051,
+                 metrics_port: int | None = None, max_queue: int = 1024, grace_s: float = 30.0,
+                 http_port: int | None = None):
+        """port None: no gRPC; http_port None: no HTTP (0 for either: any free port)."""
         self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.http_port, self.http = http_port, None
         self.grace_s = grace_s
         self.metrics = Metrics()
         self.service = GenerationService(self.metrics, max_queue)
         self.health = health.aio.HealthServicer() if health else None
         self.grpc = None
 
-    async def start(self) -> int:
-        """Open the port (NOT_SERVING until `load` finishes); returns the port bound."""
+    async def start(self) -> int | None:
+        """Open the ports (NOT_SERVING until `load` finishes); returns the gRPC port bound."""
+        if self.http_port is not None:
+            await self._start_http()
+        if self.port is not None:
+            await self._start_grpc()
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.metrics_port, addr=self.host)
+        return self.port
+
+    async def _start_http(self):
+        import uvicorn
+        from .http import create_app
+
+        class Uvicorn(uvicorn.Server):
+            def capture_signals(self):  # the process's signals are `serve`'s, which drains
+                return contextlib.nullcontext()
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.http_port))
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.service), log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=1)
+        self.http = Uvicorn(config)
+        self._http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
+        while not self.http.started and not self._http_task.done():
+            await asyncio.sleep(0.01)
+
+    async def _start_grpc(self):
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(self.service, self.grpc)
         services = [SERVICE_NAME]
@@ -72,9 +108,6 @@ class Server:
             raise OSError(f"cannot listen on {self.host}:{self.port}")
         self.port = bound
         await self.grpc.start()
-        if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(self.metrics_port, addr=self.host)
-        return self.port
 
     async def _set_health(self, status: str):
         if self.health is None:
@@ -104,7 +137,9 @@ class Server:
         self.service.ready(llm, model_name)
         self.metrics.watch_engine(llm.engine)
         await self._set_health("SERVING")
-        log.info("serving %s on port %d", model_name or "the model", self.port)
+        log.info("serving %s on %s", model_name or "the model", ", ".join(
+            f"{kind} port {p}" for kind, p in (("gRPC", self.port), ("HTTP", self.http_port))
+            if p is not None))
 
     async def drain(self, grace_s: float | None = None):
         """Stop taking calls, give those under way `grace_s` to finish, abort the rest, stop."""
@@ -122,7 +157,11 @@ class Server:
                 if not self.service.calls:
                     break
                 await asyncio.sleep(0.01)
-        await self.grpc.stop(1.0)
+        if self.grpc is not None:
+            await self.grpc.stop(1.0)
+        if self.http is not None:
+            self.http.should_exit = True
+            await self._http_task
         self.metrics.close()
 
 
@@ -161,11 +200,16 @@ class BackgroundServer:
 # -- pallasite serve ----------------------------------------------------------------------------
 def add_arguments(parser):
     parser.add_argument("--model", default=None,
-                        help="Hugging Face checkpoint folder (default: the embedded model)")
+                        help="Hugging Face checkpoint folder or Hub name org/name[@revision] "
+                        "(default: the embedded model)")
     parser.add_argument("--served-model-name", default=None,
-                        help="name reported by ModelInfo (default: the folder's name)")
+                        help="name reported by ModelInfo (default: the Hub name or the folder's name)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="gRPC port (0: any free port; default 50051, or none when only "
+                             "--http-port is given)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="OpenAI-compatible HTTP API port (0: any free port; default: off)")
     parser.add_argument("--metrics-port", type=int, default=9090,
                         help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
     parser.add_argument("--random-weights", action="store_true",
@@ -238,10 +282,20 @@ def random_llm(folder, dtype: str | None, kwargs):
     from .llm import LLM
     if folder is None:
         raise ValueError("--random-weights needs --model, a folder with a config.json")
-    config = load_config(folder)
+    from ..model.hub import resolve
+    config = load_config(resolve(folder))
     dtype = getattr(jnp, dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
     params = jax.jit(lambda: init_params(config, 0, dtype))()  # made on the device
     return LLM.from_params(config, params, None, **kwargs)
+
+
+def served_name(model) -> str:
+    """A Hub name is reported as given (`org/name`); a folder by its name."""
+    from ..model.hub import is_repo_id
+    if model is None:
+        return "default"
+    return model.partition("@")[0] if is_repo_id(model) and not Path(model).exists() \
+        else Path(model).name
 
 
 def setup_logging(level: str):
@@ -255,18 +309,23 @@ def setup_logging(level: str):
 
 
 async def serve(args) -> int:
-    server = Server(host=args.host, port=args.port,
+    grpc_port = args.port if args.port is not None or args.http_port is not None else 50051
+    server = Server(host=args.host, port=grpc_port, http_port=args.http_port,
                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                     max_queue=args.max_queue, grace_s=args.grace_period)
     port = await server.start()
-    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" \
-        if server.metrics_port is not None else ""
-    print(f"pallasite: listening on {args.host}:{port}{metrics}; loading the model", flush=True)
+    where = [f"listening on {args.host}:{port}"] if port is not None else []
+    if server.http_port is not None:
+        where.append(f"OpenAI HTTP on http://{args.host}:{server.http_port}/v1" if where else
+                     f"listening on http://{args.host}:{server.http_port}/v1 (OpenAI HTTP)")
+    if server.metrics_port is not None:
+        where.append(f"metrics on http://{args.host}:{server.metrics_port}/metrics")
+    print(f"pallasite: {', '.join(where)}; loading the model", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    name = args.served_model_name or (Path(args.model).name if args.model else "default")
+    name = args.served_model_name or served_name(args.model)
     loading = asyncio.create_task(server.load(llm_factory(args), name))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -103,10 +103,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if request is not None and request.request_id:
             call.client_request_id = request.request_id
         try:
-            if self.state != SERVING:
-                raise ApiError(Code.UNAVAILABLE, "the model is loading and warming up; retry when "
-                               "health reports SERVING" if self.state == WARMING else
-                               "the server is shutting down")
+            self.check_serving()
             yield call
         except ApiError as e:
             call.code, call.message = e.code.name, e.message
@@ -129,10 +126,21 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # -- generation ---------------------------------------------------------------------------
     def _submit(self, request: pb.GenerateRequest, call: Call) -> Request:
-        engine, vocab = self.engine, self.engine.config.vocab_size
+        vocab = self.engine.config.vocab_size
         sampling = api.sampling_params(request.sampling, vocab)
         ids = api.prompt_token_ids(request, self.llm.tokenizer, vocab)
-        api.check_length(len(ids), sampling, engine.max_model_len)
+        return self.submit(ids, sampling, call)
+
+    def check_serving(self):
+        if self.state != SERVING:
+            raise ApiError(Code.UNAVAILABLE, "the model is loading and warming up; retry when "
+                           "health reports SERVING" if self.state == WARMING else
+                           "the server is shutting down")
+
+    def submit(self, ids: list[int], sampling, call: Call) -> Request:
+        """Hand a request to the engine (from the event loop); the HTTP front end calls this too."""
+        self.check_serving()
+        api.check_length(len(ids), sampling, self.engine.max_model_len)
         if self.queued >= self.max_queue:
             raise ApiError(Code.RESOURCE_EXHAUSTED, f"the admission queue is full: {self.queued} "
                            f"requests wait for their first token (limit {self.max_queue}, "

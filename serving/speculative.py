@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .scheduler import Chunk
+
 METHODS = ("ngram", "draft_model")
 DEFAULT_DRAFT = "default-draft"  # the draft shipped beside the embedded default model
 
@@ -215,15 +217,16 @@ class Speculator:
         self.rows = self.k + 1  # logits rows per sequence in every step
         self.totals = dict(proposed=0, accepted=0, verify_steps=0)
 
-    def plan(self, running, budget: int, max_model_len: int):
+    def plan(self, running, budget: int, max_model_len: int, skip=lambda seq: False):
         """Give each decoding sequence its proposal (or placeholders), within the step's spare
         token budget, its max_tokens (the step may emit every proposal plus one) and the
-        context."""
+        context. Penalized sequences and those `skip` names (guided ones) decode plainly."""
         for seq in running:
             seq.draft = []
             if seq.spec is None:
                 seq.spec = SpecState()
-            if seq.penalized or seq.num_pending or seq.total_len - seq.num_computed != 1:
+            if (seq.penalized or skip(seq) or seq.num_pending
+                    or seq.total_len - seq.num_computed != 1):
                 continue
             limit = min(budget, seq.max_output - seq.num_output - 1,
                         max_model_len - seq.total_len)
@@ -242,6 +245,12 @@ class Speculator:
             if c.seq in admitted:
                 c.seq.spec.draft_computed = c.start
         self.proposer.propose(chunks)
+
+    def spread(self, chunks) -> list:
+        """The chunks at their sampler rows (chunk i at row i * rows), the rows between them
+        padding that samples nothing."""
+        pad = Chunk(None, 0, 0, False)
+        return [x for c in chunks for x in [c] + [pad] * (self.rows - 1)]
 
     def warmup(self) -> int:
         """Compile the draft model's buckets; returns how many compilations that took."""

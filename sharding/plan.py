@@ -1,5 +1,6 @@
 """A mesh plan, (data, tensor, expert) device counts, and the checks that reject a plan before
-anything is compiled: sizes that do not divide the model or the devices, weights that do not fit.
+anything is compiled: sizes that do not divide the model or the devices (whether the weights fit
+is `rules.check_fits`: it needs the partition rules, which build on the plan).
 
 Pure Python over the model config: no devices are touched, so the plan explorer and the CLI can
 call it freely.
@@ -8,7 +9,6 @@ call it freely.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 from ..model.config import ModelConfig
@@ -99,33 +99,3 @@ def validate_plan(config: ModelConfig, plan: MeshPlan, num_devices: int | None =
         raise PlanError(f"mesh {plan} needs {plan.size} devices, which does not divide the "
                         f"{num_devices} available; plan sizes that fit: "
                         f"{_divisors(num_devices, num_devices)}")
-
-
-def param_bytes_per_device(config: ModelConfig, plan: MeshPlan, dtype) -> int:
-    """Bytes of parameters each device holds under `plan` (exact, from the partition rules)."""
-    import numpy as np
-
-    from .rules import _param_layout, logical_to_spec, shard_shape
-    _, shapes, logical = _param_layout(config)
-    return np.dtype(dtype).itemsize * sum(
-        math.prod(shard_shape(shape, logical_to_spec(names, shape, plan), plan))
-        for shape, names in zip(shapes, logical))
-
-
-def check_fits(config: ModelConfig, plan: MeshPlan, device_memory_bytes: int, dtype,
-               weight_fraction: float = 0.9) -> int:
-    """Raise PlanError if one device's share of the weights exceeds `weight_fraction` of its
-    memory (the rest is for the KV cache and activations). Returns the bytes per device."""
-    need = param_bytes_per_device(config, plan, dtype)
-    budget = weight_fraction * device_memory_bytes
-    if need <= budget:
-        return need
-    experts = _divisors(config.num_experts, config.num_experts) if config.is_moe else [1]
-    candidates = sorted((MeshPlan(1, t, e) for t in tensor_sizes(config) for e in experts),
-                        key=lambda p: (p.size, p.expert))
-    fits = [f"tp={p.tensor}" + (f",ep={p.expert}" if config.is_moe else "") for p in candidates
-            if param_bytes_per_device(config, p, dtype) <= budget][:3]
-    hint = (f"smallest plans that fit: {'; '.join(fits)}" if fits else
-            "no tensor/expert split of this model fits")
-    raise PlanError(f"mesh {plan}: weights need {need / 2**30:.2f} GiB per device, over "
-                    f"{weight_fraction:.0%} of its {device_memory_bytes / 2**30:.2f} GiB; {hint}")

@@ -18,7 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ..model import ModelConfig, param_logical_axes, param_shapes
-from .plan import MeshPlan
+from .plan import MeshPlan, PlanError, _divisors, tensor_sizes
 
 AXES = ("data", "tensor", "expert")
 
@@ -91,3 +91,31 @@ def kv_cache_partition_spec(config: ModelConfig, plan: MeshPlan) -> P:
     """KV pages [heads, pages, page_size, head_dim] are split over tensor by head (always
     divisible: see `kv_cache_heads`) and copied over data and expert."""
     return P("tensor", None, None, None)
+
+
+def param_bytes_per_device(config: ModelConfig, plan: MeshPlan, dtype) -> int:
+    """Bytes of parameters each device holds under `plan` (exact, from the partition rules)."""
+    import numpy as np
+    _, shapes, logical = _param_layout(config)
+    return np.dtype(dtype).itemsize * sum(
+        math.prod(shard_shape(shape, logical_to_spec(names, shape, plan), plan))
+        for shape, names in zip(shapes, logical))
+
+
+def check_fits(config: ModelConfig, plan: MeshPlan, device_memory_bytes: int, dtype,
+               weight_fraction: float = 0.9) -> int:
+    """Raise PlanError if one device's share of the weights exceeds `weight_fraction` of its
+    memory (the rest is for the KV cache and activations). Returns the bytes per device."""
+    need = param_bytes_per_device(config, plan, dtype)
+    budget = weight_fraction * device_memory_bytes
+    if need <= budget:
+        return need
+    experts = _divisors(config.num_experts, config.num_experts) if config.is_moe else [1]
+    candidates = sorted((MeshPlan(1, t, e) for t in tensor_sizes(config) for e in experts),
+                        key=lambda p: (p.size, p.expert))
+    fits = [f"tp={p.tensor}" + (f",ep={p.expert}" if config.is_moe else "") for p in candidates
+            if param_bytes_per_device(config, p, dtype) <= budget][:3]
+    hint = (f"smallest plans that fit: {'; '.join(fits)}" if fits else
+            "no tensor/expert split of this model fits")
+    raise PlanError(f"mesh {plan}: weights need {need / 2**30:.2f} GiB per device, over "
+                    f"{weight_fraction:.0%} of its {device_memory_bytes / 2**30:.2f} GiB; {hint}")

@@ -5,7 +5,7 @@ import time
 
 from test_server import checkpoint, llm, server  # noqa: F401  (module fixtures, built anew here)
 
-from pallasite.tools import bench_online
+from benchmarks import bench_online
 
 
 def check_sane(rec, requests):
@@ -53,3 +53,20 @@ def test_jsonl_prompts_and_bounds(server, tmp_path):
                                "--input-len", "8", "--output-len", "4", "--slo-ttft-ms", "0"])
     assert time.monotonic() - t < 10 and 1 <= rec["requests"] <= 10
     assert rec["goodput_req_per_s"] == 0
+
+
+def test_http_run_beside_grpc(llm):  # noqa: F811
+    """--http: the same load through the OpenAI HTTP API of a server that serves both."""
+    from pallasite.serving.server import BackgroundServer
+    srv = BackgroundServer(lambda: llm, "tiny", host="127.0.0.1", port=0, http_port=0).wait_ready(60)
+    try:
+        grpc_rec, http_rec = bench_online.main([
+            "--server", f"127.0.0.1:{srv.port}", "--http", f"127.0.0.1:{srv.server.http_port}",
+            "--rate", "inf", "--num-requests", "6", "--input-len", "8:16", "--output-len", "4:8"])
+    finally:
+        srv.drain(0)
+    assert (grpc_rec["api"], http_rec["api"]) == ("grpc", "http")
+    check_sane(grpc_rec, 6)
+    check_sane(http_rec, 6)
+    assert http_rec["mean_output_tokens"] == grpc_rec["mean_output_tokens"]  # same lengths
+    assert http_rec["ratio_vs_grpc"] == http_rec["output_tok_per_s"] / grpc_rec["output_tok_per_s"]

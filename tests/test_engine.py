@@ -248,9 +248,10 @@ def test_requests_that_cannot_be_served_name_the_limit(big):
 
 def test_no_compilation_after_warmup(big, small):
     # Every step of every test above ran on executables compiled in warmup().
-    # (T, P) forward buckets + one sampler per mode and sequence-axis size + the history loader.
-    assert big.compilations == big.warm == 2 * 2 + 1 * 3 + 1
-    assert small.compilations == small.warm == 2 * 1 + 1 * 3 + 1
+    # (T, P) forward buckets + a plain and a guided sampler per mode and sequence-axis size + the
+    # history loader.
+    assert big.compilations == big.warm == 2 * 2 + 1 * 3 * 2 + 1
+    assert small.compilations == small.warm == 2 * 1 + 1 * 3 * 2 + 1
 
 
 def test_token_buckets_start_at_two_slots():

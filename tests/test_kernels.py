@@ -342,9 +342,9 @@ def test_kv_write_lowers_for_gpu():
 
 
 def test_profile_phase_times_pairs_nested_events():
-    """tools/profile_flash.py's reading of a trace: begin/end pairs per warpgroup thread,
+    """profiling/profile_flash.py's reading of a trace: begin/end pairs per warpgroup thread,
     nested phases closed innermost first, warpgroups told apart by their trace id."""
-    from pallasite.tools.profile_flash import phase_times
+    from profiling.profile_flash import phase_times
     ev = lambda name, ph, ts, tid: dict(name=name, ph=ph, ts=ts, tid=tid, pid=1)
     trace = {"traceEvents": [
         ev("qk", "B", 0.0, 1), ev("softmax", "B", 1.0, 1), ev("softmax", "E", 3.5, 1),
@@ -359,9 +359,9 @@ def test_profile_phase_times_pairs_nested_events():
 
 
 def test_ncu_summary_reads_each_kernel(tmp_path, capsys):
-    """tools/ncu_flash.py's reading of Nsight Compute's source page: one block per profiled
+    """profiling/ncu_flash.py's reading of Nsight Compute's source page: one block per profiled
     kernel, stall reasons and opcodes as shares of that kernel's samples, predicates skipped."""
-    from pallasite.tools.ncu_flash import summarize
+    from profiling.ncu_flash import summarize
     head = ('"Address","Source","Warp Stall Sampling (All Samples)","stall_wait",'
             '"stall_long_sb","stall_wait (Not Issued)"\n')
     kernel = lambda rows: '"Kernel Name","k",\n' + head + "".join(
@@ -377,9 +377,9 @@ def test_ncu_summary_reads_each_kernel(tmp_path, capsys):
 
 
 def test_ncu_decode_summary_groups_kernels_by_call(tmp_path, capsys):
-    """tools/ncu_decode.py's reading of Nsight Compute's metric CSV: the kernels after each
+    """profiling/ncu_decode.py's reading of Nsight Compute's metric CSV: the kernels after each
     marker belong to that call; durations (ns) and bytes sum per call."""
-    from pallasite.tools.ncu_decode import summarize
+    from profiling.ncu_decode import summarize
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     rows = [(0, "marker_b1_triton", 1000, 0), (1, "pack_fusion", 2000, 1e6),
             (2, "pallasite_ragged", 60000, 134e6), (3, "marker_b1_read", 1000, 0),
@@ -396,10 +396,10 @@ def test_ncu_decode_summary_groups_kernels_by_call(tmp_path, capsys):
 
 
 def test_device_time_cuts_trace_at_flushes():
-    """tools/bench_kernels.py's device timing: kernels on the GPU's stream lines between
+    """benchmarks/common.py's device timing: kernels on the GPU's stream lines between
     flushes make one call; other planes and derived lines are not counted twice."""
     from types import SimpleNamespace as E
-    from pallasite.tools.bench_kernels import FLUSH, per_call_ms
+    from benchmarks.common import FLUSH, per_call_ms
     ev = lambda t, ns, name: E(start_ns=t, duration_ns=ns, name=name)
     stream = [ev(0, 500, FLUSH), ev(600, 40_000, "attn"), ev(41_000, 3_000, "merge"),
               ev(50_000, 500, FLUSH), ev(51_000, 50_000, "attn"), ev(102_000, 4_000, "merge"),
@@ -417,9 +417,9 @@ def test_device_time_cuts_trace_at_flushes():
 def test_bench_l2_flush_kernels(mode, monkeypatch):
     """Both L2 flushes lower to one Triton kernel named FLUSH (how a trace is cut into calls);
     the read flush returns column sums of its 128 MB buffer of ones, the write flush 128 MB."""
-    from pallasite.tools import bench_kernels as bk
+    from benchmarks import common as bk
     monkeypatch.setitem(bk.FLUSH_MODE, "mode", mode)
-    flush = bk._l2_flush()
+    flush = bk.l2_flush()
     text = jax.jit(lambda: flush()).trace().lower(lowering_platforms=("cuda",)).as_text()
     assert bk.FLUSH in text and "triton" in text
     out = jax.eval_shape(flush)
@@ -427,9 +427,9 @@ def test_bench_l2_flush_kernels(mode, monkeypatch):
 
 
 def test_bench_table_rows():
-    """tools/bench_kernels.py's report: a decode row where JAX's kernel failed shows no ratio,
+    """benchmarks/bench_kernels.py's report: a decode row where JAX's kernel failed shows no ratio,
     and KV-write records get their own table."""
-    from pallasite.tools.bench_kernels import table
+    from benchmarks.bench_kernels import table
     base = dict(gpu="GPU", jax_version="0", date="d")
     decode = dict(base, kernel="paged_attention", batch=1, context=32768, page_size=64,
                   backend="triton", ours_ms=0.0627, tbps=2.14, frac_of_copy_bw=0.71,

@@ -13,7 +13,7 @@ import pytest
 
 from pallasite.model import config_from_dict, param_shapes
 from pallasite.sharding import MeshPlan
-from pallasite.tools import plan, plan_model as pm
+from pallasite.tools.plan import cli as plan, inputs as pi, model as pm, search as psearch
 
 TINY_MOE = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
                 moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -69,12 +69,12 @@ def test_shard_shapes_match_real_sharded_arrays():
 
 
 def test_weights_on_one_device_are_the_eval_shape_bytes():
-    config = pm.load_model("llama-3-8b")
+    config = pi.load_model("llama-3-8b")
     leaves = jax.tree.leaves(param_shapes(config))
     total = sum(math.prod(x.shape) for x in leaves)
     shapes = pm.shapes_of(config, MeshPlan())
     assert shapes.total == shapes.device_total == total == 8_030_261_248
-    mem = pm.memory(config, shapes, MeshPlan(), pm.Cluster(pm.GPUS["h100"]), pm.Workload())
+    mem = pm.memory(config, shapes, MeshPlan(), pi.Cluster(pi.GPUS["h100"]), pi.Workload())
     assert mem.weights == 2 * total  # 16.06 GB in bf16
     assert round(mem.weights / 1e9, 2) == 16.06
     kv = mem.kv_tokens * mem.kv_per_token
@@ -83,7 +83,7 @@ def test_weights_on_one_device_are_the_eval_shape_bytes():
 
 
 def test_tensor_split_halves_the_split_weights_only():
-    config = pm.load_model("llama-3-8b")
+    config = pi.load_model("llama-3-8b")
     one, two = pm.shapes_of(config, MeshPlan()), pm.shapes_of(config, MeshPlan(1, 2, 1))
     norms = 2 * config.num_layers * config.hidden_size + config.hidden_size  # replicated
     assert two.device_total == (one.total - norms) // 2 + norms
@@ -97,20 +97,20 @@ def test_tensor_split_halves_the_split_weights_only():
 def test_preset_parameter_counts(name, count):
     """The published parameter counts of the checkpoints (llama-3-8b is also checked against
     `param_shapes` directly above)."""
-    assert pm.shapes_of(pm.load_model(name), MeshPlan()).total == count
+    assert pm.shapes_of(pi.load_model(name), MeshPlan()).total == count
 
 
 def test_kv_bytes_per_token():
-    llama = pm.load_model("llama-3-8b")
+    llama = pi.load_model("llama-3-8b")
     assert pm.kv_bytes_per_token(llama, MeshPlan(), 2) == 2 * 32 * 8 * 128 * 2
     assert pm.kv_bytes_per_token(llama, MeshPlan(1, 2, 1), 2) == 2 * 32 * 4 * 128 * 2
-    qwen = pm.load_model("qwen3-30b-a3b")  # 4 kv heads on 8 shards: one copied head each
+    qwen = pi.load_model("qwen3-30b-a3b")  # 4 kv heads on 8 shards: one copied head each
     assert pm.kv_bytes_per_token(qwen, MeshPlan(1, 8, 1), 2) == 2 * 48 * 1 * 128 * 2
 
 
 def test_all_reduce_volume():
-    llama = pm.load_model("llama-3-8b")
-    cluster = pm.Cluster(pm.GPUS["h100"])
+    llama = pi.load_model("llama-3-8b")
+    cluster = pi.Cluster(pi.GPUS["h100"])
     comm = pm.collectives(llama, MeshPlan(1, 2, 1), cluster, tokens=1, act_bytes=2)
     # Two ring all-reduces of 4096 bf16 values: each device sends 2(t-1)/t of 8192 B per one.
     assert comm["all-reduce x2"][0] == 2 * 8192
@@ -121,9 +121,9 @@ def test_all_reduce_volume():
 
 
 def test_invalid_plans_rejected_with_reasons():
-    llama = pm.load_model("llama-3-8b")
-    cluster = pm.Cluster(pm.GPUS["h100"], gpus_per_host=6)
-    by_plan = {r["plan"]: r for r in pm.explore(llama, cluster, pm.Workload())}
+    llama = pi.load_model("llama-3-8b")
+    cluster = pi.Cluster(pi.GPUS["h100"], gpus_per_host=6)
+    by_plan = {r["plan"]: r for r in psearch.explore(llama, cluster, pi.Workload())}
     assert by_plan["dp=1,tp=6,ep=1"]["status"] == "invalid"
     assert "does not divide num_heads=32" in by_plan["dp=1,tp=6,ep=1"]["reason"]
     assert "mixture-of-experts" in by_plan["dp=3,tp=1,ep=2"]["reason"]
@@ -131,22 +131,22 @@ def test_invalid_plans_rejected_with_reasons():
 
 
 def test_plan_that_cannot_fit_says_by_how_much():
-    config = pm.load_model("llama-3-70b")
-    cluster = pm.Cluster(pm.GPUS["h100"])
-    wl = pm.Workload()
-    rec = pm.evaluate(config, MeshPlan(8, 1, 1), cluster, wl)
+    config = pi.load_model("llama-3-70b")
+    cluster = pi.Cluster(pi.GPUS["h100"])
+    wl = pi.Workload()
+    rec = psearch.evaluate(config, MeshPlan(8, 1, 1), cluster, wl)
     assert rec["status"] == "no-fit"
-    budget = pm.GPUS["h100"].memory_gib * pm.const("mem_fraction")
-    weights = 70_553_706_496 * 2 / pm.GIB
+    budget = pi.GPUS["h100"].memory_gib * pi.const("mem_fraction")
+    weights = 70_553_706_496 * 2 / pi.GIB
     assert rec["short_gib"] > weights - budget
     assert rec["short_gib"] < weights - budget + 2  # + workspace and one sequence's KV
     assert f"{rec['short_gib']:.2f} GiB short" in rec["reason"]
-    assert pm.evaluate(config, MeshPlan(2, 4, 1), cluster, wl)["status"] == "ok"
+    assert psearch.evaluate(config, MeshPlan(2, 4, 1), cluster, wl)["status"] == "ok"
 
 
 def test_decode_is_memory_bound_and_prefill_compute_bound():
-    config = pm.load_model("llama-3-8b")
-    plan_, cluster, wl = MeshPlan(), pm.Cluster(pm.GPUS["h100"]), pm.Workload()
+    config = pi.load_model("llama-3-8b")
+    plan_, cluster, wl = MeshPlan(), pi.Cluster(pi.GPUS["h100"]), pi.Workload()
     shapes = pm.shapes_of(config, plan_)
     d1 = pm.decode_step(config, shapes, plan_, cluster, wl, 1, 1024)
     assert d1.bound == "memory"
@@ -181,7 +181,7 @@ def test_json_schema(tmp_path):
     assert all(r["best"]["tpot_ms"] <= 40 for r in ok if r["best"])
 
 
-@pytest.mark.parametrize("name", sorted(pm.PRESETS))
+@pytest.mark.parametrize("name", sorted(pi.PRESETS))
 def test_cli_runs_for_each_preset(name, capsys):
     assert plan.main([name, "--prompt", "512:2048", "--output", "128:512", "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -205,10 +205,10 @@ def test_moe_experts_cost_follows_the_code_path():
     """Below kernels.GROUPED_MIN_ROWS_PER_EXPERT rows per expert the step reads every expert
     (XLA's dense ragged_dot); above it only the routed ones, at least one expert per row."""
     from pallasite.kernels import GROUPED_MIN_ROWS_PER_EXPERT
-    config = pm.load_model("qwen3-30b-a3b", 2)
+    config = pi.load_model("qwen3-30b-a3b", 2)
     plan_ = MeshPlan(1, 1, 1)
-    shapes, wl = pm.shapes_of(config, plan_), pm.Workload()
-    cluster = pm.Cluster(pm.GPUS["h100"], gpus_per_host=8)
+    shapes, wl = pm.shapes_of(config, plan_), pi.Workload()
+    cluster = pi.Cluster(pi.GPUS["h100"], gpus_per_host=8)
     experts = shapes.device["experts"] * wl.weight_bytes
     few = pm.decode_step(config, shapes, plan_, cluster, wl, 1, 1024)
     rest = few.hbm_bytes - experts
@@ -224,7 +224,7 @@ def test_moe_experts_cost_follows_the_code_path():
 # -- the step's memory and the validation harness ---------------------------------------------
 def test_activation_parts_by_hand():
     """Llama-3-8B, a prefill of 4 prompts of 1024 tokens, bf16: the buffers the step makes."""
-    llama = pm.load_model("llama-3-8b")
+    llama = pi.load_model("llama-3-8b")
     T, S = 4096, 4
     parts = pm.activation_parts(llama, MeshPlan(), T, S, context=1024)
     assert parts["stream"] == 3 * T * 4096 * 2
@@ -246,7 +246,7 @@ def test_attention_splits_follow_the_kernel_rule():
     tile, 264 programs wanted, at most 16 splits): batch-1 decode over 65 pages has 1 block x 8
     kv heads and 17 key tiles, so it wants 33 splits and takes the cap, 16; batch 64 or a
     1024-token prefill fill the GPU unsplit."""
-    llama = pm.load_model("llama-3-8b")
+    llama = pi.load_model("llama-3-8b")
     assert pm.attention_splits(llama, MeshPlan(), 1, 1, 1025, 16) == 16
     assert pm.attention_splits(llama, MeshPlan(), 64, 64, 1025, 16) == 1
     assert pm.attention_splits(llama, MeshPlan(), 1024, 1, 1024, 16) == 1
@@ -258,7 +258,7 @@ def test_expert_rows_choose_the_code_path():
     """Qwen3-30B-A3B (128 experts, top 8): the grouped kernel from 16 rows per local expert.
     With ep=2 the receive buffer holds both shards' rows for 64 local experts, so 128 tokens
     take the kernel there but XLA's ragged_dot on one device."""
-    qwen = pm.load_model("qwen3-30b-a3b", 2)
+    qwen = pi.load_model("qwen3-30b-a3b", 2)
     assert pm.expert_rows(qwen, MeshPlan(), 32) == (256, False)
     assert pm.expert_rows(qwen, MeshPlan(), 1024) == (8192, True)
     assert pm.expert_rows(qwen, MeshPlan(), 128) == (1024, False)
@@ -282,7 +282,7 @@ def test_activation_estimate_follows_xla_on_cpu():
     import jax.numpy as jnp
     from pallasite.model import forward
     from pallasite.model.transformer import kv_cache_shape
-    from pallasite.tools.plan_validate import make_batch
+    from pallasite.tools.plan.measure import make_batch
 
     def xla_bytes(config, tokens):
         tok, pos, batch, pages = make_batch("decode", tokens, 15, config.vocab_size,
@@ -313,12 +313,12 @@ def test_activation_estimate_follows_xla_on_cpu():
 def test_embedding_lookup_adds_one_all_reduce_per_step():
     """The vocab-parallel embedding sums its shards' rows once per step, beside the two
     all-reduces of each layer; one device or an odd vocabulary has none."""
-    llama = pm.load_model("llama-3-8b", 8)
-    cluster, wl, plan_ = pm.Cluster(pm.GPUS["h100"]), pm.Workload(), MeshPlan(1, 2, 1)
+    llama = pi.load_model("llama-3-8b", 8)
+    cluster, wl, plan_ = pi.Cluster(pi.GPUS["h100"]), pi.Workload(), MeshPlan(1, 2, 1)
     step = pm.decode_step(llama, pm.shapes_of(llama, plan_), plan_, cluster, wl, 16, 1024)
     bw, lat = cluster.link(2)
     one = 16 * 4096 * 2 / bw + lat  # ring over 2: each device sends half of the message twice
-    assert lat == pytest.approx(pm.GPUS["h100"].nvlink_latency_us * 1e-6)
+    assert lat == pytest.approx(pi.GPUS["h100"].nvlink_latency_us * 1e-6)
     assert step.t_comm == pytest.approx(8 * 2 * one + one)
     assert pm.embedding_all_reduce(llama, MeshPlan(), cluster, 16, 2) == 0
     odd = config_from_dict(dict(TINY_DENSE))  # vocabulary 250 is not split over 4
@@ -327,11 +327,11 @@ def test_embedding_lookup_adds_one_all_reduce_per_step():
 
 def test_validation_predicts_the_peak_from_its_parts():
     """A point's predicted peak: exact weights, the KV pool the run allocated, activations."""
-    from pallasite.tools import plan_validate as pv
+    from pallasite.tools.plan import predict
     rec = dict(model="llama-3-8b-8L", plan="dp=1,tp=1,ep=1", phase="decode", batch=16,
                length=1024, tokens=16, num_pages=4161)
-    peak = pv.predict_peak(rec)
-    act = pm.activation_bytes(pm.load_model("llama-3-8b", 8), MeshPlan(), 16, 16, 1025)
+    peak = predict.predict_peak(rec)
+    act = pm.activation_bytes(pi.load_model("llama-3-8b", 8), MeshPlan(), 16, 16, 1025)
     assert peak["predicted_weights_gb"] == 5.591146496
     assert peak["predicted_kv_gb"] == 4161 * 16 * (2 * 8 * 8 * 128 * 2) / 1e9
     assert peak["predicted_peak_gb"] == pytest.approx(5.591146496 + 4161 * 16 * 32768 / 1e9 +
@@ -339,29 +339,30 @@ def test_validation_predicts_the_peak_from_its_parts():
 
 
 def test_repredict_keeps_measurements(tmp_path, capsys):
-    from pallasite.tools import plan_validate as pv
+    from pallasite.tools.plan import measure, predict, validate as pv
     old = dict(model="llama-3-8b-8L", plan="dp=1,tp=1,ep=1", phase="prefill", batch=1,
                length=1024, tokens=1024, measured_ms=7.0, predicted_ms=1.0, rel_error=-0.9,
                predicted_peak_gb=1.0, measured_peak_gb=8.0, gpu="NVIDIA H100 80GB HBM3")
     new = old | dict(num_pages=65)
     path = tmp_path / "old.json"
-    path.write_text(json.dumps([old, new, dict(kind=pv.MICRO, plan="dp=1,tp=1,ep=1")]))
+    path.write_text(json.dumps([old, new, dict(kind=measure.MICRO, plan="dp=1,tp=1,ep=1")]))
     assert pv.main(["--repredict", str(path), "--out", str(tmp_path / "out")]) == 0
     got = json.loads((tmp_path / "out" / "plan_validation.json").read_text())
     assert len(got) == 2 and all(r["measured_ms"] == 7.0 for r in got)
     assert got[0]["rel_error"] == pytest.approx(got[0]["predicted_ms"] / 7.0 - 1)
     assert got[0]["predicted_peak_gb"] == 1.0  # no KV pool recorded: kept
-    assert got[1]["predicted_peak_gb"] == pytest.approx(pv.predict_peak(new)["predicted_peak_gb"])
+    want = predict.predict_peak(new)["predicted_peak_gb"]
+    assert got[1]["predicted_peak_gb"] == pytest.approx(want)
     assert "llama-3-8b-8L" in capsys.readouterr().out
 
 
 def test_weights_made_one_tensor_at_a_time():
     import jax.numpy as jnp
     from pallasite.sharding import Layout, make_mesh
-    from pallasite.tools import plan_validate as pv
+    from pallasite.tools.plan import measure
     config = config_from_dict(TINY_DENSE)
     layout = Layout(config, make_mesh(MeshPlan(), jax.devices()[:1]))
-    params = pv.make_weights(config, layout, jnp.bfloat16)
+    params = measure.make_weights(config, layout, jnp.bfloat16)
     want = param_shapes(config, jnp.bfloat16)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == \
         jax.tree.map(lambda x: (x.shape, x.dtype), want)
@@ -376,11 +377,12 @@ def test_all_reduce_microbenchmark_keeps_every_all_reduce():
     folded away), and the microbenchmark reports one time per message size."""
     script = textwrap.dedent("""
         import json, re, jax, jax.numpy as jnp
-        from pallasite.tools import plan_validate as pv
-        mesh, fn = pv.allreduce_chain(2, 8)
+        from pallasite.tools.plan import measure
+        mesh, fn = measure.allreduce_chain(2, 8)
         text = fn.lower(jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)).compile().as_text()
         count = len(re.findall(r" all-reduce(?:-start)?\\(", text))
-        print(json.dumps(dict(count=count, us=pv.allreduce_us(2, 64, (1, 4), chain=4, reps=2))))
+        us = measure.allreduce_us(2, 64, (1, 4), chain=4, reps=2)
+        print(json.dumps(dict(count=count, us=us)))
     """)
     out = run_on_fake_devices(script, 2)
     assert out["count"] == 8

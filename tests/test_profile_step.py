@@ -1,4 +1,4 @@
-"""tools/profile_step.py's trace parsing: a real CPU trace of a small jitted step, and a
+"""profiling/step_trace.py's trace parsing: a real CPU trace of a small jitted step, and a
 hand-written trace laid out as JAX writes a GPU one (device process, stream lines, lines the
 profiler derives, library kernels named only by the HLO op the profiler attached)."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallasite.kernels.reference import write_kv_reference
-from pallasite.tools import profile_step as ps
+from profiling import profile_step as ps, step_trace
 
 
 def test_cpu_trace(tmp_path):
@@ -29,9 +29,9 @@ def test_cpu_trace(tmp_path):
             out, pages = compiled(x, w, pages, slots)
         out.block_until_ready()
     path = next(tmp_path.rglob("perfetto_trace.json.gz"))
-    trace = ps.device_ops(str(path))
+    trace = step_trace.device_ops(str(path))
     assert trace["device"] == "cpu" and trace["ops"]
-    b = ps.breakdown(trace, [ps.parse_hlo(compiled.as_text(), "forward")], 3, 1000, 1.0)
+    b = step_trace.breakdown(trace, [step_trace.parse_hlo(compiled.as_text(), "forward")], 3, 1000, 1.0)
     assert b["unmatched_per_step"] == 0
     assert {"matmul", "KV write"} <= set(b["categories"])
     assert b["kernel_ms"] > 0 and b["busy_ms"] <= b["span_ms"] + 1e-9
@@ -88,9 +88,9 @@ def gpu_trace(path):
 def test_gpu_layout(tmp_path):
     path = str(tmp_path / "perfetto_trace.json.gz")
     gpu_trace(path)
-    trace = ps.device_ops(path)
+    trace = step_trace.device_ops(path)
     assert trace["device"] == "gpu" and trace["lines"] == {"Stream #7(Compute)": 10}
-    b = ps.breakdown(trace, [ps.parse_hlo(HLO, "forward")], 2, 128256, wall_ms=0.1)
+    b = step_trace.breakdown(trace, [step_trace.parse_hlo(HLO, "forward")], 2, 128256, wall_ms=0.1)
     cats = {k: round(v["calls"]) for k, v in b["categories"].items()}
     assert cats == {"copy/memset": 1, "norm/RoPE/elementwise": 1, "logits/lm_head": 1,
                     "attention kernel": 1, "split-K merge": 1}

@@ -4,6 +4,7 @@ pages, bad input gets its status, health and reflection, drain, metrics and the 
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -268,7 +269,25 @@ BAD = [  # (prompt, sampling, status, words the message must hold)
     ("hi", dict(max_tokens=MAX_MODEL_LEN), "INVALID_ARGUMENT",
      ["max_tokens", str(MAX_MODEL_LEN), "context length"]),
     (LONG, {}, "INVALID_ARGUMENT", [str(MAX_MODEL_LEN), "context length"]),
+    ("hi", dict(structured_output=pb.StructuredOutput(regex="([")), "INVALID_ARGUMENT",
+     ["regex", "unclosed"]),
+    ("hi", dict(structured_output=pb.StructuredOutput(json_schema="{")), "INVALID_ARGUMENT",
+     ["json_schema"]),
+    ("hi", dict(logit_bias={99999: 1.0}), "INVALID_ARGUMENT", ["logit_bias", "99999"]),
 ]
+
+
+def test_structured_output_and_logit_bias(client):
+    """The proto's structured_output and logit_bias reach the sampler."""
+    r = client.generate("hi", max_tokens=20, seed=1,
+                        structured_output=pb.StructuredOutput(regex="[0-9]{3}-[ab]{2}"))
+    assert re.fullmatch("[0-9]{3}-[ab]{2}", r.text) and finish_reason(r) == "stop", r.text
+    options = ["red", "green", "blue"]
+    r = client.generate("hi", max_tokens=20, temperature=0.0, structured_output=pb.StructuredOutput(
+        choice=pb.Choice(options=options)))
+    assert r.text in options
+    r = client.generate("hi", max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={7: 100.0})
+    assert list(r.token_ids) == [7] * 4
 
 
 @pytest.mark.parametrize("prompt, sampling, status, words", BAD,
@@ -425,16 +444,20 @@ def test_serve_process_drains_on_sigterm_and_exits_0(checkpoint):
     args = ["--model", str(checkpoint), "--host", "127.0.0.1", "--port", "0", "--metrics-port",
             "-1", "--max-model-len", "128", "--num-pages", "32", "--page-size", "8",
             "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--token-buckets", "8,32",
-            "--page-buckets", "16", "--grace-period", "20"]
+            "--page-buckets", "16", "--grace-period", "20", "--http-port", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "pallasite.serving.server", *args],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on 127.0.0.1:" in line, line
         port = int(line.split("127.0.0.1:")[1].split(",")[0].split(";")[0])
+        http_port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
         with Client(f"127.0.0.1:{port}", timeout=60) as c:
             c.wait_ready(120)
             assert c.model_info().model_name == checkpoint.name
+            # The OpenAI HTTP API of the same process is up too.
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as r:
+                assert r.status == 200
             stream = c.stream("The quick", max_tokens=60, **GREEDY)
             first = next(stream)
             proc.send_signal(signal.SIGTERM)

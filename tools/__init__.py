@@ -1,1 +1,1 @@
-"""User-facing tools: plan explorer, benchmarks, converters."""
+"""User tools, installed as `pallasite.tools`: the sharding-plan explorer (`plan/`)."""

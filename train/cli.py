@@ -13,10 +13,6 @@ import argparse
 import sys
 
 
-class UsageError(ValueError):
-    """Settings that cannot work: a sequence longer than the context, a bad mesh, ..."""
-
-
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", required=True, help="folder with config.json and tokenizer.json")
     p.add_argument("--data", nargs="+", required=True, help=".txt files or .jsonl ({\"text\"})")
@@ -58,22 +54,6 @@ def run(args) -> int:
     except USER_ERRORS as e:
         print(f"pallasite train: error: {e}", file=sys.stderr)
         return 2
-
-
-def check_seq_len(seq_len: int, config):
-    if not 1 <= seq_len <= config.max_position_embeddings:
-        raise UsageError(f"--seq-len {seq_len} is outside 1..{config.max_position_embeddings}, "
-                         "the model's context (max_position_embeddings)")
-
-
-def parse_mesh(text: str) -> tuple[int, int, int]:
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        sizes = ()
-    if len(sizes) != 3 or min(sizes) < 1:
-        raise UsageError(f"--mesh {text!r} must be three positive counts: data,tensor,expert")
-    return sizes
 
 
 def main(argv=None) -> int:

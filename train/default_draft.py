@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--install", action="store_true",
                         help="copy the export to TARGET/draft (the shipped draft)")
     args = parser.parse_args(argv)
-    from pallasite.tools.train_default import summarize, write_corpus
+    from pallasite.train.default_model import summarize, write_corpus
     from pallasite.train.cli import main as train_main
 
     out, t0 = Path(args.out), time.perf_counter()

@@ -14,12 +14,32 @@ import jax.numpy as jnp
 from ..model import CheckpointError, ConfigError, init_params, load_config, load_hf, to_hf_dict
 from ..model.tokenizer import Tokenizer, TokenizerError
 from .checkpoint import Checkpoints, ResumeError
-from .cli import UsageError, check_seq_len, parse_mesh
 from .data import DataError, build_dataset
 from .export import ExportError, export_hf
 from .loop import LoopSettings, run_loop
 from .mesh import make_mesh
 from .step import Hyper, Trainer
+
+
+class UsageError(ValueError):
+    """Settings that cannot work: a sequence longer than the context, a bad mesh, ..."""
+
+
+def check_seq_len(seq_len: int, config):
+    if not 1 <= seq_len <= config.max_position_embeddings:
+        raise UsageError(f"--seq-len {seq_len} is outside 1..{config.max_position_embeddings}, "
+                         "the model's context (max_position_embeddings)")
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise UsageError(f"--mesh {text!r} must be three positive counts: data,tensor,expert")
+    return sizes
+
 
 # Errors a user causes; `pallasite train` prints these as one line instead of a traceback.
 USER_ERRORS = (UsageError, DataError, ConfigError, CheckpointError, TokenizerError, ResumeError,

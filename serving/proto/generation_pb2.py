@@ -16,15 +16,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpallasite/v1/generation.proto\x12\x0cpallasite.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pallasite.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\xcc\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.pallasite.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.pallasite.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pallasite.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pallasite.v1.TopLogprob\"\x9a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x1bspeculative_proposed_tokens\x18\x04 \x01(\r\x12#\n\x1bspeculative_accepted_tokens\x18\x05 \x01(\r\"=\n\x06Timing\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\xf2\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.pallasite.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.pallasite.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pallasite.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.pallasite.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x92\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.pallasite.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xf2\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04mesh\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x10\n\x08kv_pages\x18\t \x01(\r\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x13\n\x0bspeculative\x18\x0b \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x03\n\nGeneration\x12K\n\x08Generate\x12\x1d.pallasite.v1.GenerateRequest\x1a\x1e.pallasite.v1.GenerateResponse0\x01\x12N\n\rGenerateUnary\x12\x1d.pallasite.v1.GenerateRequest\x1a\x1e.pallasite.v1.GenerateResponse\x12I\n\x08Tokenize\x12\x1d.pallasite.v1.TokenizeRequest\x1a\x1e.pallasite.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.pallasite.v1.DetokenizeRequest\x1a .pallasite.v1.DetokenizeResponse\x12L\n\tModelInfo\x12\x1e.pallasite.v1.ModelInfoRequest\x1a\x1f.pallasite.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpallasite/v1/generation.proto\x12\x0cpallasite.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pallasite.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x86\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.pallasite.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1e.pallasite.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x94\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.pallasite.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xcc\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.pallasite.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.pallasite.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pallasite.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pallasite.v1.TopLogprob\"\x9a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x1bspeculative_proposed_tokens\x18\x04 \x01(\r\x12#\n\x1bspeculative_accepted_tokens\x18\x05 \x01(\r\"=\n\x06Timing\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\xf2\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.pallasite.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.pallasite.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pallasite.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.pallasite.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x92\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.pallasite.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xf2\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04mesh\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x10\n\x08kv_pages\x18\t \x01(\r\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x13\n\x0bspeculative\x18\x0b \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x03\n\nGeneration\x12K\n\x08Generate\x12\x1d.pallasite.v1.GenerateRequest\x1a\x1e.pallasite.v1.GenerateResponse0\x01\x12N\n\rGenerateUnary\x12\x1d.pallasite.v1.GenerateRequest\x1a\x1e.pallasite.v1.GenerateResponse\x12I\n\x08Tokenize\x12\x1d.pallasite.v1.TokenizeRequest\x1a\x1e.pallasite.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.pallasite.v1.DetokenizeRequest\x1a .pallasite.v1.DetokenizeResponse\x12L\n\tModelInfo\x12\x1e.pallasite.v1.ModelInfoRequest\x1a\x1f.pallasite.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pallasite.serving.proto.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2052
-  _globals['_FINISHREASON']._serialized_end=2172
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2404
+  _globals['_FINISHREASON']._serialized_end=2524
   _globals['_CHATMESSAGE']._serialized_start=47
   _globals['_CHATMESSAGE']._serialized_end=91
   _globals['_CHATMESSAGES']._serialized_start=93
@@ -32,31 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=154
   _globals['_TOKENIDS']._serialized_end=177
   _globals['_SAMPLINGPARAMS']._serialized_start=180
-  _globals['_SAMPLINGPARAMS']._serialized_end=652
-  _globals['_GENERATEREQUEST']._serialized_start=655
-  _globals['_GENERATEREQUEST']._serialized_end=859
-  _globals['_TOPLOGPROB']._serialized_start=861
-  _globals['_TOPLOGPROB']._serialized_end=908
-  _globals['_TOKENLOGPROB']._serialized_start=910
-  _globals['_TOKENLOGPROB']._serialized_end=998
-  _globals['_USAGE']._serialized_start=1001
-  _globals['_USAGE']._serialized_end=1155
-  _globals['_TIMING']._serialized_start=1157
-  _globals['_TIMING']._serialized_end=1218
-  _globals['_GENERATERESPONSE']._serialized_start=1221
-  _globals['_GENERATERESPONSE']._serialized_end=1463
-  _globals['_TOKENIZEREQUEST']._serialized_start=1466
-  _globals['_TOKENIZEREQUEST']._serialized_end=1612
-  _globals['_TOKENIZERESPONSE']._serialized_start=1614
-  _globals['_TOKENIZERESPONSE']._serialized_end=1651
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1653
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1749
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1751
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1785
-  _globals['_MODELINFOREQUEST']._serialized_start=1787
-  _globals['_MODELINFOREQUEST']._serialized_end=1805
-  _globals['_MODELINFORESPONSE']._serialized_start=1808
-  _globals['_MODELINFORESPONSE']._serialized_end=2050
-  _globals['_GENERATION']._serialized_start=2175
-  _globals['_GENERATION']._serialized_end=2578
+  _globals['_SAMPLINGPARAMS']._serialized_end=826
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=629
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=677
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=829
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=977
+  _globals['_CHOICE']._serialized_start=979
+  _globals['_CHOICE']._serialized_end=1004
+  _globals['_GENERATEREQUEST']._serialized_start=1007
+  _globals['_GENERATEREQUEST']._serialized_end=1211
+  _globals['_TOPLOGPROB']._serialized_start=1213
+  _globals['_TOPLOGPROB']._serialized_end=1260
+  _globals['_TOKENLOGPROB']._serialized_start=1262
+  _globals['_TOKENLOGPROB']._serialized_end=1350
+  _globals['_USAGE']._serialized_start=1353
+  _globals['_USAGE']._serialized_end=1507
+  _globals['_TIMING']._serialized_start=1509
+  _globals['_TIMING']._serialized_end=1570
+  _globals['_GENERATERESPONSE']._serialized_start=1573
+  _globals['_GENERATERESPONSE']._serialized_end=1815
+  _globals['_TOKENIZEREQUEST']._serialized_start=1818
+  _globals['_TOKENIZEREQUEST']._serialized_end=1964
+  _globals['_TOKENIZERESPONSE']._serialized_start=1966
+  _globals['_TOKENIZERESPONSE']._serialized_end=2003
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2005
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2101
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2103
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2137
+  _globals['_MODELINFOREQUEST']._serialized_start=2139
+  _globals['_MODELINFOREQUEST']._serialized_end=2157
+  _globals['_MODELINFORESPONSE']._serialized_start=2160
+  _globals['_MODELINFORESPONSE']._serialized_end=2402
+  _globals['_GENERATION']._serialized_start=2527
+  _globals['_GENERATION']._serialized_end=2930
 # @@protoc_insertion_point(module_scope)

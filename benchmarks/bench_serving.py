@@ -1,9 +1,9 @@
 """Serving benchmark of the engine on a Llama-3-8B-shaped model (random bf16 weights made on the
 device), with the copy bandwidth measured in the same run for the roofline.
 
-    python tools/bench_serving.py --offline --out DIR     # GPU
-    python tools/bench_serving.py --offline --tiny        # a tiny model, as a CPU dry run
-    python tools/bench_serving.py --online ...            # handed to tools/bench_online.py
+    python -m benchmarks.bench_serving --offline --out DIR     # GPU
+    python -m benchmarks.bench_serving --offline --tiny        # a tiny model, as a CPU dry run
+    python -m benchmarks.bench_serving --online ...     # handed to benchmarks/bench_online.py
 
 --offline measures (a) batch-1 decode latency per token, with and without the engine's
 one-step-ahead overlap, and (b) throughput of 512 requests (prompts uniform in 128..2048 tokens,
@@ -15,7 +15,6 @@ context) over the copy bandwidth. Writes OUT/serving.json (records) and OUT/serv
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -24,6 +23,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .common import run_info
 
 
 def parse(argv):
@@ -63,7 +64,7 @@ def workload(args):
 
 def copy_bandwidth(tiny: bool) -> tuple[float, str]:
     """Bytes read + written per second by a device copy (the probe's measurement)."""
-    from pallasite.tools.probe_gpu import copy_bandwidth as probe
+    from .common import copy_bandwidth as probe
     return probe(gb=0.05 if tiny else 4)
 
 
@@ -208,9 +209,7 @@ def bench_offline(args):
     model, mix = workload(args)
     if args.requests:
         mix["requests"] = args.requests
-    env = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               attention=choose_impl(), model="tiny" if args.tiny else "llama3-8b-shaped")
+    env = dict(**run_info(), attention=choose_impl(), model="tiny" if args.tiny else "llama3-8b-shaped")
     print(json.dumps(env), flush=True)
     bw, how = copy_bandwidth(args.tiny)
     print(f"copy ceiling {bw / 1e12:.3f} TB/s ({how})", flush=True)
@@ -261,7 +260,7 @@ def bench_offline(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--online" in argv:  # the online (server) benchmark lives in its own module
-        from pallasite.tools import bench_online
+        from benchmarks import bench_online
         return bench_online.main([a for a in argv if a != "--online"])
     args = parse(argv)
     if not args.offline:

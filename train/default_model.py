@@ -5,8 +5,8 @@ Corpus (PSF license, shipped with every CPython): the interactive help topics in
 modules, classes and functions (tests excluded), each headed by its dotted name. It is built from
 the running interpreter, so it depends only on the Python version.
 
-    python tools/train_default.py --out /tmp/default_run            # GPU: the real run
-    python tools/train_default.py --out /tmp/smoke --smoke          # CPU: a tiny end-to-end check
+    python -m pallasite.train.default_model --out /tmp/default_run   # GPU: the real run
+    python -m pallasite.train.default_model --out /tmp/smoke --smoke   # CPU: a tiny end-to-end check
 
 Writes OUT/export (the Hugging Face folder), OUT/metrics.jsonl, OUT/samples.txt,
 OUT/loss.png and OUT/summary.json.

@@ -5,7 +5,7 @@ sums each warpgroup's time per phase (`qk`, `softmax`, `wait_tc`, `pv`, `wait_q`
 with `--overlap`, `wait_kv` and `qk_pv_softmax`) over all CTAs. A step's phases are sequential
 in a consumer, so their means add up to its period; the profiler's clock reads stretch each.
 
-    python tools/profile_flash.py [--seq 4096] [--full] [--overlap] [--out $OUT]
+    python -m profiling.profile_flash [--seq 4096] [--full] [--overlap] [--out $OUT]
 
 GPU only (Hopper). Prints a table; writes the summary and the raw trace under --out.
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import run_info
 from pallasite.kernels import flash_mgpu
 
 WARPGROUPS = ("consumer 0", "consumer 1", "producer")
@@ -72,8 +73,7 @@ def main():
     times = phase_times(trace)
     ts = [e["ts"] for e in trace["traceEvents"]]
     summary = dict(seq=args.seq, heads=args.heads, causal=not args.full, overlap=args.overlap,
-                   span_us=max(ts) - min(ts), gpu=jax.devices()[0].device_kind,
-                   jax_version=jax.__version__,
+                   span_us=max(ts) - min(ts), **run_info(),
                    phases={f"{wg}/{p}": dict(count=len(d), mean_us=sum(d) / len(d),
                                              total_us=sum(d))
                            for (wg, p), d in sorted(times.items())})

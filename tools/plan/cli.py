@@ -1,6 +1,7 @@
 """Sharding-plan explorer: rank every (data, tensor, expert) plan of a model on given GPUs by
-memory, latency and throughput. The model of the estimates is in `plan_model.py`; how to read
-the output and the equations are in docs/plan.md.
+memory, latency and throughput. The model of the estimates is in `model.py` (its inputs in
+`inputs.py`, the search over plans in `search.py`); how to read the output and the equations are
+in docs/plan.md.
 
     pallasite plan llama-3-70b --gpu h100 --gpus-per-host 8 --prompt 512:2048 --output 256 \
         --tpot-ms 50 --json plans.json --png plans.png
@@ -12,8 +13,8 @@ import argparse
 import dataclasses
 import sys
 
-from .plan_model import (CONSTANTS, GPUS, PRESETS, Cluster, Lengths, Workload, explore, load_model,
-                         to_json)
+from .inputs import CONSTANTS, GPUS, PRESETS, Cluster, Lengths, Workload, load_model
+from .search import explore, to_json
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "f32": 4}
 
@@ -88,14 +89,14 @@ def main(argv=None) -> int:
                 f.write(text + "\n")
     if args.json != "-":
         from rich.console import Console
-        from .plan_report import print_table
+        from .report import print_table
         # Piped output gets a width that fits the table instead of rich's 80 columns.
         console = Console() if sys.stdout.isatty() else Console(width=170)
         print_table(records, title, console, args.top)
         if args.constants:
             print_constants(console)
     if args.png:
-        from .plan_report import write_png
+        from .report import write_png
         write_png(records, args.png, title, args.tpot_ms)
     return 0 if any(r["status"] == "ok" for r in records) else 1
 

@@ -3,11 +3,11 @@
 Times the kernel's variants beside cuDNN, then, under `ncu`, runs each asked variant once more
 between cuProfilerStart/Stop so that only those launches are profiled:
 
-    python tools/ncu_flash.py --time [--variants late,stag,ovl]  # and cuDNN, same run
+    python -m profiling.ncu_flash --time [--variants late,stag,ovl]  # and cuDNN, same run
     ncu --clock-control none --profile-from-start off --section SourceCounters \\
-        --section WarpStateStats -o flash python tools/ncu_flash.py --variants late,stag
+        --section WarpStateStats -o flash python -m profiling.ncu_flash --variants late,stag
     ncu -i flash.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
-    python tools/ncu_flash.py --summarize sass.csv.gz      # stalls by reason, opcode, instruction
+    python -m profiling.ncu_flash --summarize sass.csv.gz  # stalls by reason, opcode, instruction
 
 B=4, S=4096, 32/8 heads, head_dim 128, bf16, causal unless --full. GPU only (Hopper).
 """
@@ -58,7 +58,8 @@ def timed(names, rounds=3, out=None):
     import jax
     import numpy as np
     from pallasite.kernels import flash_mgpu
-    from pallasite.tools.bench_kernels import cudnn_attention, rel_err, time_ms
+    from benchmarks.attention import cudnn_attention
+    from benchmarks.common import rel_err, time_ms
     q, k, v = inputs()
     fns, times = {}, collections.defaultdict(list)
     for causal in (True, False):

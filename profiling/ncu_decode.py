@@ -1,11 +1,11 @@
 """Where a decode call's time goes: the device time of each kernel it launches (Nsight Compute)
 beside the timed call, at the two decode targets (batch 1 / context 32k, batch 64 / 4k).
 
-    python tools/ncu_decode.py --time             # each call timed three ways
+    python -m profiling.ncu_decode --time             # each call timed three ways
     ncu --clock-control none --profile-from-start off --csv --print-units base \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum --log-file k.csv \\
-        python tools/ncu_decode.py
-    python tools/ncu_decode.py --summarize k.csv  # kernels per call, microseconds, bytes read
+        python -m profiling.ncu_decode
+    python -m profiling.ncu_decode --summarize k.csv  # kernels per call, microseconds, bytes read
 
 Calls: our decode through `kernels.paged_attention` with each backend, JAX's Pallas paged kernel,
 and an XLA sum over K and V (the floor of reading them once). Under ncu each call runs once
@@ -26,7 +26,7 @@ H, KV, D = 32, 8, 128
 
 def calls():
     import jax.numpy as jnp
-    from pallasite.tools.bench_kernels import K, jax_paged_reference
+    from benchmarks.attention import K, jax_paged_reference
 
     def read(q, kp, vp, ctx, table):  # both pools read once, nothing else
         s = jnp.sum(kp, dtype=jnp.float32) + jnp.sum(vp, dtype=jnp.float32)
@@ -42,7 +42,7 @@ def calls():
 def inputs(batch, ctx):
     import jax.numpy as jnp
     import numpy as np
-    from pallasite.tools.bench_kernels import paged_inputs
+    from benchmarks.attention import paged_inputs
     q, kp, vp, _, lens, table = paged_inputs(np.random.default_rng(0), [1] * batch,
                                              [ctx] * batch, H, KV, D, 16, jnp.bfloat16)
     return q.reshape(batch, H, D), kp, vp, lens, table
@@ -75,7 +75,7 @@ def profiled():
 
 
 def timed():
-    from pallasite.tools.bench_kernels import time_ms
+    from benchmarks.common import time_ms
     print("| case | call | device ms | dispatch ms | fori_loop ms |\n|---|---|---|---|---|")
     for case, (batch, ctx) in CASES.items():
         args = inputs(batch, ctx)

@@ -1,7 +1,7 @@
 """Check every attention kernel against its reference on the GPU and time it against the
 baselines, in one run:
 
-    python tools/bench_kernels.py --out DIR [--quick] [--sweep]
+    python -m benchmarks.bench_kernels --out DIR [--quick] [--sweep]
                                   [--only prefill,decode,mixed,kv_write]
 
 Prefill: ours vs cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`), JAX's Triton
@@ -18,303 +18,34 @@ kernels.md (a table for docs/BENCHMARKS.md) under --out, and a short table last 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import math
 import os
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-DATE = time.strftime("%Y-%m-%d")  # the day of the run
-
-
-def import_kernels():
-    """`pallasite.kernels`, installed or straight from this checkout."""
-    try:
-        import pallasite.kernels as kernels
-        return kernels
-    except ImportError:
-        pkg = types.ModuleType("pallasite")
-        pkg.__path__ = [str(ROOT / "pallasite")]
-        sys.modules["pallasite"] = pkg
-        spec = importlib.util.spec_from_file_location(
-            "pallasite.kernels", ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["pallasite.kernels"] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-K = import_kernels()
-from pallasite.kernels import reference, tuning  # noqa: E402
-
-LOG = []
-# The Mosaic GPU decode kernel (kernels/paged_mgpu.py) is timed beside ours only once its smoke
-# test passed in a child process.
-MOSAIC_DECODE = dict(ok=False)
-# Mosaic flash variants tried by --sweep: persistent (one CTA per SM looping over the query
-# tiles) against one CTA per tile (num_ctas past the tile count), 128- and 64-key tiles, and
-# software-pipelined consumers (overlap).
-MOSAIC_VARIANTS = [dict(block_kv=128, num_stages=2), dict(block_kv=128, num_stages=2,
-                   num_ctas=1 << 20), dict(block_kv=64, num_stages=3),
-                   dict(block_kv=128, num_stages=2, overlap=True)]
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    LOG.append(s)
-
-
-# ---------------------------------------------------------------- timing
-
-def time_ms(fn, *args, reps=15, inner=None, loop=False, device=False, chain=False):
-    """Median ms per call. `device=True`: the GPU time of the kernels one call launches
-    (`device_ms`). `loop=True` runs `inner` calls inside one jitted fori_loop, each input
-    hanging on one element of the last output (the whole output is carried: unrolled calls let
-    XLA drop all but that element); its iterations cost 20-40 us of their own on the H100
-    (`tools/ncu_decode.py --time`, "trivial"). Otherwise `inner` jitted calls from the host."""
-    if device:
-        return device_ms(fn, *args, reps=reps, chain=chain)
-    if loop:
-        inner = inner or 20
-
-        @jax.jit
-        def many(*args):
-            def body(i, acc):
-                q = args[0] + (acc[(0,) * acc.ndim] * 0).astype(args[0].dtype)
-                return fn(q, *args[1:]).astype(acc.dtype)
-            out0 = fn(*args)
-            return jax.lax.fori_loop(0, inner, body, out0)
-        call = lambda: many(*args)
-    else:
-        inner = inner or 5
-        jf = jax.jit(fn)
-        call = lambda: [jf(*args) for _ in range(inner)][-1]
-    jax.block_until_ready(call())
-    jax.block_until_ready(call())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        ts.append((time.perf_counter() - t0) / (inner + (1 if loop else 0)))
-    return 1e3 * float(np.median(ts))
-
-
-FLUSH = "bench_l2_flush"  # the kernel that separates calls in a trace
-
-
-# How _l2_flush evicts the L2 (--flush). "read" since 2026-11-23: after the write flush the
-# timed call also wrote back the flush's dirty lines, which charged a bandwidth-bound kernel
-# more than a slower one (H100, decode B=64 / 4k: ours +10 us, JAX's paged kernel +3 us;
-# tools/probe_flush.py). A model step's attention follows kernels that leave little dirty.
-FLUSH_MODE = {"mode": "read"}
-
-
-def _l2_flush():
-    """A jitted Pallas kernel (named FLUSH) that writes 128 MB, more than any GPU's L2, or with
-    FLUSH_MODE "read" reads 128 MB (and writes 2 MB): the L2 is then left clean, so the timed
-    call does not also write back the flush's dirty lines."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-    blocks = pl.BlockSpec((64, 256), lambda i: (i, 0))  # 2048 of them: 128 MB of float32
-    call = lambda kernel, **kw: jax.jit(pl.pallas_call(
-        kernel, grid=(2048,), compiler_params=plgpu.CompilerParams(num_warps=8), name=FLUSH,
-        **kw))
-    if FLUSH_MODE["mode"] == "read":  # a row of column sums out per block
-        def read(x_ref, o_ref):
-            o_ref[...] = jnp.sum(x_ref[...], axis=0, keepdims=True)
-        buf = jnp.ones((2048 * 64, 256), jnp.float32)
-        f = call(read, in_specs=[blocks], out_specs=pl.BlockSpec((1, 256), lambda i: (i, 0)),
-                 out_shape=jax.ShapeDtypeStruct((2048, 256), jnp.float32))
-        return lambda: f(buf)
-
-    def write(o_ref):
-        o_ref[...] = jnp.ones_like(o_ref)
-    return call(write, out_specs=blocks, out_shape=jax.ShapeDtypeStruct((2048 * 64, 256),
-                                                                         jnp.float32))
-
-
-def device_ms(fn, *args, reps=15, chain=False):
-    """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
-    from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
-    compiled program mostly hides. The L2 is flushed before each call (`_l2_flush`), so inputs
-    smaller than the cache are read from memory as in a real step. The call's kernels go to
-    DEVICE_KERNELS.
-    `chain`: the first argument is donated and each call's output is the next call's first
-    argument (an in-place update, as the serving step runs it)."""
-    import glob
-    import tempfile
-    from jax.profiler import ProfileData
-    jf, flush = jax.jit(fn, donate_argnums=(0,) if chain else ()), _l2_flush()
-
-    def call():
-        nonlocal args
-        out = jf(*args)
-        if chain:
-            args = (out, *args[1:])
-        return out
-    jax.block_until_ready((call(), flush()))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(reps):
-            jax.block_until_ready(flush())
-            jax.block_until_ready(call())
-        jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    lines = [(p.name, line.name, line.events) for p in data.planes for line in p.lines]
-    ms, DEVICE_KERNELS[:] = per_call_ms(lines, reps)
-    return ms
-
-
-def per_call_ms(lines, reps):
-    """(median ms, kernel names of the last call) from a trace's (plane, line, events): the
-    GPU's stream lines, cut into calls at each FLUSH kernel."""
-    events = sorted((e.start_ns, e.duration_ns, e.name) for plane, line, evs in lines
-                    if plane.startswith("/device:GPU") and line.startswith("Stream")
-                    for e in evs)
-    calls, names = [], []
-    for _, ns, name in events:
-        if FLUSH in name:
-            calls.append(0.0)
-            names = []
-        elif calls:
-            calls[-1] += ns
-            names.append(name)
-    if len(calls) != reps:
-        raise RuntimeError(f"{len(calls)} flushes for {reps} calls in the trace; lines: "
-                           f"{sorted({(p, l) for p, l, _ in lines})[:12]}")
-    return 1e-6 * float(np.median(calls)), names
-
-
-DEVICE_KERNELS: list[str] = []
-
-
-def copy_ceiling():
-    """Bytes read + written per second by a large device-to-device copy; the best of torch's
-    copy_ and a jitted jnp copy."""
-    from pallasite.tools.probe_gpu import torch_copy_bps
-    out = {}
-    n = 2 * 2**30 // 2  # 2 GiB of bf16
-    try:
-        out["torch_copy"] = torch_copy_bps(gb=2) / 1e12
-    except Exception as e:
-        out["torch_copy_error"] = repr(e)[:200]
-    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
-    ms = time_ms(lambda x: x * 1, x, reps=10, inner=5)
-    out["jnp_copy"] = 4 * n / (ms / 1e3) / 1e12
-    del x
-    out["best"] = max(v for k, v in out.items() if not k.endswith("error"))
-    return out
-
-
-def poison():
-    """Fill freed device memory with NaN so that an output element no kernel writes shows."""
-    x = jnp.full((512 * 2**20,), jnp.nan, jnp.float32)  # 2 GiB
-    x.block_until_ready()
-    del x
-
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float32)
-    ref = np.asarray(ref, np.float32)
-    if not np.all(np.isfinite(out)):
-        return float("nan")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-# ---------------------------------------------------------------- inputs
-
-def dense_inputs(key, B, T, S, H, KV, D, dtype):
-    k1, k2, k3 = jax.random.split(key, 3)
-    return (jax.random.normal(k1, (B, T, H, D), dtype), jax.random.normal(k2, (B, S, KV, D), dtype),
-            jax.random.normal(k3, (B, S, KV, D), dtype))
-
-
-def paged_inputs(rng, q_lens, ctx, H, KV, D, page_size, dtype, spare_pages=8):
-    """Random pages, shuffled page tables. Returns q, k_pages, v_pages, query_start, ctx, table."""
-    q_lens, ctx = np.asarray(q_lens), np.asarray(ctx)
-    pps = max(1, int(math.ceil(ctx.max() / page_size)))
-    S = len(ctx)
-    P = S * pps + spare_pages
-    table = rng.permutation(P)[: S * pps].reshape(S, pps).astype(np.int32)
-    qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
-    k1, k2, k3 = jax.random.split(key, 3)
-    q = jax.random.normal(k1, (int(qs[-1]), H, D), dtype)
-    kp = jax.random.normal(k2, (KV, P, page_size, D), dtype)
-    vp = jax.random.normal(k3, (KV, P, page_size, D), dtype)
-    return q, kp, vp, jnp.asarray(qs), jnp.asarray(ctx, jnp.int32), jnp.asarray(table)
-
-
-def dense_from_pages(pages, table):
-    return reference.gather_pages(pages, table)  # [S, L, KV, D]
-
-
-# ---------------------------------------------------------------- baselines
-
-def cudnn_attention(q, k, v, causal):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-
-
-def jax_triton_mha(q, k, v, causal):
-    from jax.experimental.pallas.ops.gpu import attention
-    return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
-
-
-def jax_mgpu_attention(q, k, v, causal):
-    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
-    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
-    return am.attention(q, k, v, cfg)
-
-
-def jax_paged_reference(q, kp, vp, ctx, table):
-    from jax.experimental.pallas.ops.gpu import paged_attention as pa
-    pps = table.shape[1]
-    k_splits = math.gcd(pps, 16)
-    return pa.paged_attention(q, kp, vp, table, ctx, k_splits=k_splits,
-                              pages_per_compute_block=min(8, pps // k_splits))
-
-
-def dense_decode(q, k, v, ctx):
-    """jnp decode over a dense cache: q [S, H, D], k/v [S, L, KV, D]."""
-    S, H, D = q.shape
-    KV = k.shape[2]
-    qg = q.reshape(S, KV, H // KV, D)
-    s = jnp.einsum("skgd,slkd->skgl", qg, k, preferred_element_type=jnp.float32) * D ** -0.5
-    s = jnp.where(jnp.arange(k.shape[1])[None, None, None] < ctx[:, None, None, None], s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("skgl,slkd->skgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(S, H, D).astype(q.dtype)
-
+from .attention import (K, LOG, MOSAIC_DECODE, ROOT, cudnn_attention, dense_decode,
+                        dense_from_pages, dense_inputs, jax_mgpu_attention, jax_paged_reference,
+                        jax_triton_mha, log, paged_inputs, time_mosaic_decode, try_time)
+from .common import (DEVICE_KERNELS, FLUSH_MODE, copy_ceiling, poison, rel_err, run_info,
+                     time_ms)
+from .kernels_sweep import MOSAIC_VARIANTS, sweep
+from pallasite.kernels import reference, tuning  # after .attention: it finds them in a checkout
 
 # ---------------------------------------------------------------- cases
 
 def record(kernel, **kw):
-    r = dict(kernel=kernel, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-             date=DATE, l2_flush=FLUSH_MODE["mode"])
+    r = dict(kernel=kernel, **run_info(), l2_flush=FLUSH_MODE["mode"])
     tuned = {"flash_attention": "flash", "paged_attention": "decode",
              "ragged_paged_attention": "ragged"}.get(kernel)
     r["params"] = tuning.params(tuned, kw.get("page_size")) if tuned else {}
     r.update(kw)
     return r
-
-
-def try_time(name, fn, *args, **kw):
-    try:
-        return time_ms(fn, *args, **kw)
-    except Exception as e:
-        log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-        return None
 
 
 def bench_prefill(args, records):
@@ -433,19 +164,6 @@ def bench_decode(args, records, ceiling):
             del q, kp, vp
 
 
-def time_mosaic_decode(q, kp, vp, ctx, table, check=True, **kw):
-    """(ms, rel err against the reference) of kernels/paged_mgpu.py with the tiles in
-    tuning.py (or `kw`)."""
-    fn = lambda q, kp, vp, ctx, table: K.paged_attention(q, kp, vp, ctx, table, impl="pallas",
-                                                         backend="mosaic", **kw)
-    err = None
-    if check:
-        poison()
-        err = rel_err(jax.jit(fn)(q, kp, vp, ctx, table),
-                      jax.jit(reference.paged_attention_reference)(q, kp, vp, ctx, table))
-    return try_time("mosaic decode", fn, q, kp, vp, ctx, table, device=True), err
-
-
 def bench_kv_write(args, records, ceiling):
     """A step's K/V rows into their pages, in place (pages donated, each call's output the next
     call's input): the Pallas kernel (`kernels/kv_write.py`, one launch) vs XLA's scatter."""
@@ -537,115 +255,6 @@ def bench_mixed(args, records, ceiling):
     log(f"mixed err={err} err_apart={err_apart} padded={padded} ours={ours_ms} {base}")
 
 
-def sweep(args):
-    """Block sizes at the target cases. The best ones replace this GPU's entries in the tuning
-    table for the rest of the run (copy them into kernels/tuning.py afterwards)."""
-    H, KV, D, dtype = 32, 8, 128, jnp.bfloat16
-    out, key = [], tuning.gpu_key()
-    q, k, v = dense_inputs(jax.random.PRNGKey(5), 4, 4096, 4096, H, KV, D, dtype)
-    best = None
-    parts = args.sweep_parts.split(",")
-    triton = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
-              (64, 128, 4, 3), (128, 32, 4, 4)]
-    for bq, bk, w, st in triton if "flash" in parts else []:
-        kw = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-        ms = try_time("sweep", lambda q, k, v: K.flash_attention(
-            q, k, v, causal=True, impl="pallas", backend="triton", **kw), q, k, v, device=True)
-        out.append(dict(kernel="flash_attention", backend="triton", seq=4096, causal=True,
-                        ms=ms, **kw))
-        log(f"sweep flash triton causal S=4096 {kw}: {ms}")
-        if ms and (best is None or ms < best[0]):
-            best = (ms, kw)
-    if best:
-        tuning.TABLE[key] = dict(tuning.TABLE[key], flash=best[1])
-    best = None
-    mosaic = ("flash" in parts or "mosaic" in parts) and \
-        os.environ.get("PALLASITE_FLASH_BACKEND") != "triton"
-    for variant in MOSAIC_VARIANTS if mosaic else []:
-        kw = dict(block_q=64, **variant)
-        for causal in (True, False):
-            fn = lambda q, k, v: K.flash_attention(q, k, v, causal=causal, impl="pallas",
-                                                   backend="mosaic", **kw)
-            try:  # a variant is only a candidate if it agrees with cuDNN
-                err = rel_err(jax.jit(fn)(q, k, v), jax.jit(
-                    lambda q, k, v: cudnn_attention(q, k, v, causal))(q, k, v))
-            except Exception as e:
-                err = None
-                log(f"  mosaic {kw}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            ms = try_time("sweep", fn, q, k, v, device=True) if err is not None else None
-            out.append(dict(kernel="flash_attention", backend="mosaic", seq=4096, causal=causal,
-                            ms=ms, rel_err_vs_cudnn=err, **kw))
-            log(f"sweep flash mosaic causal={causal} S=4096 {kw}: {ms} ms, err {err}")
-            if causal and ms and err < 2e-2 and (best is None or ms < best[0]):
-                best = (ms, kw)
-    if best:
-        tuning.TABLE[key] = dict(tuning.TABLE[key], flash_mosaic=best[1])
-    del q, k, v
-    if "decode" not in parts:
-        return out
-    rng = np.random.default_rng(6)
-    variants = [dict(block_k=16 * p, num_warps=w, num_stages=st, block_rows=r,
-                     prefetch_pages=pf)
-                for p, w, st, r, pf in [(8, 4, 2, 16, True), (8, 4, 2, 16, False),
-                                        (4, 4, 2, 16, True), (4, 4, 3, 16, True),
-                                        (4, 4, 4, 16, True), (8, 4, 2, 64, False),
-                                        (4, 4, 3, 64, True), (8, 4, 2, 64, True),
-                                        (4, 8, 3, 16, True), (8, 4, 3, 64, False)]]
-    times = [[] for _ in variants]
-    for B, C in [(64, 4096), (1, 32768)]:
-        q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16, dtype)
-        q = q.reshape(B, H, D)
-        kv_bytes = 2 * B * C * KV * D * 2
-        for i, kw in enumerate(variants):
-            ppb = dict(kw, pages_per_block=kw["block_k"] // 16)
-            del ppb["block_k"]
-            ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **ppb),
-                          q, kp, vp, ctx, table, device=True)
-            times[i].append(ms or float("inf"))
-            out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
-                            tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
-            log(f"sweep decode B={B} C={C} {kw}: {ms} ms "
-                f"{kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
-        del q, kp, vp
-    out += sweep_long_decode(rng, variants[int(np.argmin([math.prod(t) for t in times]))])
-    score = [math.prod(t) for t in times]
-    kw = variants[int(np.argmin(score))]
-    ragged = dict(tuning.TABLE[key]["ragged"], **{n: kw[n] for n in (
-        "block_k", "num_warps", "num_stages", "prefetch_pages")})
-    tuning.TABLE[key] = dict(tuning.TABLE[key], decode=kw, ragged=ragged)
-    log(f"chosen: {tuning.TABLE[key]}")
-    return out
-
-
-def sweep_long_decode(rng, base):
-    """Batch 1, 32k context: split count, tile and pipeline depth (what fills 132 SMs)."""
-    H, KV, D, B, C = 32, 8, 128, 1, 32768
-    q, kp, vp, _, ctx, table = paged_inputs(rng, [1] * B, [C] * B, H, KV, D, 16, jnp.bfloat16)
-    q = q.reshape(B, H, D)
-    kv_bytes = 2 * B * C * KV * D * 2
-    out = []
-    shapes = [(64, 3, 64), (64, 4, 16), (64, 4, 64), (128, 3, 64), (128, 4, 16), (32, 4, 64)]
-    for splits in (8, 16, 24, 32, 64):
-        for bk, st, rows in shapes:
-            kw = dict(base, block_k=bk, num_stages=st, num_splits=splits, block_rows=rows)
-            ppb = dict(kw, pages_per_block=bk // 16)
-            del ppb["block_k"]
-            ms = try_time("sweep", lambda *a: K.paged_attention(*a, impl="pallas", **ppb),
-                          q, kp, vp, ctx, table, device=True)
-            out.append(dict(kernel="paged_attention", batch=B, context=C, ms=ms,
-                            tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
-            log(f"sweep long decode {kw}: {ms} ms {kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
-    for splits in (8, 16, 32) if MOSAIC_DECODE["ok"] else []:
-        for bk, st in ((64, 2), (64, 4), (128, 2)):  # (128, 3) overflows shared memory
-            kw = dict(block_k=bk, num_stages=st, num_splits=splits)
-            ms, err = time_mosaic_decode(q, kp, vp, ctx, table, check=splits == 16, **kw)
-            out.append(dict(kernel="paged_attention", backend="mosaic", batch=B, context=C,
-                            ms=ms, rel_err=err, tbps=kv_bytes / ms / 1e9 if ms else None, **kw))
-            log(f"sweep long decode mosaic {kw}: {ms} ms err {err} "
-                f"{kv_bytes / ms / 1e9 if ms else 0:.2f} TB/s")
-    return out
-
-
 # Prefixed with `overlap = True` or `False`: the pipelined-consumer variant is smoke-tested on
 # its own, so that a failure there only drops it from the sweep.
 FLASH_SMOKE = """
@@ -703,9 +312,13 @@ def mosaic_smoke(code, timeout=150):
 # ---------------------------------------------------------------- report
 
 def table(records, ceiling):
-    r0 = records[0] if records else dict(gpu=jax.devices()[0].device_kind,
-                                         jax_version=jax.__version__)
-    lines = [f"GPU: {r0['gpu']}; JAX {r0['jax_version']}; {DATE}; "
+    from .fa3 import fa3_table
+    fa3_rows = [r for r in records if r.get("part") == "fa3"]
+    records = [r for r in records if r.get("part") != "fa3"]
+    if fa3_rows and not records:
+        return fa3_table(fa3_rows)
+    r0 = records[0] if records else run_info()
+    lines = [f"GPU: {r0['gpu']}; JAX {r0['jax_version']}; {r0.get('date', '')}; "
              f"copy ceiling {ceiling:.2f} TB/s (read + written)", ""]
     lines += ["| prefill (B=4, 32/8 heads, d=128, bf16) | ours ms | TFLOP/s | cuDNN ms | "
               "vs cuDNN | ours Triton ms | JAX mha ms | ours fp16 ms | JAX mgpu fp16 ms | "
@@ -752,6 +365,8 @@ def table(records, ceiling):
                       + ", ".join(f"{n} {f(v, 4)} ms" for n, v in b.items()
                                   if n != "separate_prefill_plus_decode")
                       + f"; rel err {f(r['rel_err'], 4)}"]
+    if fa3_rows:
+        lines += ["", fa3_table(fa3_rows)]
     return "\n".join(lines)
 
 
@@ -779,10 +394,11 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-parts", default="flash,decode",
                     help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
-    ap.add_argument("--only", default="prefill,decode,mixed,kv_write")
+    ap.add_argument("--only", default="prefill,decode,mixed,kv_write",
+                    help="parts to run; `fa3` times FlashAttention-3 (flash-attn3-jax) beside ours")
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--flush", choices=("write", "read"), default="read",
-                    help="how the L2 is emptied before each timed call (see _l2_flush)")
+                    help="how the L2 is emptied before each timed call (see common.l2_flush)")
     ap.add_argument("--render", nargs="+", metavar="JSON",
                     help="no GPU work: merge these kernels.json files (later ones win for the "
                          "same case) into --out/kernels.json and kernels.md")
@@ -821,12 +437,16 @@ def main():
         except Exception:
             log(traceback.format_exc())
     parts = args.only.split(",")
+    from .fa3 import bench_fa3
     for name, fn in (("mixed", bench_mixed), ("decode", bench_decode),
-                     ("kv_write", bench_kv_write), ("prefill", bench_prefill)):
+                     ("kv_write", bench_kv_write), ("prefill", bench_prefill), ("fa3", bench_fa3)):
         if name in parts:
             t0 = time.time()
             try:
-                fn(args, records, ceil["best"]) if name != "prefill" else fn(args, records)
+                if name == "fa3":
+                    fn(args, records, ceil["best"], record)
+                else:
+                    fn(args, records, ceil["best"]) if name != "prefill" else fn(args, records)
             except Exception:
                 log(traceback.format_exc())
             log(f"[{name} took {time.time() - t0:.0f}s]")

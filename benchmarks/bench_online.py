@@ -1,9 +1,10 @@
 """Online load generator: streams requests to a running `pallasite serve` and measures what its
 users see.
 
-    python tools/bench_online.py --server 127.0.0.1:50051 --rate 1,2,4,8 --num-requests 200
-    python tools/bench_online.py --server HOST:PORT --concurrency 32 --prompts prompts.jsonl
-    python tools/bench_serving.py --online ...        (the same)
+    python -m benchmarks.bench_online --server 127.0.0.1:50051 --rate 1,2,4,8 --num-requests 200
+    python -m benchmarks.bench_online --server HOST:PORT --concurrency 32 --prompts prompts.jsonl
+    python -m benchmarks.bench_online --server HOST:50051 --http HOST:8000 --rate 4  (gRPC vs HTTP)
+    python -m benchmarks.bench_serving --online ...        (the same)
 
 Arrivals are Poisson at each `--rate` (requests/s; `inf` sends them all at once), or come from
 `--concurrency` clients that each send their next request when the previous one ends. Each run
@@ -17,6 +18,11 @@ Per run: TTFT, TPOT (time per output token after the first), ITL (time between t
 end-to-end latency at p50/p90/p99 and mean, request and token throughput, and goodput: the
 completed requests per second whose TTFT and TPOT both meet the SLA (`--slo-ttft-ms`,
 `--slo-tpot-ms`). Prints a table; `--out FILE` writes the records as JSON.
+
+`--http HOST:PORT` (the same server's `--http-port`) runs each load a second time through the
+OpenAI HTTP API (SSE streams, `return_token_ids` for token counts): the same arrivals and
+lengths, random token prompts shifted by one id so that they miss the prefix cache. Its record
+has `api: "http"` and `ratio_vs_grpc`, its output token throughput over the gRPC run's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
 import math
 import random
@@ -106,6 +111,8 @@ async def send(client, row: dict, sampling: dict) -> Result:
         res.e2e = time.perf_counter() - t0
     except grpc.RpcError as e:
         res.error = e.code().name
+    except OSError as e:  # the HTTP client's errors (HttpStatusError is one)
+        res.error = f"HTTP {getattr(e, 'status', type(e).__name__)}"
     except asyncio.CancelledError:  # the run's time is up: counted as an error, not raised
         res.error = "CANCELLED"
     return res
@@ -198,6 +205,8 @@ def table(records) -> str:
         return "-" if a is None else f"{a:.1f} / {b:.1f}"
     for r in records:
         load = f"rate {r['rate']}" if r["rate"] is not None else f"conc {r['concurrency']}"
+        if r.get("api") == "http":
+            load += f" http ({r['ratio_vs_grpc']:.2f}x gRPC)"
         rows.append(f"| {load} | {r['completed']}/{r['requests']} | {r['request_per_s']:.2f} | "
                     f"{r['output_tok_per_s']:.0f} | {ms(r, 'ttft_ms')} | {ms(r, 'tpot_ms')} | "
                     f"{ms(r, 'itl_ms')} | {r['goodput_req_per_s']:.2f} |")
@@ -227,12 +236,15 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait-ready", type=float, default=600.0,
                     help="seconds to wait for the server's health to report SERVING")
+    ap.add_argument("--http", default=None, metavar="HOST:PORT",
+                    help="also run each load through the OpenAI HTTP API of the same server")
     ap.add_argument("--out", default=None, help="write the records to this JSON file")
     return ap.parse_args(argv)
 
 
 async def bench(args) -> list[dict]:
     from pallasite.serving.client import AsyncClient, Client
+    from .common import run_info
     with Client(args.server) as c:
         info = c.wait_ready(args.wait_ready).model_info()
     loads = [("rate", float(x)) for x in args.rate.split(",")] if args.rate else \
@@ -248,16 +260,30 @@ async def bench(args) -> list[dict]:
                max_num_seqs=info.max_num_seqs, kv_pages=info.kv_pages,
                input_len=list(args.input_len), output_len=list(args.output_len),
                prompts=args.prompts or "random",
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+               **run_info(device=False))
     records = []
+    http = None
+    if args.http:
+        from .openai_stream import HttpStreamClient
+        http = HttpStreamClient(args.http).wait_ready(args.wait_ready)
     async with AsyncClient(args.server) as client:
-        async for _ in client.stream(prompt_of(workload(args.seed + len(loads))[0]), max_tokens=2, **sampling):
-            pass  # one request first: connection up, nothing cold in the measured runs
+        for c in (client, http) if http else (client,):
+            async for _ in c.stream(prompt_of(workload(args.seed + len(loads))[0]), max_tokens=2,
+                                    **sampling):
+                pass  # one request first: connection up, nothing cold in the measured runs
         for i, (kind, value) in enumerate(loads):
             rows = workload(args.seed + i)
             rec = await bench_one(client, rows, sampling, args, **{kind: value})
-            records.append(rec | env)
+            records.append(rec | env | dict(api="grpc"))
             print(json.dumps(rec), flush=True)
+            if http:  # the same load; token prompts shifted by one id (no prefix-cache hits)
+                rows = [dict(r, token_ids=[(t + 1) % info.vocab_size for t in r["token_ids"]])
+                        if "token_ids" in r else r for r in rows]
+                rec_http = await bench_one(http, rows, sampling, args, **{kind: value})
+                rec_http["ratio_vs_grpc"] = rec_http["output_tok_per_s"] / max(
+                    rec["output_tok_per_s"], 1e-9)
+                records.append(rec_http | env | dict(api="http", http=args.http))
+                print(json.dumps(rec_http), flush=True)
     return records
 
 

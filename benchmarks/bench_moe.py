@@ -3,16 +3,14 @@
 experts that are used over the copy bandwidth as the memory floor and the routed FLOPs over the
 measured matmul rate as the compute floor.
 
-    python tools/bench_moe.py --out $OUT
+    python -m benchmarks.bench_moe --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
@@ -22,20 +20,12 @@ import numpy as np
 from pallasite import kernels
 from pallasite.kernels.reference import grouped_mlp_reference
 
+from .common import copy_bandwidth, host_ms, run_info
+
 SHAPES = {  # experts, hidden, expert MLP units, top-k
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "mixtral-8x7b": (8, 4096, 14336, 2),
 }
-
-
-def timed(fn, *args, iters=30):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def case(name, tokens, rng, copy_bps, matmul_tflops):
@@ -54,7 +44,7 @@ def case(name, tokens, rng, copy_bps, matmul_tflops):
     used = int((np.asarray(sizes) > 0).sum())
     mem_ms = used * 3 * d * f * 2 / copy_bps * 1e3
     flop_ms = tokens * k * 3 * 2 * d * f / (matmul_tflops * 1e12) * 1e3
-    t_ours, t_xla = timed(ours, x, sizes, wg, wu, wd), timed(xla, x, sizes, wg, wu, wd)
+    t_ours, t_xla = host_ms(ours, x, sizes, wg, wu, wd), host_ms(xla, x, sizes, wg, wu, wd)
     return dict(model=name, tokens=tokens, rows=tokens * k, experts_used=used, ours_ms=t_ours,
                 xla_ragged_dot_ms=t_xla, speedup=t_xla / t_ours, floor_ms=max(mem_ms, flop_ms),
                 of_floor=max(mem_ms, flop_ms) / t_ours, rel_err=err)
@@ -62,7 +52,7 @@ def case(name, tokens, rng, copy_bps, matmul_tflops):
 
 def matmul_rate():
     a = jnp.ones((8192, 8192), jnp.bfloat16)
-    ms = timed(jax.jit(lambda a: a @ a), a)
+    ms = host_ms(jax.jit(lambda a: a @ a), a)
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
@@ -71,14 +61,11 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tokens", default="1,32,256,2048")
     args = ap.parse_args()
-    from pallasite.tools.probe_gpu import copy_bandwidth
     copy_bps, how = copy_bandwidth(gb=4)
     copy_tbps = copy_bps / 1e12
     tflops = matmul_rate()
     rng = np.random.default_rng(0)
-    head = dict(gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                date=datetime.date.today().isoformat(), copy_tbps=copy_tbps, copy_how=how,
-                matmul_tflops=tflops, command="python tools/bench_moe.py --out $OUT")
+    head = dict(**run_info(), copy_tbps=copy_tbps, copy_how=how, matmul_tflops=tflops)
     records = []
     for name in SHAPES:
         for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -5,8 +5,8 @@ with larger pages. `--short`: split counts at short contexts and batch 1-32 inst
 split-K rule in `kernels/tuning.py` rests on). Times are each call's kernels on the GPU
 (`bench_kernels.device_ms`).
 
-    python tools/sweep_decode.py --out $OUT            # GPU, about 2 minutes
-    python tools/sweep_decode.py --short --out $OUT    # about 1.5 minutes
+    python -m benchmarks.sweep_decode --out $OUT            # GPU, about 2 minutes
+    python -m benchmarks.sweep_decode --short --out $OUT    # about 1.5 minutes
 
 Prints one table last; writes every row to --out/sweep_decode.json.
 """
@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasite.tools.bench_kernels import (K, copy_ceiling, jax_paged_reference, paged_inputs,
-                                           rel_err, time_ms)
-from pallasite.kernels import paged_mgpu, reference
+from .attention import K, jax_paged_reference, paged_inputs
+from .common import copy_ceiling, rel_err, run_info, time_ms
+from pallasite.kernels import paged_mgpu, reference  # after .attention: it finds them in a checkout
 
 H, KV, D = 32, 8, 128
 # By batch: Triton variants (query rows per program, key tile, pipeline depth, warps, splits)
@@ -121,8 +121,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_decode.json").write_text(json.dumps(dict(
-        gpu=jax.devices()[0].device_kind, jax_version=jax.__version__, copy_tbps=ceiling,
-        rows=rows), indent=1))
+        **run_info(), copy_tbps=ceiling, rows=rows), indent=1))
     print(f"\ncopy ceiling {ceiling:.2f} TB/s\n| case | variant | ms | of copy | rel err |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -3,7 +3,7 @@ the throughput-vs-TPOT frontier of every plan and per-GPU memory bars for the to
 
 from __future__ import annotations
 
-from .plan_model import GIB
+from .inputs import GIB
 
 
 def _fmt(x, spec=".1f", none="-"):

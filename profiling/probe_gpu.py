@@ -1,7 +1,7 @@
 """Probe the GPU machine: library versions, copy ceiling, and batch-1 decode of a Llama-3-8B-shaped
 model through `pallasite.model.forward` (random bf16 weights) against its weight-read roofline.
 
-    python tools/probe_gpu.py [--layers 32] [--out DIR]
+    python -m profiling.probe_gpu [--layers 32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import copy_bandwidth
+
 
 def versions():
     out = {}
@@ -27,41 +29,6 @@ def versions():
             out[name] = f"missing ({type(e).__name__})"
     out["devices"] = [d.device_kind for d in jax.devices()]
     return out
-
-
-def torch_copy_bps(gb: float) -> float:
-    """Bytes read + written per second by torch's device-to-device `copy_` (raises without
-    torch or CUDA)."""
-    import torch
-    n = int(gb * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / float(np.median(times))
-
-
-def copy_bandwidth(gb=4):
-    """Bytes read + written per second by a device-to-device copy (torch if present, else jnp)."""
-    try:
-        return torch_copy_bps(gb), "torch copy_"
-    except Exception:
-        n = int(gb * 2**30) // 2
-        x = jnp.ones((n,), jnp.bfloat16)
-        f = jax.jit(lambda x: x + 1)
-        f(x).block_until_ready()
-        t = []
-        for _ in range(20):
-            s = time.perf_counter(); f(x).block_until_ready(); t.append(time.perf_counter() - s)
-        return 2 * n * 2 / float(np.median(t)), "jnp elementwise"
 
 
 def decode_probe(layers, ctx=512, page_size=16, steps=50):
@@ -113,7 +80,7 @@ def compare_flags(args):
         out = os.path.join(args.out, f"flags{i}")
         os.makedirs(out, exist_ok=True)
         env = {**os.environ, "XLA_FLAGS": flags}
-        subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--out", out],
+        subprocess.run([sys.executable, "-m", "profiling.probe_gpu", "--layers", str(args.layers), "--out", out],
                        env=env, check=False, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "probe.json")) as f:
             d = json.load(f)["decode"]

@@ -1,0 +1,201 @@
+"""The engine's decode step as `profile_step` measures it: a Llama-3-8B-shaped model with random
+weights made on the device, the engine compiled for the cases' buckets, a synthetic decode batch
+laid out as the engine lays it out, and the step timed synced, pipelined and through
+`Engine.step()`."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+KEEP_GRAPHS = {"xla_enable_command_buffers_during_profiling": True}  # a compile option
+PAGE = 16  # tokens per KV page, as the engine and the benchmarks use
+
+
+def workload(tiny: bool):
+    """Model shape and the two decode batches (batch, context)."""
+    if tiny:
+        model = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        return model, dict(b1=(1, 32), b64=(4, 64), gen=16, steps=(10, 20), dtype="float32")
+    model = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=8192, rope_theta=500000.0)
+    return model, dict(b1=(1, 512), b64=(64, 1024), gen=256, steps=(30, 60), dtype="bfloat16")
+
+
+def random_params(config, dtype, seed=0):
+    """normal(0.02) matrices and unit norm scales, made on the device one leaf at a time (one
+    small compile per distinct shape instead of tracing the whole model's init)."""
+    import jax
+    import jax.numpy as jnp
+    from pallasite.model import param_shapes
+    leaves, tree = jax.tree.flatten(param_shapes(config, dtype))
+    makers = {}
+
+    def maker(shape):
+        if shape not in makers:
+            makers[shape] = jax.jit(lambda s: (0.02 * jax.random.normal(
+                jax.random.key(s), shape, jnp.float32)).astype(dtype))
+        return makers[shape]
+
+    out = [maker(x.shape)(seed + i) if x.ndim > 1 else jnp.ones(x.shape, dtype)
+           for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(tree, out)
+
+
+def cases(w):
+    """name -> (batch, context, (T, P) bucket, first page of its page runs). Page tables are as
+    wide as the context plus `gen` tokens (the batch-1 one as in benchmarks/bench_serving.py)."""
+    from pallasite.serving.engine import MIN_TOKEN_BUCKET
+    (b1, ctx1), (b2, ctx2), ps = w["b1"], w["b64"], PAGE
+    p1, p2 = -(-(ctx1 + w["gen"]) // ps), -(-(ctx2 + w["gen"]) // ps)
+    t1 = max(b1, MIN_TOKEN_BUCKET)  # the engine pads a lone token to its smallest bucket
+    return {"b1": (b1, ctx1, (t1, p1), 1), "b64": (b2, ctx2, (b2, p2), 1 + p1)}
+
+
+def make_engine(config, params, w):
+    """An engine whose buckets hold both decode batches and a one-step prefill of the batch-1
+    prompt (for the `Engine.step()` run)."""
+    from pallasite.serving.engine import Engine
+    (b1, ctx1, (_, p1), _), (b2, ctx2, (_, p2), _) = cases(w).values()
+    return Engine(config, params, num_pages=1 + p1 + b2 * p2 + 8, page_size=PAGE,
+                  max_num_seqs=b2, max_num_batched_tokens=ctx1, max_model_len=ctx2 + w["gen"],
+                  token_buckets=[b1, b2, ctx1], page_buckets=[p1, p2])
+
+
+def compile_all(engine, keys, prefill_key, keep_graphs: bool):
+    """Compile (in threads, as `Engine.warmup` does) the decode steps, the prefill step if any
+    and the greedy samplers into the engine's own tables, plus each decode step once more with
+    command buffers kept under the profiler if asked. Returns {key: that second executable}."""
+    keys = keys + ([prefill_key] if prefill_key else [])
+    samplers = sorted({(min(T, engine.max_num_seqs), "greedy") for T, _ in keys})
+    lowered = {k: engine._lower(k) for k in keys}
+    jobs = [(("fwd", k), lo, None) for k, lo in lowered.items()]
+    jobs += [(("smp", s), engine._lower_sampler(*s), None) for s in samplers]
+    # Lowered again, not shared: two threads compiling one lowering would share its IR.
+    jobs += [(("graphs", k), engine._lower(k), KEEP_GRAPHS) for k in keys if keep_graphs
+             and k != prefill_key]
+
+    def compile_one(job):
+        try:
+            return job[1].compile(job[2]) if job[2] else job[1].compile()
+        except Exception as e:  # only the optional graph-keeping compile may fail
+            if job[0][0] != "graphs":
+                raise
+            print(f"compile with {job[2]} failed: {e}", flush=True)
+            return None
+
+    with ThreadPoolExecutor(min(8, len(jobs))) as pool:
+        done = list(pool.map(compile_one, jobs))
+    graphs = {}
+    for (kind, key), exe in zip([j[0] for j in jobs], done):
+        {"fwd": engine._exe, "smp": engine._samplers, "graphs": graphs}[kind][key] = exe
+    engine.compilations += len(jobs)
+    return {k: v for k, v in graphs.items() if v is not None}
+
+
+def decode_inputs(engine, batch: int, ctx: int, key, first_page: int, seed=0):
+    """The packed int32 inputs of one decode step, laid out by the engine's `int_layout`: `batch`
+    sequences at context `ctx`, each on its own run of pages, its newest token read from the
+    device's `last_tokens` (as when the previous step's sample is not on the host yet)."""
+    from pallasite.serving import sampling
+    from pallasite.serving.engine import int_layout
+    T, P = key
+    S, ps, i = min(T, engine.max_num_seqs), engine.page_size, np.arange(batch)
+    table = np.zeros((S, P), np.int32)
+    table[:batch, :-(-ctx // ps)] = first_page + i[:, None] * P + np.arange(-(-ctx // ps))
+    pad = lambda n, v, fill: np.concatenate([v, np.full(n - len(v), fill)])
+    pos = ctx - 1
+    parts = dict(tokens=pad(T, np.random.default_rng(seed).integers(0, 100, batch), 0),
+                 positions=pad(T, np.full(batch, pos), 0),
+                 kv_slots=pad(T, table[:batch, pos // ps] * ps + pos % ps, -1),
+                 sources=pad(T, i, -1),
+                 query_start=pad(S + 1, np.arange(batch + 1), batch),
+                 context_lens=pad(S, np.full(batch, ctx), 0),
+                 logits_indices=pad(S, i, 0), page_table=table.ravel())
+    layout = int_layout(T, S, P)
+    assert list(parts) == list(layout), f"the engine's int layout changed: {list(layout)}"
+    ints = np.concatenate([parts[k] for k in layout]).astype(np.int32)
+    floats, rows = sampling.pack_rows([dict(temperature=0.0)] * batch, S)
+    sample_ints = np.concatenate([pad(S, i, -1), rows.ravel()]).astype(np.int32)
+    return ints, sample_ints, floats.ravel()
+
+
+def make_step(engine, key, inputs, exe=None):
+    """One step exactly as `Engine._launch` runs it: forward, greedy sampler, an early copy of
+    the result to the host, the device state handed on (donated)."""
+    ints, sample_ints, floats = inputs
+    exe = exe or engine._exe[key]
+    sampler = engine._samplers[(min(key[0], engine.max_num_seqs), "greedy")]
+
+    def step():
+        kv, last_tokens, history = engine.state
+        logits, kv = exe(engine.params, kv, last_tokens, ints)
+        out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
+        out.copy_to_host_async()
+        engine.state = (kv, last_tokens, history)
+        return out
+    return step
+
+
+def time_steps(step, n_sync: int, n_pipe: int) -> dict:
+    for _ in range(3):
+        np.asarray(step())
+    synced = []
+    for _ in range(n_sync):
+        t = time.perf_counter()
+        np.asarray(step())
+        synced.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    outs = [step() for _ in range(n_pipe)]
+    np.asarray(outs[-1])  # each step waits on the previous one's KV: the last ends last
+    pipelined = (time.perf_counter() - t) / n_pipe
+    return dict(synced_ms=1e3 * float(np.median(synced)), pipelined_ms=1e3 * pipelined)
+
+
+def trace_steps(step, n: int, directory: str) -> str:
+    """Profile `n` pipelined steps; returns the perfetto trace file JAX wrote."""
+    import jax
+    np.asarray(step())
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        outs = [step() for _ in range(n)]
+        np.asarray(outs[-1])
+    found = sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"),
+                             recursive=True), key=os.path.getmtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
+    return found[-1]
+
+
+def engine_loop(engine, prompt_len: int, tokens: int) -> dict:
+    """Batch-1 decode through `Engine.step()` (one-step-ahead overlap on): the median time
+    between consecutive decode steps' results, as benchmarks/bench_serving.py measures it."""
+    from pallasite.serving.llm import SamplingParams
+    prompt = np.random.default_rng(1).integers(0, engine.config.vocab_size, prompt_len).tolist()
+    engine.step_log = []
+    engine.add_request("profile-b1", prompt, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                            ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    log, engine.step_log = engine.step_log, None
+    dts = [b["done"] - a["done"] for a, b in zip(log, log[1:])
+           if "done" in a and "done" in b and b["tokens"] == 1]
+    return dict(engine_ms=1e3 * float(np.median(dts)), decode_steps=len(dts),
+                host_ms_per_step=engine.stats()["host_ms_per_step"])
+
+
+def step_bytes(params, config, batch, ctx) -> dict:
+    """What a decode step must read: the weights (the embedding table only through its
+    gathered rows, unless it is also the output projection) and the K/V of its contexts."""
+    import jax
+    layers = sum(x.nbytes for k, v in params.items() if k.startswith("layers_")
+                 for x in jax.tree.leaves(v))
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
+        params["embed"].dtype.itemsize * batch * ctx
+    return dict(layer_weights=layers, lm_head=head.nbytes, kv=kv, total=layers + head.nbytes + kv)
