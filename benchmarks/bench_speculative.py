@@ -6,8 +6,8 @@
 1. verify_cost_ratio: on the Llama-3-8B-shaped model (random bf16 weights), one engine step at
    batch 1 and context --context, verifying 1 + k tokens (k = 4), against a plain one-token
    decode step of an engine without speculation; each is the compiled forward + sampler, median
-   of --iters timed calls after warm-up. Checked first: the verify step's first logits row
-   equals the plain step's (same token, same cache), the output poisoned (NaN) before.
+   of --iters timed calls after warm-up. Checked: the verify step's first logits row equals
+   the plain step's (same token, same random cache), both computed in this run.
 2. mean_accepted: the default model with its draft ("default-draft"), k = 4, greedy, on the
    beginnings of held-out documentation (the documents the training split held out: the same
    corpus, seed and split as the training recipe), tokens emitted per verify step; the outputs
