@@ -297,7 +297,8 @@ class Engine:
         S, R = min(T, self.max_num_seqs), self.rows
         tok, pos, slot = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32)
         src = np.full(T, -1, np.int32)
-        qstart, ctx, last = np.zeros(S + 1, np.int32), np.zeros(S, np.int32), np.zeros(S * R, np.int32)
+        qstart, ctx = np.zeros(S + 1, np.int32), np.zeros(S, np.int32)
+        last = np.zeros(S * R, np.int32)
         table, sample_row = np.zeros((S, P), np.int32), np.full(S * R, -1, np.int32)
         floats, ints = sampling.pack_rows([], S * R)
         at = 0

@@ -38,7 +38,8 @@ DEFAULT_DRAFT = "default-draft"  # the draft shipped beside the embedded default
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}."""
+    "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": 4}."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4

@@ -186,7 +186,8 @@ def test_a_draft_that_is_the_target_accepts_everything_and_stops_inside_a_run(en
                                "num_speculative_tokens": K}, (e.config, e.params))
     prompt = [5, 17, 42, 9, 33]
     greedy = dict(temperature=0.0, ignore_eos=True)
-    full = tokens(run(engine, [("full", prompt, SamplingParams(max_tokens=30, **greedy), 0)])["full"])
+    full = run(engine, [("full", prompt, SamplingParams(max_tokens=30, **greedy), 0)])["full"]
+    full = tokens(full)
     assert engine.stats()["spec_mean_accepted"] == K + 1
     for n in (2, 7, 9, 13):  # max_tokens inside a run: never overshoot
         outs = run(engine, [("n", prompt, SamplingParams(max_tokens=n, **greedy), 0)])["n"]
@@ -351,9 +352,11 @@ def test_page_accounting_under_random_accept_reject_abort_preempt(seed, k, num_p
 # -- configuration ------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle9", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0},
+     "num_speculative_tokens must be an int >= 1"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
-    ({"method": "ngram", "num_speculative_tokens": 16}, r"\(16\) \+ 1 exceeds max_num_batched_tokens \(16\)"),
+    ({"method": "ngram", "num_speculative_tokens": 16},
+     r"\(16\) \+ 1 exceeds max_num_batched_tokens \(16\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
       "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown field"),
