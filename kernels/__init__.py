@@ -189,17 +189,106 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=Fa
     w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
     in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`)."""
     tile = 128
+    quantized = isinstance(w_gate, tuple)  # (values [E, K, N], float32 scales [E, G, N])
     # Measured on the H100 (docs/BENCHMARKS.md, MoE experts): with fewer than ~16 rows per
     # expert (decode) XLA's ragged_dot is as fast or faster; from there on this path wins.
     # An explicit impl="pallas" (benchmarks) or interpret=True (tests) skips that choice.
-    few_rows = x.shape[0] < GROUPED_MIN_ROWS_PER_EXPERT * w_gate.shape[0] and impl is None \
+    shape = w_gate[0].shape if quantized else w_gate.shape
+    few_rows = x.shape[0] < GROUPED_MIN_ROWS_PER_EXPERT * shape[0] and impl is None \
         and not interpret
-    if (not _use_pallas(impl, interpret) or few_rows or w_gate.shape[-1] % tile
-            or x.shape[-1] % tile):
+    grouped_scales = quantized and w_gate[1].shape[1] > 1  # the kernel takes per-channel only
+    if (not _use_pallas(impl, interpret) or few_rows or shape[-1] % tile
+            or x.shape[-1] % tile or grouped_scales):
+        if quantized:
+            from .quant_reference import dequantize_matrix
+            w_gate, w_up, w_down = (jax.vmap(dequantize_matrix)(*w).astype(x.dtype)
+                                    for w in (w_gate, w_up, w_down))
         return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down)
     from . import grouped_matmul as gm
-    block_m = gm.block_m_for(x.shape[0], w_gate.shape[0])
+    block_m = gm.block_m_for(x.shape[0], shape[0])
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
-    mm = lambda a, w: gm.grouped_matmul_padded(a, w, block_group, interpret=interpret, **blocks)
+
+    def mm(a, w):
+        w, scale = w if quantized else (w, None)
+        return gm.grouped_matmul_padded(a, w, block_group, scale, interpret=interpret, **blocks)
     h = jax.nn.silu(mm(x_pad, w_gate)) * mm(x_pad, w_up)
     return gm.unpad_groups(mm(h, w_down), dest)
+
+
+# -- quantized matrix products ---------------------------------------------------------------------
+# Up to this many rows (tokens) a call is memory-bound and takes W8A16 (weights read once, in
+# their stored bytes); above it FP8 weights take W8A8 on the FP8 tensor cores.
+W8A16_MAX_ROWS = 16
+_SAID = set()
+
+
+def _say_once(message: str):
+    if message not in _SAID:
+        _SAID.add(message)
+        import logging
+        logging.getLogger("pallasite").warning(message)
+
+
+def has_fp8_tensor_cores() -> bool:
+    """sm_89 (Ada) and sm_90+ (Hopper and later) GPUs."""
+    try:
+        major, minor = (int(p) for p in str(jax.devices()[0].compute_capability).split(".")[:2])
+    except Exception:
+        return False
+    return (major, minor) >= (8, 9)
+
+
+def quant_mode(x, q, zero=None, mode=None) -> str:
+    """"w8a16" or "w8a8" for a call: by rows, on GPUs with FP8 tensor cores, for FP8 weights
+    without zeros. `PALLASITE_QUANT_MATMUL` or `mode` names one (W8A8 only where it is right)."""
+    mode = mode or os.environ.get("PALLASITE_QUANT_MATMUL")
+    if mode not in (None, "w8a16", "w8a8"):
+        raise ValueError(f"quantized matmul mode {mode!r} is not one of 'w8a16', 'w8a8'")
+    if q.dtype != jax.numpy.float8_e4m3fn or zero is not None:
+        if mode == "w8a8":
+            raise ValueError(f"W8A8 takes float8_e4m3fn weights without zeros, not {q.dtype}")
+        return "w8a16"
+    if mode is not None:
+        return mode
+    if x.shape[0] <= W8A16_MAX_ROWS:
+        return "w8a16"
+    if jax.default_backend() != "gpu":
+        return "w8a16"
+    if not has_fp8_tensor_cores():
+        _say_once("this GPU has no FP8 tensor cores (sm_89 / sm_90+): FP8 weights run as "
+                  "W8A16 (bf16 activations) at every batch size")
+        return "w8a16"
+    return "w8a8"
+
+
+def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, interpret=False, **blocks):
+    """x [M, K] times quantized weights q [K, N] with float32 scale [G, N] (and zero) ->
+    [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
+    reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`)."""
+    from . import quant_reference as qr
+    if quant_mode(x, q, zero, mode) == "w8a8":
+        return qr.w8a8_matmul(x, q, scale)
+    if not _use_pallas(impl, interpret):
+        return qr.w8a16_reference(x, q, scale, zero)
+    from . import w8a16_matmul as qm
+    kw = qm.blocks_for(x.shape[0], q.shape[0], q.shape[1], scale.shape[0]) | blocks
+    return qm.w8a16_matmul(x, q, scale, zero, interpret=interpret, **kw)
+
+
+# -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------
+INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and takes XLA's dot
+
+
+def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: int,
+               impl=None, interpret=False, **blocks):
+    """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`) -> [M, N] in x's dtype:
+    the Pallas kernel on GPU up to INT_MATMUL_MAX_ROWS rows, the dequantized weight through
+    XLA's dot above (prefill is compute-bound) and on other backends."""
+    from . import w4a16_matmul as im
+    kw = dict(bits=bits, group_size=group_size)
+    if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= INT_MATMUL_MAX_ROWS):
+        return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw, **blocks)
+    if not _use_pallas(impl, interpret):
+        return im.int_matmul_reference(x, words, scale, zero, perm, **kw)
+    w = im.dequantize(words, scale, zero, k=x.shape[-1], **kw).astype(x.dtype)
+    return (x if perm is None else x[..., perm]) @ w

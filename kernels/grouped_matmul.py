@@ -54,7 +54,8 @@ def unpad_groups(y_pad, dest):
     return jnp.take(y_pad, dest, axis=0, mode="fill", fill_value=0)
 
 
-def _kernel(group_ref, x_ref, w_ref, o_ref, *, block_k: int, num_k: int):
+def _kernel(group_ref, x_ref, w_ref, *rest, block_k: int, num_k: int):
+    s_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     g = group_ref[pl.program_id(0)]
     block_n = o_ref.shape[1]
     n0 = pl.program_id(1) * block_n
@@ -68,16 +69,19 @@ def _kernel(group_ref, x_ref, w_ref, o_ref, *, block_k: int, num_k: int):
         def body(k, acc):
             xs = x_ref[:, pl.ds(k * block_k, block_k)]
             ws = w_ref[g, pl.ds(k * block_k, block_k), pl.ds(n0, block_n)]
-            return acc + plgpu.dot(xs, ws)
+            return acc + plgpu.dot(xs, ws.astype(xs.dtype))  # quantized: dequantized here
         acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+        if s_ref is not None:  # per-output-channel scales of this group
+            acc = acc * s_ref[g, :, pl.ds(n0, block_n)]
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def grouped_matmul_padded(x_pad, w, block_group, *, block_n: int = 128, block_k: int = 64,
+def grouped_matmul_padded(x_pad, w, block_group, scale=None, *, block_n: int = 128, block_k: int = 64,
                           num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """x_pad [R, K] in pad_groups' layout, w [G, K, N] -> [R, N] (zeros in empty blocks)."""
+    """x_pad [R, K] in pad_groups' layout, w [G, K, N] -> [R, N] (zeros in empty blocks).
+    Quantized w (float8 / int8 values) comes with float32 per-channel `scale` [G, 1, N]."""
     rows, k = x_pad.shape
     groups, _, n = w.shape
     block_m = rows // block_group.shape[0]
@@ -91,13 +95,14 @@ def grouped_matmul_padded(x_pad, w, block_group, *, block_n: int = 128, block_k:
         grid=(block_group.shape[0], n // block_n),
         in_specs=[pl.BlockSpec((block_group.shape[0],), lambda i, j: (0,)),
                   pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((groups, k, n), lambda i, j: (0, 0, 0))],
+                  pl.BlockSpec((groups, k, n), lambda i, j: (0, 0, 0))]
+                 + ([] if scale is None else [pl.BlockSpec((groups, 1, n), lambda i, j: (0, 0, 0))]),
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, n), x_pad.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="grouped_matmul",
-    )(block_group, x_pad, w)
+    )(block_group, x_pad, w, *([] if scale is None else [scale]))
 
 
 def block_m_for(m: int, groups: int) -> int:

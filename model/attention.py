@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .. import kernels
+from . import quant
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, device_hooks, param, rope_frequencies
 
@@ -56,9 +57,7 @@ class Attention(nn.Module):
     def qkv(self, x, positions):
         """x [..., T, D] -> q [..., T, H, hd], k and v [..., T, KV, hd], RoPE applied."""
         c = self.config
-        q = jnp.einsum("...d,dhk->...hk", x, self.wq)
-        k = jnp.einsum("...d,dhk->...hk", x, self.wk)
-        v = jnp.einsum("...d,dhk->...hk", x, self.wv)
+        q, k, v = (quant.linear(x, w) for w in (self.wq, self.wk, self.wv))
         if c.qkv_bias:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if c.qk_norm:
@@ -73,7 +72,7 @@ class Attention(nn.Module):
             o, layer_cache = attend(q, k, v, segment_ids, layer_cache, batch)
         else:  # on a mesh: the kernels run once per shard of heads
             o, layer_cache = hooks.attention(attend, q, k, v, segment_ids, layer_cache, batch)
-        return jnp.einsum("...hk,hkd->...d", o, self.wo), layer_cache
+        return quant.linear(o, self.wo, in_axes=2), layer_cache
 
 
 def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = None):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from . import quant
 from .config import ModelConfig, RopeScaling
 
 
@@ -57,6 +58,10 @@ def constrain(x, logical_axes: tuple):
 
 
 def param(module: nn.Module, name: str, shape, axes, dtype, init=None):
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if hasattr(value, "linear"):  # a packed layout (quant_int.PackedInt): not [in, out]
+            return value
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
@@ -114,8 +119,8 @@ class MLP(nn.Module):
         w_gate = param(self, "w_gate", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (c.intermediate_size, c.hidden_size), ("mlp", "embed"), self.dtype)
-        h = jax.nn.silu(x @ w_gate) * (x @ w_up)
-        return h @ w_down
+        h = jax.nn.silu(quant.linear(x, w_gate)) * quant.linear(x, w_up)
+        return quant.linear(h, w_down)
 
 
 def route(x, router, top_k: int, renormalize: bool):
@@ -129,7 +134,10 @@ def route(x, router, top_k: int, renormalize: bool):
 
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
-    """SwiGLU over tokens already sorted by expert: one grouped matmul per projection."""
+    """SwiGLU over tokens already sorted by expert: one grouped matmul per projection.
+    Quantized experts pass as (values, scales [E, G, F]) pairs: the kernels dequantize them."""
+    if quant.is_quantized(w_gate):
+        w_gate, w_up, w_down = (quant.grouped_operand(w) for w in (w_gate, w_up, w_down))
     return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
 
 

@@ -7,6 +7,7 @@ of tensors are checked; a mismatch is an error naming the tensor and the file.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from . import quant
 from .config import ModelConfig, load_config
 from .transformer import param_shapes
 
@@ -130,19 +132,32 @@ def _get(tree, path: tuple):
     return tree
 
 
-def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None = None):
+def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None = None,
+            quantization: str | None = None):
     """Load a Hugging Face checkpoint folder. Returns (config, params).
 
     `dtype` is the target dtype of every parameter, whatever the file holds. `shardings`, a
     pytree like the params of `jax.sharding.Sharding`s, places each parameter straight onto its
-    devices; without it each goes to the default device.
+    devices; without it each goes to the default device. `quantization="fp8"` stores every
+    linear weight as a `quant.QArray` (float8_e4m3fn, float32 per-output-channel scales),
+    each quantized on its device(s) right after it is placed, before the next is read.
     """
+    quant.check_quantization(quantization)
     path = Path(path)
     config = config or load_config(path)
     files = _tensor_files(path)
     sources = hf_sources(config)
     expected = param_shapes(config, dtype)
+    from .quant_int import int_checkpoint
+    ints = int_checkpoint(path, config, sources, expected, files)
+    if ints is not None:
+        if quantization or shardings is not None:
+            raise CheckpointError(f"checkpoint {path} is already quantized ({ints.method}): "
+                                  "it loads as stored, on one device (no quantization=, no mesh)")
+        for param_path in ints.linears:
+            sources.pop(param_path)
     wanted = {name for names, _ in sources.values() for name in names}
+    wanted |= ints.names() if ints is not None else set()
     missing = sorted(wanted - files.keys())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -165,7 +180,40 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
             raise CheckpointError(
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
-        value = jnp.asarray(value, dtype) if shardings is None else jax.device_put(
-            value.astype(dtype), _get(shardings, param_path))
+        sharding = None if shardings is None else _get(shardings, param_path)
+        value = jnp.asarray(value, dtype) if sharding is None else jax.device_put(
+            value.astype(dtype), sharding)
+        if quantization and quant.linear_axes(param_path) is not None:
+            value = _quantize_in_place(value, quant.contract_axes_of(param_path), sharding,
+                                       quantization, quant.linear_axes(param_path))
         _set(params, param_path, value)
+    for param_path in ints.linears if ints is not None else ():
+        _set(params, param_path, ints.load(param_path, lambda n: _read_raw(n, files, handles)))
     return config, params
+
+
+def _read_raw(name: str, files: dict[str, Path], handles: dict) -> np.ndarray:
+    """A tensor as stored (integer tensors of quantized checkpoints too)."""
+    file = files[name]
+    if file not in handles:
+        handles[file] = _open(file)
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(handles[file].get_tensor(name))
+
+
+def _quantize_in_place(value, contract_axes, sharding, quantization="fp8", axes=None):
+    """FP8 of a placed weight on the devices holding it: each its shard, the per-channel amax
+    reduced across shards of the contraction axes. The input is dropped once this returns.
+    Integer modes (w4a16, w8a16) quantize dense linears RTN and repack them on one device."""
+    if quantization != "fp8":
+        from .quant_int import quantize_weight
+        if sharding is not None:
+            raise CheckpointError(f"quantization={quantization!r} on a mesh is not supported yet")
+        return value if axes[0] != 0 else quantize_weight(value, axes[1], quantization)
+    shapes = jax.eval_shape(lambda w: quant.quantize_fp8(w, contract_axes), value)
+    return _quantizer(contract_axes, quant.sharding_for(shapes, sharding))(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _quantizer(contract_axes, out_shardings):
+    return jax.jit(lambda w: quant.quantize_fp8(w, contract_axes), out_shardings=out_shardings)

@@ -1,4 +1,4 @@
-"""`pallasite` command line: generate, serve, train, plan.
+"""`pallasite` command line: generate, serve, train, quantize, plan.
 
 `serve` and `train` define their own flags (`add_arguments` in their modules); `plan` owns its
 whole command line and is imported only when it runs.
@@ -60,6 +60,8 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    from pallasite.serving.server import add_quantization_argument
+    add_quantization_argument(p)
     p.add_argument("--max-model-len", type=int, default=None)
     from pallasite.sharding import add_mesh_arguments
     add_mesh_arguments(p)
@@ -100,7 +102,7 @@ def generate_locally(prompt: str, args) -> int:
         print(f"pallasite: no --model given: using the embedded default model ({folder})",
               file=sys.stderr)
     kwargs = dict(max_num_seqs=1, max_num_batched_tokens=256, token_buckets=[1, 256],
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, quantization=args.quantization)
     if args.speculative_config is not None:
         from pallasite.serving.speculative import check_cli
         check_cli("pallasite generate", args.speculative_config, folder)
@@ -170,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_arguments(sub.add_parser("serve", help="the gRPC generation service"))
     from pallasite.train.cli import add_arguments as train_arguments
     train_arguments(sub.add_parser("train", help="train or fine-tune a model"))
+    from pallasite.tools.quantize import add_arguments as quantize_arguments
+    quantize_arguments(sub.add_parser("quantize", help="write an INT4/INT8 weight-only "
+                                      "compressed-tensors checkpoint (rtn, awq, gptq)"))
     sub.add_parser("plan", help="rank sharding plans for a model on given GPUs (see "
                    "`pallasite plan --help`)", add_help=False)
     return parser
@@ -188,6 +193,9 @@ def main(argv=None) -> int:
     if args.command == "serve":
         from pallasite.serving.server import run
         return run(args)
+    if args.command == "quantize":
+        from pallasite.tools.quantize import run as quantize_run
+        return quantize_run(args)
     from pallasite.train.cli import run as train_run
     return train_run(args)
 

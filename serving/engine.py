@@ -110,8 +110,8 @@ class Engine:
                              f" and the pages of max_model_len ({max_pages})")
         self._place(mesh, num_pages)
         # Speculation: proposals follow the previous step's tokens, so its steps do not overlap.
-        self.spec = make_speculator(spec, target_config=config, params_dtype=jax.tree.leaves(
-            self.params)[0].dtype, pages=self.pages, max_num_seqs=max_num_seqs,
+        self.spec = make_speculator(spec, target_config=config, params_dtype=self.params[
+            "embed"].dtype, pages=self.pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
             page_buckets=self.page_buckets, draft=draft)
         self.rows = self.spec.rows if self.spec else 1

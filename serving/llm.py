@@ -128,21 +128,27 @@ def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num
 
 class LLM:
     """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
-    a Hub name, `org/name[@revision]` (None: the embedded default model). `speculative_config`
-    turns on speculative decoding, in vLLM's shape: {"method": "ngram",
+    a Hub name, `org/name[@revision]` (None: the embedded default model). `quantization="fp8"`
+    stores every linear weight in float8_e4m3fn with float32 per-output-channel scales,
+    "w4a16" / "w8a16" in INT4 (group 128) / INT8 (per channel), quantized as it loads; an
+    AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored.
+    `speculative_config` turns on speculative decoding, in vLLM's shape: {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or
     {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": 4}
     ("default-draft": the default model's own draft)."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0, **engine_kwargs):
-        from ..model import load_hf
+                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0,
+                 quantization: str | None = None, **engine_kwargs):
+        from ..model import load_hf, quant
         from ..model.hub import resolve
+        quant.check_quantization(quantization)
         path = resolve(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-        config, params = load_hf(path, dtype=dtype, **self._placement(path, mesh, dtype))
+        config, params = load_hf(path, dtype=dtype, quantization=quantization,
+                                 **self._placement(path, mesh, dtype, quantization))
         tokenizer = None
         if (path / "tokenizer.json").exists():
             from ..model.tokenizer import Tokenizer
@@ -156,7 +162,7 @@ class LLM:
                     **engine_kwargs)
 
     @staticmethod
-    def _placement(path, mesh, dtype) -> dict:
+    def _placement(path, mesh, dtype, quantization=None) -> dict:
         """On a mesh, check the plan (and that its weights fit where the device reports its
         memory) before reading anything, then load each tensor straight onto its shards: no
         device ever holds the whole model."""
@@ -169,12 +175,16 @@ class LLM:
         validate_plan(config, plan)
         limit = (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
         if limit:
-            check_fits(config, plan, limit, dtype)
+            check_fits(config, plan, limit, dtype, quantization=quantization)
         return dict(config=config, shardings=param_shardings(config, mesh))
 
     @classmethod
     def from_params(cls, config, params, tokenizer=None, **kwargs) -> "LLM":
-        """An LLM over weights already in memory (tests, benchmarks, freshly trained models)."""
+        """An LLM over weights already in memory (tests, benchmarks, freshly trained models).
+        `quantization="fp8"` quantizes their linear weights first."""
+        from ..model import quant
+        if mode := quant.check_quantization(kwargs.pop("quantization", None)):
+            params = quant.quantize_params(params, mode)
         llm = cls.__new__(cls)
         kwargs.setdefault("page_size", 16)
         kwargs.setdefault("max_num_seqs", 32)

@@ -217,6 +217,7 @@ def add_arguments(parser):
                              "(benchmarks; with no tokenizer, prompts must be token ids)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="weights' dtype (default: bfloat16 on GPU, float32 on CPU)")
+    add_quantization_argument(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most tokens of prompt plus completion")
     parser.add_argument("--num-pages", type=int, default=None,
@@ -244,6 +245,13 @@ def add_arguments(parser):
     add_mesh_arguments(parser)
 
 
+def add_quantization_argument(parser):
+    from ..model.quant import QUANTIZATIONS
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="store the linear weights quantized as they load: fp8 = "
+                             "float8_e4m3fn with per-output-channel scales (default: as loaded)")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -255,7 +263,8 @@ def llm_factory(args):
         from .llm import LLM
         kwargs = dict(max_model_len=args.max_model_len, num_pages=args.num_pages,
                       page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      quantization=getattr(args, "quantization", None))
         if getattr(args, "speculative_config", None) is not None:
             kwargs["speculative_config"] = args.speculative_config
         for name in ("token_buckets", "page_buckets"):

@@ -267,7 +267,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                 mesh=describe_mesh(e), eos_token_ids=sorted(e.eos),
                 has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
                 max_num_seqs=e.max_num_seqs, kv_pages=e.pages.num_pages, page_size=e.page_size,
+                quantization=describe_quantization(e.params),
                 speculative=e.spec.config.describe() if getattr(e, "spec", None) else "")
+
+
+def describe_quantization(params) -> str:
+    from ..model.quant_int import describe
+    return describe(params)
 
 
 def describe_mesh(engine) -> str:

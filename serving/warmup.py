@@ -84,9 +84,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+MAX_WORKERS = 8  # compilations on a GPU also autotune on it: more at once only contend
+
+
 def workers_for(jobs: int, per_job: int | None, cores: int, available: int | None) -> int:
-    """Parallel compilations: no more than the cores, the jobs, nor what the memory holds."""
-    n = max(1, min(cores, jobs))
+    """Parallel compilations: no more than the cores, the jobs, MAX_WORKERS, nor what the
+    memory holds."""
+    n = max(1, min(cores, jobs, MAX_WORKERS))
     if per_job and per_job > 0 and available:
         n = min(n, max(1, int(MEMORY_FRACTION * available // per_job)))
     return n

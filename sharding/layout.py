@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..model import ModelConfig, forward, forward_logits
+from ..model import ModelConfig, forward, forward_logits, quant
 from .mesh import init_kv_cache, kv_cache_sharding, param_shardings, plan_of
 from .parallel import with_mesh
 from .plan import PlanError, validate_plan
@@ -29,7 +29,8 @@ class Layout:
         self.replicated = NamedSharding(mesh, P())
 
     def place_params(self, params):
-        return jax.device_put(params, self.params)
+        """Params (plain or with quantized weights, `model.quant`) onto their shardings."""
+        return jax.device_put(params, quant.shardings_for(params, self.params))
 
     def init_kv_cache(self, num_pages: int, page_size: int, dtype=jnp.bfloat16):
         """KV pages for every layer on their shards (kv heads over tensor; see rules.py)."""

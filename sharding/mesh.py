@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..model import ModelConfig
+from ..model import ModelConfig, quant
 from .plan import MeshPlan, PlanError, validate_plan
 from .rules import AXES, kv_cache_partition_spec, kv_cache_shape, param_partition_specs
 
@@ -86,7 +86,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh):
 def shard_params(params, config: ModelConfig, mesh: Mesh):
     """Place params (host or device arrays) on their shardings; each device gets its slice."""
     validate_plan(config, plan_of(mesh))
-    return jax.device_put(params, param_shardings(config, mesh))
+    return jax.device_put(params, quant.shardings_for(params, param_shardings(config, mesh)))
 
 
 def kv_cache_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:

@@ -13,12 +13,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import kernels
-from ..model import ModelConfig
+from ..model import ModelConfig, quant
 from ..model.layers import use_device_hooks
 from .experts import moe_shard
 from .mesh import plan_of
 from .plan import validate_plan
-from .rules import kv_cache_partition_spec, kv_heads_split, logical_to_spec
+from .rules import axis_size, kv_cache_partition_spec, kv_heads_split, logical_to_spec
 
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:  # older JAX
@@ -98,9 +98,12 @@ class MeshHooks:
         x = jax.numpy.pad(x, ((0, -n % shards), (0, 0)))  # every shard gets as many rows
         tokens = P(("data", "expert"), None)
         up, down = P("expert", None, "tensor"), P("expert", "tensor", None)
+        size = partial(axis_size, self.plan)
+        specs = (tokens, P(), quant.spec_for(w_gate, up, size), quant.spec_for(w_up, up, size),
+                 quant.spec_for(w_down, down, size))
         fn = partial(moe_shard, config=self.config, ep=self.plan.expert, tp=self.plan.tensor,
                      emulate=self.emulate_a2a)
-        out = self._map(fn, (tokens, P(), up, up, down), tokens)(x, router, w_gate, w_up, w_down)
+        out = self._map(fn, specs, tokens)(x, router, w_gate, w_up, w_down)
         return out[:n]
 
 

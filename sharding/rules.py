@@ -93,20 +93,30 @@ def kv_cache_partition_spec(config: ModelConfig, plan: MeshPlan) -> P:
     return P("tensor", None, None, None)
 
 
-def param_bytes_per_device(config: ModelConfig, plan: MeshPlan, dtype) -> int:
-    """Bytes of parameters each device holds under `plan` (exact, from the partition rules)."""
+def param_bytes_per_device(config: ModelConfig, plan: MeshPlan, dtype,
+                           quantization: str | None = None) -> int:
+    """Bytes of parameters each device holds under `plan` (exact, from the partition rules).
+    With `quantization="fp8"` the linear weights count one byte an element (their float32
+    per-channel scales are under 0.1% more and not counted)."""
     import numpy as np
+
+    from ..model import quant
     _, shapes, logical = _param_layout(config)
-    return np.dtype(dtype).itemsize * sum(
-        math.prod(shard_shape(shape, logical_to_spec(names, shape, plan), plan))
-        for shape, names in zip(shapes, logical))
+    paths = [tuple(getattr(k, "key", k) for k in path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]]
+    total = 0
+    for path, shape, names in zip(paths, shapes, logical):
+        size = math.prod(shard_shape(shape, logical_to_spec(names, shape, plan), plan))
+        one = 1 if quantization and quant.linear_axes(path) else np.dtype(dtype).itemsize
+        total += one * size
+    return total
 
 
 def check_fits(config: ModelConfig, plan: MeshPlan, device_memory_bytes: int, dtype,
-               weight_fraction: float = 0.9) -> int:
+               weight_fraction: float = 0.9, quantization: str | None = None) -> int:
     """Raise PlanError if one device's share of the weights exceeds `weight_fraction` of its
     memory (the rest is for the KV cache and activations). Returns the bytes per device."""
-    need = param_bytes_per_device(config, plan, dtype)
+    need = param_bytes_per_device(config, plan, dtype, quantization)
     budget = weight_fraction * device_memory_bytes
     if need <= budget:
         return need
@@ -114,7 +124,7 @@ def check_fits(config: ModelConfig, plan: MeshPlan, device_memory_bytes: int, dt
     candidates = sorted((MeshPlan(1, t, e) for t in tensor_sizes(config) for e in experts),
                         key=lambda p: (p.size, p.expert))
     fits = [f"tp={p.tensor}" + (f",ep={p.expert}" if config.is_moe else "") for p in candidates
-            if param_bytes_per_device(config, p, dtype) <= budget][:3]
+            if param_bytes_per_device(config, p, dtype, quantization) <= budget][:3]
     hint = (f"smallest plans that fit: {'; '.join(fits)}" if fits else
             "no tensor/expert split of this model fits")
     raise PlanError(f"mesh {plan}: weights need {need / 2**30:.2f} GiB per device, over "

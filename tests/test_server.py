@@ -179,6 +179,7 @@ def test_tokenize_detokenize_model_info(llm, client):
     assert (info.model_name, info.context_length, info.vocab_size, info.dtype) == (
         "tiny", MAX_MODEL_LEN, llm.config.vocab_size, "float32")
     assert info.has_chat_template and info.max_num_seqs == 8 and info.page_size == 8
+    assert info.quantization == ""  # plain weights
     assert info.mesh
 
 

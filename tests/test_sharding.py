@@ -302,6 +302,37 @@ def test_moe_model_on_a_mesh_equals_one_device(moe_checkpoint, moe_ref, shape):
 
 
 @mesh_test
+def test_fp8_weights_on_a_mesh(moe_checkpoint, dense):
+    """FP8 weights quantized on load straight onto an ep2 x tp2 mesh, and placed on a tp4 mesh:
+    values split like the plain weights, scales along the output axes (copied where their axis
+    has size one), and the logits those of the same FP8 weights on one device."""
+    from pallasite.model import forward_logits, load_hf, quant
+    from pallasite.sharding import Layout, MeshPlan, make_mesh, param_shardings
+    folder, config, _ = moe_checkpoint
+    layout = Layout(config, make_mesh(MeshPlan(1, 2, 2)))
+    _, on_mesh = load_hf(folder, dtype=jnp.float32, quantization="fp8",
+                         shardings=param_shardings(config, layout.mesh))
+    moe, attn = on_mesh["layers_0"]["moe"], on_mesh["layers_0"]["attn"]
+    check_split(moe["w_down"].q, P("expert", "tensor", None), (2, 48, 64))
+    check_split(moe["w_down"].scale, P("expert", None, None), (2, 1, 64))
+    check_split(moe["w_gate"].scale, P("expert", None, "tensor"), (2, 1, 48))
+    check_split(attn["wo"].scale, P(None, None, None), (1, 1, 64))
+    _, one = load_hf(folder, dtype=jnp.float32, quantization="fp8")
+    want = forward_logits(one, config, IDS)
+    assert rel_err(layout.forward_logits()(on_mesh, IDS), want) <= 1e-5
+
+    config, params = dense
+    layout = Layout(config, make_mesh(MeshPlan(1, 4, 1)))
+    qp = quant.quantize_params(params)
+    placed = layout.place_params(qp)
+    check_split(placed["layers_1"]["attn"]["wq"].q, P(None, "tensor", None), (64, 2, 8))
+    check_split(placed["layers_1"]["attn"]["wq"].scale, P(None, "tensor", None), (1, 2, 8))
+    check_split(placed["layers_1"]["mlp"]["w_down"].scale, P(None, None), (1, 64))
+    want = forward_logits(qp, config, IDS)
+    assert rel_err(layout.forward_logits()(placed, IDS), want) <= 1e-5
+
+
+@mesh_test
 def test_the_cpu_stand_in_for_ragged_all_to_all_is_exact():
     """The stand-in for the ragged all-to-all (CPU has none) equals the collective's definition:
     slice i of each shard lands at its offset on shard i; the other rows are left as they were."""

@@ -1,0 +1,71 @@
+"""Quantized matrix products in plain jnp: the references the kernels are checked against, and
+the W8A8 path itself (XLA's FP8 dot).
+
+Weights come as a [K, N] matrix `q` (float8_e4m3fn, int8, int4) with float32 `scale` [G, N]
+(G = 1: per output channel; G > 1: one row per group of K // G input rows) and an optional
+`zero` like `scale`, meaning w = (q - zero) * scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_MAX = 448.0
+
+
+def dequantize_matrix(q, scale, zero=None):
+    """[K, N] float32 weights."""
+    g = q.shape[0] // scale.shape[0]
+    w = q.astype(jnp.float32)
+    if zero is not None:
+        w = w - jnp.repeat(zero.astype(jnp.float32), g, axis=0)
+    return w * jnp.repeat(scale, g, axis=0)
+
+
+def w8a16_reference(x, q, scale, zero=None):
+    """x [M, K] (bf16/f32) times the quantized weights -> [M, N] in x's dtype, with the kernel's
+    math: each group's (q - zero) in x's dtype, products accumulated in float32, scaled per
+    group."""
+    m, k = x.shape
+    groups, n = scale.shape
+    w = q.astype(jnp.float32)
+    if zero is not None:
+        w = w - jnp.repeat(zero.astype(jnp.float32), k // groups, axis=0)
+    w = w.astype(x.dtype).reshape(groups, k // groups, n)
+    part = jnp.einsum("mgk,gkn->mgn", x.reshape(m, groups, k // groups), w,
+                      preferred_element_type=jnp.float32)
+    return jnp.sum(part * scale[None], axis=1).astype(x.dtype)
+
+
+def quantize_rows(x):
+    """Dynamic per-token (row) FP8 quantization: (xq [M, K] e4m3, scale [M, 1] float32)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    s = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    xq = jnp.clip(x.astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return xq, s
+
+
+def w8a8_matmul(x, q, scale):
+    """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
+    accumulating in float32, both scales applied to the product. q must be float8_e4m3fn."""
+    m, k = x.shape
+    groups, n = scale.shape
+    xq, xs = quantize_rows(x)
+    if groups == 1:
+        y = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+    else:  # one FP8 product per group of K, batched, then the scaled sum
+        part = jax.lax.dot_general(xq.reshape(m, groups, k // groups).transpose(1, 0, 2),
+                                   q.reshape(groups, k // groups, n),
+                                   (((2,), (1,)), ((0,), (0,))),
+                                   preferred_element_type=jnp.float32)  # [G, M, N]
+        y = jnp.sum(part * scale[:, None, :], axis=0)
+    return (y * xs).astype(x.dtype)
+
+
+def w8a8_reference(x, q, scale):
+    """W8A8 with the same quantization, dequantized to float32 first."""
+    xq, xs = quantize_rows(x)
+    y = (xq.astype(jnp.float32) * xs) @ dequantize_matrix(q, scale)
+    return y.astype(x.dtype)

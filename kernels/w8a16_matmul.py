@@ -1,0 +1,104 @@
+"""Weight-only quantized matrix product (W8A16, Pallas, Triton lowering).
+
+x [M, K] (bf16) times weights stored as q [K, N] (float8_e4m3fn or int8) with float32 scales
+[G, N] (G = 1 per output channel, else one row per group of K // G rows) and optional zeros.
+Decode is memory-bound: the weights are read once, in their stored bytes, and dequantized in
+registers; the MMA runs in x's dtype with float32 accumulation.
+
+A program computes one [block_m, block_n] tile of the output over a slice of K: with few output
+tiles (a decode step's M of 1..16 and N of 1-14k) K is split over `split_k` programs so every
+SM streams weights; their float32 partial sums are added afterwards. Group scales multiply each
+block_k step's partial product (block_k divides the group); per-channel scales multiply once at
+the end. The jnp reference is `quant_reference.w8a16_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
+            has_zero: bool):
+    z_ref, o_ref = rest if has_zero else (None, rest[0])
+    grouped = s_ref.shape[0] > 1
+
+    def body(i, acc):
+        k0 = i * block_k
+        xs = x_ref[:, pl.ds(k0, block_k)]
+        w = q_ref[pl.ds(k0, block_k), :]
+        g = k0 // group_k  # this split's blocks of x, q and scales start at its first group
+        if has_zero:
+            w = w.astype(jnp.float32) - z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        part = plgpu.dot(xs, w.astype(xs.dtype))
+        return acc + (part * s_ref[pl.ds(g, 1), :] if grouped else part)
+
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
+    if not grouped:
+        acc = acc * s_ref[...]
+    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k",
+                                             "num_warps", "num_stages", "interpret"))
+def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64,
+                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
+                 interpret: bool = False):
+    """x [M, K], q [K, N], scale [G, N] float32, zero [G, N] or None -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = q.shape[1]
+    groups = scale.shape[0]
+    group_k = k // groups
+    block_n, block_k = min(block_n, n), min(block_k, k // split_k, group_k)
+    if n % block_n or k % (split_k * block_k) or group_k % block_k:
+        raise ValueError(f"w8a16_matmul: N={n} must be a multiple of block_n={block_n}, K={k} "
+                         f"of split_k*block_k={split_k}*{block_k}, the group {group_k} of "
+                         "block_k")
+    mp = -(-m // block_m) * block_m
+    x = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    kps = k // split_k
+    grouped = groups > 1
+    srows = groups // split_k if grouped else 1
+    if grouped and groups % split_k:
+        raise ValueError(f"w8a16_matmul: {groups} scale groups do not split into {split_k}")
+    kernel = functools.partial(_kernel, block_k=block_k, num_k=kps // block_k,
+                               group_k=group_k if grouped else k, has_zero=zero is not None)
+    s_spec = pl.BlockSpec((srows, block_n), lambda i, j, s: (s if grouped else 0, j))
+    in_specs = [pl.BlockSpec((block_m, kps), lambda i, j, s: (i, s)),
+                pl.BlockSpec((kps, block_n), lambda i, j, s: (s, j)), s_spec]
+    args = [x, q, scale]
+    if zero is not None:
+        in_specs.append(s_spec)
+        args.append(zero)
+    out_dtype = x.dtype if split_k == 1 else jnp.float32
+    out = pl.pallas_call(
+        kernel,
+        grid=(mp // block_m, n // block_n, split_k),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, mp, n), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="w8a16_matmul",
+    )(*args)
+    out = out[0] if split_k == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    return out[:m]
+
+
+def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132) -> dict:
+    """Tiles for a call: decode-sized M in one row block with K split until about two waves of
+    programs stream the weights; larger M in 64-row blocks of 128 columns, no split."""
+    if m > 16:
+        return dict(block_m=64, block_n=128, block_k=64, split_k=1)
+    block_n, block_k = 64, 256
+    tiles = n // block_n if n % block_n == 0 else 1
+    split = 1
+    while (tiles * split * 2 <= 2 * num_sms and k % (split * 2 * block_k) == 0
+           and k // (split * 2) >= 2 * block_k and (groups == 1 or groups % (split * 2) == 0)):
+        split *= 2
+    return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=split)

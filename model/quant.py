@@ -1,0 +1,287 @@
+"""Quantized weights: the one layout every scheme and checkpoint format converts into.
+
+A quantized weight is a `QArray`, a pytree node that stands in the params exactly where the plain
+weight stood (`params["layers_0"]["attn"]["wq"]`), and `linear` / `dequantize` are what the model
+calls on it. The layout:
+
+  q       the stored values, in the weight's own shape and axis order ([in..., out...], or
+          [experts, in, out]), so `q` shards exactly like the plain weight:
+            "fp8"  float8_e4m3fn
+            "int8" int8
+            "int4" jnp.int4 (signed) or jnp.uint4 (with `zero`); XLA packs two a byte
+  scale   float32, of the weight's rank: along axis i it has q.shape[i] / block[i] entries, one
+          per block of `block[i]` consecutive elements (blocks tile q evenly). So
+            per output channel   block = full size on the contraction axes, 1 elsewhere
+                                 (wq [d, h, hd]: block (d, 1, 1), scale [1, h, hd])
+            per group of g       block g on the (last) contraction axis, 1 on the outputs
+                                 (w_down [f, d], g = 128: block (128, 1), scale [f/128, d])
+            block-wise [bk, bn]  block (bk, bn) (DeepSeek-V3 / Qwen3-FP8 checkpoints)
+            per tensor           block = the shape, scale all ones in rank
+          A scale axis of size 1 cannot be split over a mesh axis, so it is copied; other axes
+          shard like q's (`shardings_for`, `spec_for`). Blocks must tile q's axes evenly.
+  zero    optional, the shape of `scale`, in q's units (asymmetric int schemes)
+  scheme  static: "fp8", "int8" or "int4"
+  block   not stored: q.shape // scale.shape, so it also holds for one device's shard
+
+  dequantize(w) = (q - zero) * scale, each scale/zero entry repeated over its block.
+
+`linear(x, w, in_axes)` contracts x's last `in_axes` axes with w's first ones (the model's
+projections) and `matrix(w, in_axes)` views a QArray as the [K, N] (or [E, K, N]) matrix the
+kernels take: the blocks of the flattened axes must stay rectangular (an axis with block 1
+followed by whole or evenly-blocked axes), which every layout above satisfies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import kernels
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCHEMES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4}
+
+# The values `LLM(..., quantization=)` / `--quantization` accept; None = weights as loaded.
+QUANTIZATIONS = ("fp8", "w4a16", "w8a16")  # the integer ones: model/quant_int.py
+
+
+def check_quantization(value):
+    """None or one of QUANTIZATIONS, else a ValueError naming the valid choices."""
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(f"quantization {value!r} is not one of {', '.join(QUANTIZATIONS)} "
+                         "(or None for the checkpoint's own weights)")
+    return value
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    q: jax.Array
+    scale: jax.Array
+    zero: jax.Array | None = None
+    scheme: str = dataclasses.field(default="fp8", metadata=dict(static=True))
+
+    @property
+    def block(self) -> tuple:
+        """Elements per scale entry along each axis. Derived from the shapes, so it also holds
+        for a shard inside `shard_map` (a split contraction axis has smaller blocks there)."""
+        return tuple(a // max(b, 1) for a, b in zip(self.q.shape, self.scale.shape))
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def ndim(self):
+        return self.q.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.size) * a.dtype.itemsize // (2 if a.dtype in (jnp.int4, jnp.uint4)
+                                                      else 1)
+                   for a in (self.q, self.scale, self.zero) if a is not None)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QArray)
+
+
+def check(w: QArray, name: str = "weight") -> QArray:
+    """Shapes and dtypes as the layout says, or a ValueError naming `name`."""
+    if w.scheme not in SCHEMES:
+        raise ValueError(f"{name}: scheme {w.scheme!r} is not one of {sorted(SCHEMES)}")
+    if w.scale.dtype != jnp.float32:
+        raise ValueError(f"{name}: scale has dtype {w.scale.dtype}, not float32")
+    for part in ("scale", "zero"):
+        a = getattr(w, part)
+        if a is not None and (a.ndim != w.q.ndim or any(
+                n < 1 or s % n for s, n in zip(w.q.shape, a.shape))):
+            raise ValueError(f"{name}: {part} has shape {tuple(a.shape)}, which does not tile "
+                             f"the values' shape {tuple(w.q.shape)} into blocks")
+    if w.zero is not None and w.zero.shape != w.scale.shape:
+        raise ValueError(f"{name}: zero has shape {tuple(w.zero.shape)}, scale "
+                         f"{tuple(w.scale.shape)}")
+    return w
+
+
+def per_channel_block(shape, contract_axes) -> tuple:
+    return tuple(s if i in contract_axes else 1 for i, s in enumerate(shape))
+
+
+def _expand(a, block):
+    for axis, b in enumerate(block):
+        if b > 1 and a.shape[axis] > 1:
+            a = jnp.repeat(a, b, axis=axis)
+    return a
+
+
+def dequantize(w, dtype=jnp.float32):
+    """The plain weight a QArray stands for (a plain array passes through, cast)."""
+    if not is_quantized(w):
+        return w.astype(dtype)
+    x = w.q.astype(jnp.float32)
+    if w.zero is not None:
+        x = x - _expand(w.zero.astype(jnp.float32), w.block)
+    return (x * _expand(w.scale, w.block)).astype(dtype)
+
+
+def quantize_fp8(weight, contract_axes=(0,), block=None) -> QArray:
+    """float8_e4m3fn values with float32 scales: per output channel (amax over
+    `contract_axes`) by default, or per `block` (one size per axis). Runs under jit."""
+    w = jnp.asarray(weight).astype(jnp.float32)
+    block = tuple(block) if block is not None else per_channel_block(w.shape, contract_axes)
+    blocked = w.reshape([n for s, b in zip(w.shape, block) for n in (s // b, b)])
+    amax = jnp.max(jnp.abs(blocked), axis=tuple(range(1, blocked.ndim, 2)))
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(w / _expand(scale, block), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return QArray(q, scale, None, "fp8")
+
+
+def _flat_block(shape, block) -> int:
+    """Block size along the row-major flattening of axes `shape`: leading axes with block 1,
+    then one blocked axis, then whole axes. Anything else is a ValueError."""
+    first = next((i for i, b in enumerate(block) if b != 1), len(block) - 1)
+    if any(b != s for s, b in zip(shape[first + 1:], block[first + 1:])):
+        raise ValueError(f"blocks {block} of axes {shape} do not flatten to one block size")
+    return block[first] * math.prod(shape[first + 1:])
+
+
+def matrix(w: QArray, in_axes: int = 1, lead: int = 0) -> QArray:
+    """A QArray [lead..., in..., out...] viewed as [lead..., K, N] (a reshape, no copy)."""
+    shape = w.q.shape
+    lead_s, in_s, out_s = shape[:lead], shape[lead:lead + in_axes], shape[lead + in_axes:]
+    bk = _flat_block(in_s, w.block[lead:lead + in_axes])
+    bn = _flat_block(out_s, w.block[lead + in_axes:])
+    k, n = math.prod(in_s), math.prod(out_s)
+    new = lead_s + (k, n)
+    block = w.block[:lead] + (bk, bn)
+    sshape = tuple(s // b for s, b in zip(new, block))
+    reshape = lambda a: None if a is None else a.reshape(sshape)
+    return QArray(w.q.reshape(new), reshape(w.scale), reshape(w.zero), w.scheme)
+
+
+def linear(x, w, in_axes: int = 1, **kw):
+    """x [..., in...] times w [in..., out...] -> [..., out...] in x's dtype: a plain matmul,
+    or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8)."""
+    if hasattr(w, "linear"):  # a layout that multiplies itself (quant_int.PackedInt)
+        return w.linear(x, in_axes)
+    in_shape, out_shape = w.shape[:in_axes], w.shape[in_axes:]
+    lead = x.shape[:x.ndim - in_axes]
+    x2 = x.reshape(-1, math.prod(in_shape))
+    if not is_quantized(w):
+        y = x2 @ w.reshape(x2.shape[1], -1)
+    else:
+        m = matrix(w, in_axes)
+        per_n = lambda a: None if a is None else _expand(a, (1, m.block[1]))  # [K / bk, N]
+        y = kernels.quant_matmul(x2, m.q, per_n(m.scale), per_n(m.zero), **kw)
+    return y.reshape(*lead, *out_shape)
+
+
+def grouped_operand(w: QArray):
+    """Stacked experts [E, K, N] as the (values, float32 scales [E, G, N]) pair
+    `kernels.grouped_mlp` takes (G = 1: per output channel)."""
+    if w.zero is not None:
+        raise NotImplementedError(f"grouped experts with zero points ({w.scheme})")
+    m = matrix(w, in_axes=1, lead=1)
+    return m.q, _expand(m.scale, (1, 1, m.block[2]))
+
+
+# -- which params are quantized, and over which axes ---------------------------------------------
+# name -> (leading batch axes, contraction axes) of the linear weights quantize-on-load converts;
+# embeddings, norms, biases, the router and the LM head stay in the model dtype.
+LINEAR_WEIGHTS = {
+    ("attn", "wq"): (0, 1), ("attn", "wk"): (0, 1), ("attn", "wv"): (0, 1),
+    ("attn", "wo"): (0, 2),
+    ("mlp", "w_gate"): (0, 1), ("mlp", "w_up"): (0, 1), ("mlp", "w_down"): (0, 1),
+    ("moe", "w_gate"): (1, 1), ("moe", "w_up"): (1, 1), ("moe", "w_down"): (1, 1),
+}
+
+
+def linear_axes(param_path: tuple):
+    """(lead, in_axes) of a linear weight's param path, or None for every other param."""
+    return LINEAR_WEIGHTS.get(tuple(param_path[-2:]))
+
+
+def contract_axes_of(param_path: tuple) -> tuple:
+    lead, n = linear_axes(param_path)
+    return tuple(range(lead, lead + n))
+
+
+# -- placement -------------------------------------------------------------------------------------
+def _scale_spec(spec, shape, axis_size):
+    """The weight's PartitionSpec for an array of `shape` (scale or zero): axes whose size does
+    not divide their mesh axes (size-1 scale axes) are copied instead."""
+    from jax.sharding import PartitionSpec as P
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return P(*(a if a is not None and s % axis_size(a) == 0 else None
+               for a, s in zip(spec, shape)))
+
+
+def spec_for(w, spec, axis_size):
+    """For shard_map/jit specs: a QArray of PartitionSpecs for a QArray (q as the weight, its
+    scale and zero as `_scale_spec`), `spec` itself for a plain array. `axis_size(mesh_axis)`
+    gives a mesh axis' (or tuple of axes') size."""
+    if not is_quantized(w):
+        return spec
+    other = lambda a: None if a is None else _scale_spec(spec, a.shape, axis_size)
+    return QArray(spec, other(w.scale), other(w.zero), w.scheme)
+
+
+def _mesh_axis_size(mesh):
+    def size(a):
+        names = a if isinstance(a, tuple) else (a,)
+        return math.prod(int(mesh.shape[n]) for n in names)
+    return size
+
+
+def sharding_for(w, sharding):
+    """The sharding(s) a (possibly quantized) weight takes, given the plain weight's."""
+    from jax.sharding import NamedSharding
+    if not is_quantized(w) or not isinstance(sharding, NamedSharding):
+        return sharding
+    specs = spec_for(w, sharding.spec, _mesh_axis_size(sharding.mesh))
+    named = lambda s: None if s is None else NamedSharding(sharding.mesh, s)
+    return QArray(named(specs.q), named(specs.scale), named(specs.zero), w.scheme)
+
+
+def shardings_for(params, shardings):
+    """The plain params' shardings pytree expanded to match `params`, where QArrays stand."""
+    return jax.tree.map(sharding_for, params, shardings, is_leaf=is_quantized)
+
+
+def quantize_params(params, scheme: str = "fp8"):
+    """Every linear weight of a params pytree as a QArray (tests, benchmarks, random models).
+    The loader quantizes tensor by tensor instead (`model.loader`)."""
+    if check_quantization(scheme) is None:
+        return params
+    if scheme != "fp8":
+        from .quant_int import quantize_params as quantize_int
+        return quantize_int(params, scheme)
+
+    def one(path, leaf):
+        keys = tuple(getattr(k, "key", k) for k in path)
+        if linear_axes(keys) is None:
+            return leaf
+        return _jit_quantize_fp8(leaf, contract_axes_of(keys))
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+_jit_quantize_fp8 = jax.jit(quantize_fp8, static_argnums=1)
+
+
+def weight_bytes(params) -> int:
+    """Bytes the params take (QArrays counted as stored)."""
+    return sum(x.nbytes if is_quantized(x) else int(x.size) * x.dtype.itemsize
+               for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def numpy_dequantize(q: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
+    """The plain numpy dequantization tests compare against."""
+    x = q.astype(np.float32)
+    for axis, b in enumerate(block):
+        scale = np.repeat(scale, b, axis=axis) if scale.shape[axis] > 1 else scale
+    return x * scale

@@ -1,0 +1,119 @@
+"""Integer-quantized checkpoints end to end: AWQ, GPTQ (act order) and compressed-tensors W4A16
+folders load through `load_hf` into packed weights whose logits equal those of their
+numpy-dequantized float twin, and a compressed-tensors folder generates the twin's greedy text
+through `LLM(path)`."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+import tok_fixtures
+from int_fixtures import awq_linear, compressed_linear, ct_config, gptq_linear
+from pallasite.model import forward_logits, load_hf
+from pallasite.model.loader import CheckpointError
+from pallasite.model.quant_int import PackedInt, describe
+from pallasite.serving.llm import LLM, SamplingParams
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FORMATS = {
+    "compressed": (lambda rng, p, k, n: compressed_linear(rng, p, k, n, 32, sym=False),
+                   ct_config(g=32, sym=False)),
+    "awq": (lambda rng, p, k, n: awq_linear(rng, p, k, n, 32),
+            {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+             "zero_point": True}),
+    "gptq": (lambda rng, p, k, n: gptq_linear(rng, p, k, n, 32, act_order=True),
+             {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+              "sym": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("float")
+    tok = tok_fixtures.byte_level(400)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, eos_token_id=tok.token_to_id("<|eos|>"),
+        bos_token_id=tok.token_to_id("<|bos|>"))).save_pretrained(folder)
+    tok_fixtures.save(tok, folder)
+    return folder
+
+
+def write_pair(float_dir, root, fmt):
+    """(quantized folder, its float twin) with every decoder linear in `fmt`."""
+    make, quant_cfg = FORMATS[fmt]
+    rng = np.random.default_rng(0)
+    base = load_file(float_dir / "model.safetensors")
+    raw = json.loads((float_dir / "config.json").read_text())
+    quant, twin = dict(base), dict(base)
+    for name in base:
+        module = name.removesuffix(".weight")
+        if not module.endswith(LINEARS):
+            continue
+        n, k = base[name].shape
+        tensors, w = make(rng, module + ".", k, n)
+        del quant[name]
+        quant.update(tensors)
+        twin[name] = np.ascontiguousarray(w.T, np.float32)
+    folders = []
+    for sub, tensors, cfg in (("quant", quant, {**raw, "quantization_config": quant_cfg}),
+                              ("twin", twin, raw)):
+        out = root / f"{fmt}_{sub}"
+        out.mkdir()
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(cfg))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if (float_dir / f).exists():
+                (out / f).write_bytes((float_dir / f).read_bytes())
+        folders.append(out)
+    return folders
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_logits_equal_the_dequantized_twin(float_dir, tmp_path, fmt):
+    qdir, twin = write_pair(float_dir, tmp_path, fmt)
+    config, params = load_hf(qdir, dtype=jnp.float32)
+    wq = params["layers_0"]["attn"]["wq"]
+    assert isinstance(wq, PackedInt) and wq.bits == 4 and (wq.perm is not None) == (fmt == "gptq")
+    assert describe(params) == "w4a16 g32"  # what ModelInfo reports
+    _, twin_params = load_hf(twin, dtype=jnp.float32)
+    tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 1, 250]])
+    np.testing.assert_allclose(forward_logits(params, config, tokens),
+                               forward_logits(twin_params, config, tokens), rtol=1e-4, atol=1e-4)
+
+
+def twin_greedy(folder, prompt, n):
+    """Greedy continuation by the full forward of the float twin, padded to one shape (causal:
+    padding after a position does not change its logits)."""
+    config, params = load_hf(folder, dtype=jnp.float32)
+    ids = list(prompt)
+    for _ in range(n):
+        padded = jnp.asarray([ids + [0] * (32 - len(ids))])
+        ids.append(int(jnp.argmax(forward_logits(params, config, padded)[0, len(ids) - 1])))
+    return ids[len(prompt):]
+
+
+def test_compressed_tensors_generates_the_twins_text(float_dir, tmp_path):
+    qdir, twin = write_pair(float_dir, tmp_path, "compressed")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(qdir, dtype=jnp.float32, max_model_len=64, num_pages=32, page_size=8,
+             max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16],
+             page_buckets=[8]) as llm:
+        assert isinstance(llm.engine.params["layers_1"]["mlp"]["w_down"], PackedInt)
+        prompt = llm.tokenizer.encode("The quick brown fox")
+        got = llm.generate([prompt], sp)[0].token_ids
+    assert got == twin_greedy(twin, prompt, 12)
+
+
+def test_quantized_checkpoint_refuses_requantization(float_dir, tmp_path):
+    qdir, _ = write_pair(float_dir, tmp_path, "awq")
+    with pytest.raises(CheckpointError, match=r"already quantized \(awq\)"):
+        load_hf(qdir, quantization="fp8")
