@@ -4,6 +4,8 @@ device), with the copy bandwidth measured in the same run for the roofline.
     python -m benchmarks.bench_serving --offline --out DIR     # GPU
     python -m benchmarks.bench_serving --offline --tiny        # a tiny model, as a CPU dry run
     python -m benchmarks.bench_serving --online ...     # handed to benchmarks/bench_online.py
+    python -m benchmarks.bench_serving --sharegpt offline|online --out DIR   # the ShareGPT
+        workload with the engine's own sizes: benchmarks/serving_sharegpt.py
 
 --offline measures (a) batch-1 decode latency per token, with and without the engine's
 one-step-ahead overlap, and (b) throughput of 512 requests (prompts uniform in 128..2048 tokens,
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import serving_sharegpt
 from .common import run_info
 
 
@@ -44,6 +47,7 @@ def parse(argv):
     ap.add_argument("--page-buckets", default=None, help="comma-separated page-table widths")
     ap.add_argument("--workers", type=int, default=8, help="parallel compilations in warm-up")
     ap.add_argument("--seed", type=int, default=0)
+    serving_sharegpt.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -263,8 +267,10 @@ def main(argv=None):
         from benchmarks import bench_online
         return bench_online.main([a for a in argv if a != "--online"])
     args = parse(argv)
+    if args.sharegpt:
+        return serving_sharegpt.main(args)
     if not args.offline:
-        sys.exit("choose a mode: --offline (or --online)")
+        sys.exit("choose a mode: --offline, --sharegpt offline|online (or --online)")
     bench_offline(args)
 
 

@@ -69,11 +69,14 @@ def step_inputs(engine, context: int, draft: list[int]):
     seq = Sequence("bench", [1 + i % 200 for i in range(context)], None)
     seq.row, seq.mode = engine_row(engine), 0  # greedy
     engine.pages.grow("bench", context + len(draft))
-    seq.num_computed, seq.slot = context - 1 + 1 + len(draft), 0
-    chunk = Chunk(seq, context - 1, 1 + len(draft), True, list(draft))
-    ints, sample_ints, floats, key, mode = engine._pack([chunk])
+    table = engine.pages.tables["bench"]
+    seq.num_computed, seq.slot, seq.draft = context + len(draft), 0, list(draft)
+    engine.scheduler.page_table[0, :len(table)] = table
+    engine.batch.admit(seq)
+    packed = engine.batch.pack([Chunk(seq, context - 1, 1 + len(draft), True)])
     engine.pages.free("bench")
-    return ints, sample_ints, floats, key, mode
+    engine.scheduler.page_table[0] = 0
+    return packed.ints, packed.sample_ints, packed.floats, packed.key, packed.mode
 
 
 def engine_row(engine):

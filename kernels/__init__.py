@@ -9,6 +9,11 @@ Flash attention has two Pallas backends, Mosaic GPU on Hopper and Triton elsewhe
 Extra keywords (block sizes, num_splits, ...) reach the Pallas kernels; defaults come from
 `tuning.py`. Inside `portable_backends()` both take Triton unless a call or the environment
 names a backend (the mesh hooks use it for programs over several GPUs).
+
+Every attention entry takes `sliding_window`, `logit_softcap` and `sinks` (see `reference.py`:
+a per-layer window is the model passing a different `sliding_window` per layer); the paged ones
+also take `k_scale`/`v_scale` [KV] for quantized (float8) pages. A kernel that does not take an
+option yet leaves the call to the reference (`_KERNEL_TAKES` says which take which).
 """
 
 from __future__ import annotations
@@ -58,6 +63,20 @@ def _is_hopper() -> bool:
         return False
 
 
+# The options each Pallas kernel implements; a call with any other option set runs the reference.
+_KERNEL_TAKES = {
+    "flash": {"sliding_window", "logit_softcap", "sinks"},
+    "flash_mosaic": set(),
+    "paged": {"sliding_window", "logit_softcap", "sinks", "k_scale", "v_scale"},
+    "paged_mosaic": set(),
+}
+
+
+def _options(**kw):
+    """The options a call sets (those not None)."""
+    return {k for k, v in kw.items() if v is not None}
+
+
 def flash_backend(q, k, *, causal=True, segment_ids=None, backend=None) -> str:
     """"mosaic" (Hopper: wgmma, TMA, warp specialization; `flash_mgpu.py`) or "triton"
     (any GPU; `flash.py`). None picks Mosaic GPU on Hopper wherever it takes the call and
@@ -77,21 +96,36 @@ def flash_backend(q, k, *, causal=True, segment_ids=None, backend=None) -> str:
     return backend
 
 
-def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl=None,
+def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
+                    sliding_window=None, logit_softcap=None, sinks=None, impl=None,
                     backend=None, interpret=False, **blocks):
     """Prefill / no-cache attention. q [B, T, H, D], k/v [B, S, KV, D] -> [B, T, H, D]."""
-    if not _use_pallas(impl, interpret):
+    opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
+    used = _options(**opts)
+    if not _use_pallas(impl, interpret) or not used <= _KERNEL_TAKES["flash"]:
         return reference.attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
-                                             sm_scale=sm_scale)
-    if flash_backend(q, k, causal=causal, segment_ids=segment_ids, backend=backend) == "mosaic":
+                                             sm_scale=sm_scale, **opts)
+    if (used <= _KERNEL_TAKES["flash_mosaic"] and backend != "triton"
+            and flash_backend(q, k, causal=causal, segment_ids=segment_ids,
+                              backend=backend) == "mosaic"):
         from . import flash_mgpu
         kw = tuning.params("flash_mosaic") | blocks
         return flash_mgpu.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale,
-                                          interpret=interpret, **kw)
+                                          interpret=interpret,
+                                          **{k: opts[k] for k in used}, **kw)
     from . import flash
     kw = tuning.params("flash" if q.shape[-1] > 64 else "flash_d64") | blocks
     return flash.flash_attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale,
-                                 interpret=interpret, **kw)
+                                 interpret=interpret, **{k: opts[k] for k in used}, **kw)
+
+
+def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
+    """Key tiles a query block of `span` tokens reads at most: the page table's, or with a
+    sliding window the pages that window (and the block) can reach."""
+    pages = page_table.shape[1]
+    if sliding_window is not None:
+        pages = min(pages, -(-(sliding_window + span - 1) // page_size) + 1)
+    return -(-pages // pages_per_block)
 
 
 def _mosaic_decode_params(q, k_pages, page_table, blocks):
@@ -124,34 +158,49 @@ def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
     return backend
 
 
-def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None, impl=None,
-                    backend=None, interpret=False, **blocks):
+def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
+                    sliding_window=None, logit_softcap=None, sinks=None, k_scale=None,
+                    v_scale=None, impl=None, backend=None, interpret=False, **blocks):
     """Decode attention over paged K/V. q [S, H, D] -> [S, H, D]."""
-    if not _use_pallas(impl, interpret):
+    opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                k_scale=k_scale, v_scale=v_scale)
+    used = _options(**opts)
+    if not _use_pallas(impl, interpret) or not used <= _KERNEL_TAKES["paged"]:
         return reference.paged_attention_reference(q, k_pages, v_pages, context_lens, page_table,
-                                                   sm_scale=sm_scale)
-    if decode_backend(q, k_pages, page_table, backend=backend, **blocks) == "mosaic":
+                                                   sm_scale=sm_scale, **opts)
+    opts = {k: opts[k] for k in used}
+    if (used <= _KERNEL_TAKES["paged_mosaic"] and decode_backend(
+            q, k_pages, page_table, backend=backend, **blocks) == "mosaic"):
         from . import paged_mgpu
         return paged_mgpu.paged_attention(
             q, k_pages, v_pages, context_lens, page_table, sm_scale=sm_scale,
-            interpret=interpret, **_mosaic_decode_params(q, k_pages, page_table, blocks))
+            interpret=interpret, **opts, **_mosaic_decode_params(q, k_pages, page_table, blocks))
     from . import paged
     kw = tuning.params("decode", k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
-        tiles = -(-page_table.shape[1] // kw["pages_per_block"])
+        tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window)
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
     return paged.paged_attention(q, k_pages, v_pages, context_lens, page_table,
-                                 sm_scale=sm_scale, interpret=interpret, **kw)
+                                 sm_scale=sm_scale, interpret=interpret, **opts, **kw)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           sm_scale=None, impl=None, interpret=False, **blocks):
+                           sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
+                           k_scale=None, v_scale=None, impl=None, interpret=False, **blocks):
     """Mixed prefill + decode over paged K/V on one flat token axis. q [T, H, D] -> [T, H, D].
     Without Pallas (CPU) it runs blockwise in jnp over the context in use (`ragged_jnp.py`)."""
+    opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                k_scale=k_scale, v_scale=v_scale)
+    used = _options(**opts)
     if not _use_pallas(impl, interpret):
         from . import ragged_jnp
         return ragged_jnp.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
-                                                 page_table, sm_scale=sm_scale)
+                                                 page_table, sm_scale=sm_scale, **opts)
+    if not used <= _KERNEL_TAKES["paged"]:
+        return reference.ragged_paged_attention_reference(
+            q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
+            **opts)
+    opts = {k: opts[k] for k in used}
     from . import paged
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
@@ -161,33 +210,47 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         group = q.shape[1] // k_pages.shape[0]
         rows = max(kw["block_rows"], 16, group)
         blocks_needed = max(-(-T * group // rows), S)
-        tiles = -(-page_table.shape[1] // kw["pages_per_block"])
+        tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
+                           T if mixed else 1)
         kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles, mixed)
     return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
-                                        page_table, sm_scale=sm_scale, interpret=interpret, **kw)
+                                        page_table, sm_scale=sm_scale, interpret=interpret,
+                                        **opts, **kw)
 
 
-def write_kv(k_pages, v_pages, k, v, slots, *, impl=None, interpret=False):
+def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=None,
+             interpret=False):
     """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding), in place
     when the pages are donated. Both ways move only the new rows: XLA's scatter (the reference,
     a launch per array) or the Pallas kernel (`kv_write.py`, one launch for both), as
     `tuning.params("kv_write")` says for the GPU (an explicit impl="pallas" or interpret=True
-    takes the kernel)."""
+    takes the kernel). With k_scale/v_scale [KV] the rows are stored as K / k_scale in the
+    pages' dtype (float8: `reference.quantize_kv`)."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("write_kv takes both k_scale and v_scale or neither")
     pallas = interpret or impl == "pallas" or (
         _use_pallas(impl, interpret) and tuning.params("kv_write")["impl"] == "pallas")
     if not pallas:
-        return reference.write_kv_reference(k_pages, v_pages, k, v, slots)
+        return reference.write_kv_reference(k_pages, v_pages, k, v, slots, k_scale=k_scale,
+                                            v_scale=v_scale)
     from . import kv_write
-    return kv_write.write_kv(k_pages, v_pages, k, v, slots, interpret=interpret)
+    return kv_write.write_kv(k_pages, v_pages, k, v, slots, k_scale=k_scale, v_scale=v_scale,
+                             interpret=interpret)
 
 
 GROUPED_MIN_ROWS_PER_EXPERT = 16  # below this many rows per expert, XLA's ragged_dot is used
 
 
-def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, impl=None, interpret=False, **blocks):
+def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, impl=None,
+                interpret=False, **blocks):
     """Mixture-of-experts SwiGLU: x [M, D] sorted by expert, `group_sizes` [E] rows per expert,
     w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
-    in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`)."""
+    in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`).
+    `glu(gate, up)` replaces silu(gate) * up; `biases` (b_gate [E, F], b_up [E, F], b_down
+    [E, D]) are added per expert (GPT-OSS)."""
+    if glu is not None or biases is not None:  # the Pallas path runs only SwiGLU without biases
+        return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down,
+                                               glu=glu or reference.silu_glu, biases=biases)
     tile = 128
     quantized = isinstance(w_gate, tuple)  # (values [E, K, N], float32 scales [E, G, N])
     # Measured on the H100 (docs/BENCHMARKS.md, MoE experts): with fewer than ~16 rows per
@@ -268,7 +331,9 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, interpret=Fals
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
         return qr.w8a8_matmul(x, q, scale)
-    if not _use_pallas(impl, interpret):
+    # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
+    old_gpu = q.dtype == jax.numpy.float8_e4m3fn and not interpret and not has_fp8_tensor_cores()
+    if not _use_pallas(impl, interpret) or old_gpu:
         return qr.w8a16_reference(x, q, scale, zero)
     from . import w8a16_matmul as qm
     kw = qm.blocks_for(x.shape[0], q.shape[0], q.shape[1], scale.shape[0]) | blocks

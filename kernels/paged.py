@@ -20,6 +20,15 @@ Decode (one token per sequence) needs no metadata: block b is sequence b, so the
 kernel alone (plus the merge with splits); each XLA op around a launch costs ~2-3 us, a
 twentieth of a batch-1 32k decode.
 
+Options: with `sliding_window` W a block's keys start at the page holding its first token's
+first visible key (position - W + 1): pages wholly outside the window are neither in a tile nor
+in a split's share, so they are never read and hold anything. The tiles that the window's edge
+crosses run masked (and no V rows are zeroed there: those keys are real, if old).
+`logit_softcap` and `sinks` as in `flash.py`; with splits, split 0 carries the sink.
+Quantized pages (float8_e4m3fn) come with per-KV-head float32 `k_scale`/`v_scale`: a program
+owns one kv head, so K's scale joins the score scale and V's multiplies the output once;
+the tiles are converted to q's dtype on load.
+
 Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
 offsets must fit int32 (KV * num_pages * page_size * D and T * H * D < 2**31).
 What bounds decode: one pass over K/V at HBM speed is the floor; tile loads go through the page
@@ -41,8 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .flash import online_softmax_step
-from .reference import NEG_INF
+from .flash import finish, online_softmax_step, scores
+from .reference import NEG_INF, head_scale
 
 LOG2E = math.log2(math.e)
 
@@ -74,14 +83,15 @@ def _gather(*idx):
 
 
 def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, pages_per_seq,
-            num_splits, prefetch_pages, decode):
+            num_splits, prefetch_pages, decode, window, softcap):
     if decode:  # block b is sequence b's one token: no metadata to read
-        ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
+        ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = pl.program_id(0)
         q_hi = s + 1
         ctx = ctx_ref[s]
     else:
-        seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
+        (seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref,
+         *out_refs) = refs
         b = pl.program_id(0)
         s, t0 = seq_ref[b], tok_ref[b]
         # A block of padding tokens (sequence S) is a sequence with no context whose tokens run
@@ -112,12 +122,19 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     kv_len = jnp.maximum(kv_len, 0)
 
     q = plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0)
-    scale = sm_scale * LOG2E
+    scale, v_scale = sm_scale, None
+    if scale_ref is not None:  # float8 pages: per-kv-head scales
+        scale, v_scale = sm_scale * scale_ref[h], scale_ref[pl.num_programs(1) + h]
+    # Keys are counted from `base`, the first key of the page that holds the first visible key.
+    first_page = 0
+    if window is not None:
+        first_page = jnp.clip((first_pos - window + 1) // page_size, 0, pages_per_seq)
+    base = first_page * page_size
 
     def load_pages(j):
-        pidx = j * pages_per_block + jnp.arange(pages_per_block)
-        return plgpu.load(pt_ref.at[pl.ds(s * pages_per_seq + j * pages_per_block,
-                                          pages_per_block)],
+        p0 = first_page + j * pages_per_block
+        pidx = p0 + jnp.arange(pages_per_block)
+        return plgpu.load(pt_ref.at[pl.ds(s * pages_per_seq + p0, pages_per_block)],
                           mask=pidx * page_size < kv_len, other=0)
 
     def tile(j, carry, masked):
@@ -126,30 +143,46 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
             pages, next_pages = pages, load_pages(j + 1)
         else:
             pages = next_pages = load_pages(j)
-        k = k_ref[pages].reshape(block_k, D)
-        v = v_ref[pages].reshape(block_k, D)
-        sc = plgpu.dot(q, k, trans_b=True) * scale
+        k = k_ref[pages].reshape(block_k, D).astype(q.dtype)
+        v = v_ref[pages].reshape(block_k, D).astype(q.dtype)
+        sc = scores(q, k, scale, softcap)
         mask = None
         if masked:
-            cols = j * block_k + jnp.arange(block_k)
+            cols = base + j * block_k + jnp.arange(block_k)
             mask = cols[None, :] <= pos[:, None]
+            if window is not None:
+                mask = mask & (cols[None, :] > pos[:, None] - window)
             v = jnp.where((cols < kv_len)[:, None], v, jnp.zeros_like(v))  # stale slots
         return (next_pages, *online_softmax_step(sc, mask, v, carry))
 
-    # This split's share of the key tiles; tiles below the first row's position need no mask.
-    n_tiles = pl.cdiv(kv_len, block_k)
+    # This split's share of the key tiles. Tiles [lo, edge) cross the window's edge and
+    # [mid, hi) the diagonal: they need a mask; [edge, mid) do not.
+    n_tiles = pl.cdiv(jnp.maximum(kv_len - base, 0), block_k)
     share = pl.cdiv(n_tiles, num_splits)
     lo = jnp.minimum(split * share, n_tiles)
     hi = jnp.minimum(lo + share, n_tiles)
-    mid = jnp.clip((first_pos + 1) // block_k, lo, hi)
+    edge = lo
+    if window is not None:
+        last_pos = first_pos + n_tok - 1
+        edge = jnp.clip(pl.cdiv(last_pos - window + 1 - base, block_k), lo, hi)
+    mid = jnp.clip((first_pos + 1 - base) // block_k, edge, hi)
     carry = (load_pages(lo),
              jnp.zeros((block_rows, D), jnp.float32),
              jnp.full((block_rows,), NEG_INF, jnp.float32),
              jnp.zeros((block_rows,), jnp.float32))
-    carry = lax.fori_loop(lo, mid, functools.partial(tile, masked=False), carry)
+    if window is not None:
+        carry = lax.fori_loop(lo, edge, functools.partial(tile, masked=True), carry)
+    carry = lax.fori_loop(edge, mid, functools.partial(tile, masked=False), carry)
     _, o, m, l = lax.fori_loop(mid, hi, functools.partial(tile, masked=True), carry)
 
-    o = o / jnp.where(l == 0.0, 1.0, l)[:, None]
+    sink = None
+    if sinks_ref is not None:  # the sink joins the softmax once: in split 0
+        sink = plgpu.load(sinks_ref.at[h * group + r % group]) * LOG2E
+        if num_splits > 1:
+            sink = jnp.where(split == 0, sink, NEG_INF)
+    o, m, l = finish(o, m, l, sink)
+    if v_scale is not None:
+        o = o * v_scale
     plgpu.store(out_refs[0].at[at_rows], o.astype(out_refs[0].dtype), mask=row_ok[:, None])
     if num_splits > 1:  # base-2 log-sum-exp of this split; empty splits weigh nothing
         lse = jnp.where(l == 0.0, NEG_INF, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
@@ -213,6 +246,7 @@ def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block
 
 
 def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
+           sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
            block_rows=64, pages_per_block=4, num_splits=1, num_warps=4, num_stages=2,
            prefetch_pages=True, interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start),
@@ -227,9 +261,13 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
     grid = (num_blocks, KV, num_splits)
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, sp: (0,) * len(shape))
     per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0))
-    in_specs = [whole(S), whole(S * pages_per_seq), whole(T * H, D), per_head, per_head]
+    in_specs = [whole(S), whole(S * pages_per_seq), whole(T * H, D), per_head, per_head,
+                None if sinks is None else whole(H), None if k_scale is None else whole(2 * KV)]
     args = [context_lens.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1),
-            q.reshape(T * H, D), k_pages, v_pages]
+            q.reshape(T * H, D), k_pages, v_pages,
+            None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(H),
+            None if k_scale is None else jnp.concatenate([head_scale(k_scale, KV),
+                                                          head_scale(v_scale, KV)])]
     if meta is not None:
         seq, tok, query_start = meta
         in_specs = [whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
@@ -245,7 +283,8 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
     kernel = functools.partial(
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-        num_splits=num_splits, prefetch_pages=prefetch_pages, decode=meta is None)
+        num_splits=num_splits, prefetch_pages=prefetch_pages, decode=meta is None,
+        window=sliding_window, softcap=logit_softcap)
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -259,10 +298,11 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
+    "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
     "num_blocks", "one_token_per_seq", "prefetch_pages", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           sm_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
+                           sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
+                           k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
                            num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
                            prefetch_pages=True, interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
@@ -278,6 +318,10 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                     ("pages_per_block", pages_per_block)):
         if x & (x - 1):
             raise ValueError(f"{name} {x} must be a power of two")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window {sliding_window} must be >= 1")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("quantized pages need both k_scale and v_scale")
     if one_token_per_seq and T != S:
         raise ValueError(f"decode takes one token per sequence: {T=} tokens, {S=} sequences")
     G = H // KV
@@ -289,7 +333,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         qs = query_start.astype(jnp.int32)
         meta = (*block_metadata(qs, tpb, num_blocks), qs)
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
-                  block_rows=block_rows, pages_per_block=pages_per_block,
+                  sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                  k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                   prefetch_pages=prefetch_pages, interpret=interpret)
     if num_splits > 1:
@@ -301,13 +346,15 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 
 
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
-                    block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
+                    sliding_window=None, logit_softcap=None, sinks=None, k_scale=None,
+                    v_scale=None, block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
                     prefetch_pages=True, interpret=False):
     """Decode: q [S, H, D], one token per sequence -> [S, H, D]."""
     S = q.shape[0]
     query_start = jnp.arange(S + 1, dtype=jnp.int32)
     return ragged_paged_attention(
         q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
-        block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
         prefetch_pages=prefetch_pages, interpret=interpret)

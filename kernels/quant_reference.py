@@ -32,9 +32,11 @@ def w8a16_reference(x, q, scale, zero=None):
     w = q.astype(jnp.float32)
     if zero is not None:
         w = w - jnp.repeat(zero.astype(jnp.float32), k // groups, axis=0)
-    w = w.astype(x.dtype).reshape(groups, k // groups, n)
-    part = jnp.einsum("mgk,gkn->mgn", x.reshape(m, groups, k // groups), w,
-                      preferred_element_type=jnp.float32)
+    # Values in x's dtype, products exact in float32 (what an MMA with float32 accumulation
+    # does; XLA:CPU has no bf16 x bf16 -> f32 batched dot).
+    w = w.astype(x.dtype).astype(jnp.float32).reshape(groups, k // groups, n)
+    part = jnp.einsum("mgk,gkn->mgn", x.astype(jnp.float32).reshape(m, groups, k // groups), w,
+                      precision=jax.lax.Precision.HIGHEST)
     return jnp.sum(part * scale[None], axis=1).astype(x.dtype)
 
 
@@ -67,5 +69,6 @@ def w8a8_matmul(x, q, scale):
 def w8a8_reference(x, q, scale):
     """W8A8 with the same quantization, dequantized to float32 first."""
     xq, xs = quantize_rows(x)
-    y = (xq.astype(jnp.float32) * xs) @ dequantize_matrix(q, scale)
+    y = jnp.dot(xq.astype(jnp.float32) * xs, dequantize_matrix(q, scale),
+                precision=jax.lax.Precision.HIGHEST)
     return y.astype(x.dtype)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .reference import NEG_INF, token_sequence_ids
+from .reference import NEG_INF, head_scale, token_sequence_ids
 
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           sm_scale=None, pages_per_block: int = 8):
-    """As `reference.ragged_paged_attention_reference`: q [T, H, D] -> [T, H, D]."""
+                           sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
+                           k_scale=None, v_scale=None, pages_per_block: int = 8):
+    """As `reference.ragged_paged_attention_reference`, options included: q [T, H, D] ->
+    [T, H, D]. With a sliding window the loop starts at the first block any token sees."""
     T, H, D = q.shape
     KV, _, page_size, _ = k_pages.shape
     S, P = page_table.shape
@@ -33,6 +35,9 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     pad = -P % pages_per_block  # whole blocks: padding pages point at page 0, masked below
     table = jnp.pad(page_table, ((0, 0), (0, pad)))[seq]  # [T, P']
     qg = q.astype(jnp.float32).reshape(T, KV, group, D) * sm_scale
+    ks, vs = (jnp.ones((KV,)) if x is None else head_scale(x, KV) for x in (k_scale, v_scale))
+    if k_scale is not None:  # per-kv-head scales of quantized pages: K's joins q's
+        qg = qg * ks[None, :, None, None]
 
     def body(i, carry):
         m, l, acc = carry
@@ -40,7 +45,12 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         k = k_pages[:, pages].reshape(KV, T, block, D).astype(jnp.float32)
         v = v_pages[:, pages].reshape(KV, T, block, D).astype(jnp.float32)
         s = jnp.einsum("tkgd,ktbd->tkgb", qg, k)
-        visible = (i * block + jnp.arange(block))[None, :] <= pos[:, None]  # [T, block]
+        if logit_softcap is not None:
+            s = logit_softcap * jnp.tanh(s / logit_softcap)
+        cols = (i * block + jnp.arange(block))[None, :]
+        visible = cols <= pos[:, None]  # [T, block]
+        if sliding_window is not None:
+            visible &= cols > pos[:, None] - sliding_window
         s = jnp.where(visible[:, None, None], s, NEG_INF)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
@@ -51,6 +61,15 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     steps = -(-jnp.max(jnp.where(in_seq, pos + 1, 0)) // block)  # blocks the longest one needs
     init = (jnp.full((T, KV, group), NEG_INF, jnp.float32), jnp.zeros((T, KV, group), jnp.float32),
             jnp.zeros((T, KV, group, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, steps, body, init)
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
+    first = 0
+    if sliding_window is not None:  # blocks before every token's window are skipped
+        first = jnp.maximum(jnp.min(jnp.where(in_seq, pos - sliding_window + 1, 2**30)), 0)
+        first = jnp.minimum(first // block, steps)
+    m, l, acc = jax.lax.fori_loop(first, steps, body, init)
+    if sinks is not None:  # one more logit per head in each row's denominator
+        sink = jnp.asarray(sinks, jnp.float32).reshape(1, KV, group)
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        acc, l = acc * alpha[..., None], l * alpha + jnp.exp(sink - m_new)
+    out = acc * vs[None, :, None, None] / jnp.where(l == 0, 1.0, l)[..., None]
     return out.reshape(T, H, D).astype(q.dtype)

@@ -7,6 +7,7 @@ ragged batch attends through `kernels.ragged_paged_attention`.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -37,6 +38,7 @@ class Batch(NamedTuple):
 class Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    layer: int = 0
 
     def setup(self):
         c = self.config
@@ -50,11 +52,15 @@ class Attention(nn.Module):
             self.bq = param(self, "bq", (h, hd), ("heads", "head_dim"), self.dtype, zeros)
             self.bk = param(self, "bk", (kv, hd), ("kv_heads", "head_dim"), self.dtype, zeros)
             self.bv = param(self, "bv", (kv, hd), ("kv_heads", "head_dim"), self.dtype, zeros)
+        if c.o_bias:
+            self.bo = param(self, "bo", (d,), ("embed",), self.dtype, nn.initializers.zeros)
+        if c.sinks:
+            self.sinks = param(self, "sinks", (h,), ("heads",), self.dtype, nn.initializers.zeros)
         if c.qk_norm:
-            self.q_norm = RMSNorm(hd, c.rms_norm_eps, self.dtype, "head_dim")
-            self.k_norm = RMSNorm(hd, c.rms_norm_eps, self.dtype, "head_dim")
+            self.q_norm = RMSNorm(hd, c.rms_norm_eps, self.dtype, "head_dim", c.norm_plus_one)
+            self.k_norm = RMSNorm(hd, c.rms_norm_eps, self.dtype, "head_dim", c.norm_plus_one)
 
-    def qkv(self, x, positions):
+    def qkv(self, x, positions, batch: Batch | None = None):
         """x [..., T, D] -> q [..., T, H, hd], k and v [..., T, KV, hd], RoPE applied."""
         c = self.config
         q, k, v = (quant.linear(x, w) for w in (self.wq, self.wk, self.wv))
@@ -62,25 +68,64 @@ class Attention(nn.Module):
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        theta, scaling = c.rope(self.layer)
+        seq_lens = sequence_lengths(positions, batch) if scaling.kind == "longrope" else None
+        inv_freq = rope_frequencies(c.rotary_dim or c.head_dim, theta, scaling, seq_lens)
+        rope = lambda x: apply_rope(x, positions, inv_freq, scaling.attention_factor)
+        return rope(q), rope(k), v
 
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None):
-        q, k, v = self.qkv(x, positions)
+        q, k, v = self.qkv(x, positions, batch)
+        c = self.config
+        attend_layer = functools.partial(attend, **attention_options(c, self.layer))
+        # Sinks are per query head: on a mesh they are split with the heads.
+        sinks = dict(sinks=self.sinks) if c.sinks else {}
         hooks = device_hooks()
         if hooks is None:
-            o, layer_cache = attend(q, k, v, segment_ids, layer_cache, batch)
+            o, layer_cache = attend_layer(q, k, v, segment_ids, layer_cache, batch, **sinks)
         else:  # on a mesh: the kernels run once per shard of heads
-            o, layer_cache = hooks.attention(attend, q, k, v, segment_ids, layer_cache, batch)
-        return quant.linear(o, self.wo, in_axes=2), layer_cache
+            o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch,
+                                             **sinks)
+        out = quant.linear(o, self.wo, in_axes=2)
+        return (out + self.bo if c.o_bias else out), layer_cache
 
 
-def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = None):
+def sequence_lengths(positions, batch: Batch | None):
+    """Per token, the length of its sequence after this call: the row's last position + 1
+    (dense), or its sequence's context length (a ragged batch). LongRoPE picks its factors by
+    it. Keys already in the pages keep the factors they were written with: when a sequence
+    first passes the pretraining length, transformers recomputes its whole cache with the long
+    factors, a paged cache does not (the two agree again for prompts that start past it)."""
+    if batch is None:
+        return jnp.broadcast_to(jnp.max(positions, axis=-1, keepdims=True) + 1, positions.shape)
+    tokens = jnp.arange(positions.shape[-1])
+    seq = jnp.searchsorted(batch.query_start, tokens, side="right") - 1
+    return batch.context_lens[jnp.clip(seq, 0, batch.context_lens.shape[0] - 1)]
+
+
+def attention_options(config: ModelConfig, layer: int) -> dict:
+    """The kernels' keyword arguments for `layer`: its window, soft cap and score scale (only
+    those that differ from plain causal attention; sinks, a param, come with the call)."""
+    options = dict(sliding_window=config.window(layer), logit_softcap=config.attn_logit_softcap)
+    if config.query_pre_attn_scalar is not None:
+        options["sm_scale"] = config.sm_scale
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = None,
+                **options):
     """The calls into `kernels/`: dense causal attention, or write this step's K/V into the
-    layer's pages and attend over them. Works on whatever heads it is given (all, or a shard)."""
+    layer's pages and attend over them. Works on whatever heads it is given (all, or a shard).
+    `options` (sliding_window, logit_softcap, sm_scale, sinks) go to the kernel as they are. A
+    layer cache of float8 pages carries their per-KV-head scales after them."""
     if layer_cache is None:
-        return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids), None
-    k_pages, v_pages = kernels.write_kv(*layer_cache, k, v, batch.slots)
+        return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids,
+                                       **options), None
+    k_pages, v_pages, *scales = layer_cache
+    scale_kw = dict(zip(("k_scale", "v_scale"), scales))
+    k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch.slots, **scale_kw)
     o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
-                                       batch.context_lens, batch.page_table)
-    return o, (k_pages, v_pages)
+                                       batch.context_lens, batch.page_table, **options,
+                                       **scale_kw)
+    return o, (k_pages, v_pages, *scales)
+

@@ -11,7 +11,17 @@ import json
 import math
 from pathlib import Path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
+            "gemma3_text", "gpt_oss")
+# Families whose every layer takes `sliding_window` when it is set (no per-layer choice).
+WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
+GEMMA = ("gemma2", "gemma3_text")
+# transformers' defaults where config.json leaves max_position_embeddings out.
+MAX_POSITIONS = {"mistral": 131072, "mixtral": 131072, "qwen2": 32768, "qwen3": 32768,
+                 "qwen3_moe": 32768, "gemma2": 8192, "gemma3_text": 131072,
+                 "gpt_oss": 131072}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class ConfigError(ValueError):
@@ -20,11 +30,20 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    kind: str = "default"  # "default", "linear" or "llama3"
+    kind: str = "default"  # "default", "linear", "llama3", "yarn" or "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN: the band between beta_fast and beta_slow rotations blends interpolation and
+    # extrapolation; cos/sin (so q and k both) are multiplied by attention_factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    # LongRoPE: per-frequency divisors, the long set once a sequence passes original_max_position.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +63,37 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    rotary_dim: int = 0  # leading head dims RoPE rotates (0: all)
+    # Per layer "full_attention" or "sliding_attention" (empty: all full); sliding layers attend
+    # to the last `sliding_window` positions, the query's own included.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # RoPE of sliding layers where it differs (Gemma 3's local base); None: as full layers.
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling | None = None
+    # Gemma: RMSNorm scales by (1 + weight), the embedding by sqrt(hidden), norms before and
+    # after both attention and MLP, scores scaled by query_pre_attn_scalar**-0.5, tanh caps.
+    norm_plus_one: bool = False
+    scale_embed: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     # Mixture of experts (num_experts == 0 means a dense MLP).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # GPT-OSS: a learned sink logit per head, a bias on the output projection, the router and
+    # each expert; softmax over the top-k logits; clamped SwiGLU (gate * sigmoid(alpha * gate) *
+    # (up + 1), gate <= limit, |up| <= limit); experts shipped as MXFP4 ("mxfp4") or plain.
+    sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    expert_weights: str = ""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -60,6 +105,23 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for full attention."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope(self, layer: int) -> tuple[float, RopeScaling]:
+        """(theta, scaling) of `layer`'s rotary embedding."""
+        if self.is_sliding(layer) and self.local_rope_theta is not None:
+            return self.local_rope_theta, self.local_rope_scaling or RopeScaling()
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -77,6 +139,17 @@ class ModelConfig:
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..{self.num_experts}")
+        if self.hidden_act not in ACTIVATIONS.values():
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_layers} layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not (self.rotary_dim == 0 or 0 < self.rotary_dim <= self.head_dim
+                and self.rotary_dim % 2 == 0):
+            raise ConfigError(f"rotary_dim {self.rotary_dim} must be even and <= head_dim "
+                              f"({self.head_dim})")
 
 
 def _get(raw: dict, *names, default=None):
@@ -86,34 +159,126 @@ def _get(raw: dict, *names, default=None):
     return default
 
 
-def _rope(raw: dict) -> tuple[float, RopeScaling]:
-    # transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`.
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
-    theta = float(_get(params, "rope_theta", default=_get(raw, "rope_theta", default=10000.0)))
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _scaling(params: dict, raw: dict, rotary_dim: int) -> RopeScaling:
+    """One rope-parameters dict -> RopeScaling, with transformers' defaults and derived values."""
     kind = params.get("rope_type", params.get("type", "default"))
+    if raw["model_type"] == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # Phi-3 names its LongRoPE "su" or "yarn"
     if kind == "default":
-        return theta, RopeScaling()
+        return RopeScaling()
     if kind == "linear":
-        return theta, RopeScaling("linear", float(params["factor"]))
+        return RopeScaling("linear", float(params["factor"]))
+    max_pos = raw.get("max_position_embeddings", MAX_POSITIONS.get(raw["model_type"], 4096))
+    # The pretraining length: a top-level field wins (Phi-3 always has one, 4096 by default).
+    orig = raw.get("original_max_position_embeddings",
+                   4096 if raw["model_type"] == "phi3" else None)
+    orig = int(orig or params.get("original_max_position_embeddings") or max_pos)
     if kind == "llama3":
-        return theta, RopeScaling(
-            "llama3", float(params["factor"]), float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
-    raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        return RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                           float(params["high_freq_factor"]), orig)
+    factor = params.get("factor")
+    factor = float(max_pos / orig if factor is None else factor)
+    attention = params.get("attention_factor")
+    if kind == "yarn":
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if attention is None:
+            attention = (_mscale(factor, mscale) / _mscale(factor, mscale_all)
+                         if mscale and mscale_all else _mscale(factor))
+        return RopeScaling("yarn", factor, original_max_position=orig,
+                           beta_fast=float(params.get("beta_fast") or 32),
+                           beta_slow=float(params.get("beta_slow") or 1),
+                           truncate=bool(params.get("truncate", True)),
+                           attention_factor=float(attention))
+    if kind == "longrope":
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        short, long = tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
+        if not len(short) == len(long) == rotary_dim // 2:
+            raise ConfigError(f"rope short_factor/long_factor must have {rotary_dim // 2} entries, "
+                              f"got {len(short)}/{len(long)}")
+        return RopeScaling("longrope", factor, original_max_position=orig,
+                           attention_factor=float(attention), short_factor=short, long_factor=long)
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported "
+                      "(supported: default, linear, llama3, yarn, longrope)")
 
 
-def _check_unsupported(raw: dict, model_type: str, num_layers: int):
-    act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConfigError(f"hidden_act {act!r} is not supported (only silu)")
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", model_type == "mistral")
-    if window is not None and uses_window and window < raw.get("max_position_embeddings", math.inf):
-        raise ConfigError(
-            f"sliding_window={window} is not supported: attention here is always full-context")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _rope(raw: dict, rotary_dim: int):
+    """-> (theta, scaling, local theta or None, local scaling or None)."""
+    # transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x folds both into `rope_parameters`,
+    # nested by layer type where those differ (Gemma 3).
+    given = raw.get("rope_parameters") or {}
+    nested = any(t in given for t in LAYER_TYPES)
+    if raw["model_type"] == "gemma3_text":
+        full = dict(given.get("full_attention") or {}) if nested else {
+            **(raw.get("rope_scaling") or {}), **given}
+        local = dict(given.get("sliding_attention") or {}) if nested else {}
+        theta = float(full.get("rope_theta") or raw.get("rope_theta") or 1e6)
+        local_theta = float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 1e4)
+        return (theta, _scaling(full, raw, rotary_dim), local_theta,
+                _scaling(local, raw, rotary_dim))
+    if nested:
+        raise ConfigError(f"rope_parameters per layer type is not supported for "
+                          f"{raw['model_type']}")
+    params = {**(raw.get("rope_scaling") or {}), **given}
+    if raw["model_type"] == "gpt_oss" and not params:  # transformers' GptOssConfig default
+        params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": False, "original_max_position_embeddings": 4096}
+    default_theta = 150000.0 if raw["model_type"] == "gpt_oss" else 10000.0
+    theta = float(_get(params, "rope_theta", default=_get(raw, "rope_theta", default=default_theta)))
+    return theta, _scaling(params, raw, rotary_dim), None, None
+
+
+def _activation(raw: dict, model_type: str) -> str:
+    # Gemma's MLP reads `hidden_activation`; the others read `hidden_act`.
+    act = (raw.get("hidden_activation") or "gelu_pytorch_tanh") if model_type in GEMMA else (
+        raw.get("hidden_act") or "silu")
+    if act not in ACTIVATIONS or (model_type in MOE and act != "silu"):
+        raise ConfigError(f"hidden_act {act!r} is not supported for {model_type} "
+                          f"(supported: {sorted(ACTIVATIONS)}; experts: silu)")
+    return ACTIVATIONS[act]
+
+
+def _layer_types(raw: dict, model_type: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(per-layer attention types, sliding window), read as transformers reads each family."""
+    full = ("full_attention",) * num_layers
+    defaults = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4096, "gemma2": 4096,
+                "gemma3_text": 4096, "gpt_oss": 128}
+    window = raw.get("sliding_window", defaults.get(model_type))
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
+        window = None
+    if model_type == "llama" or window is None:
+        types = full
+    elif model_type in WINDOW_EVERY_LAYER:
+        types = ("sliding_attention",) * num_layers
+    elif raw.get("layer_types"):
+        types = tuple(raw["layer_types"][:num_layers])
+    elif model_type in ("qwen2", "qwen3"):
+        first = raw.get("max_window_layers", 28)
+        types = tuple("sliding_attention" if i >= first else "full_attention"
+                      for i in range(num_layers))
+    else:  # Gemma, GPT-OSS: sliding except every `pattern`-th layer (every other but Gemma 3)
+        pattern = raw.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
+        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                      for i in range(num_layers))
+    unknown = set(types) - set(LAYER_TYPES)
+    if unknown:
+        raise ConfigError(f"layer_types {sorted(unknown)} is not supported "
+                          f"(supported: {LAYER_TYPES})")
+    return types, window
+
+
+def _check_unsupported(raw: dict, model_type: str):
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention=true is not supported (causal only)")
     if model_type == "qwen3_moe":
         sparse_step = raw.get("decoder_sparse_step", 1)
         dense_layers = raw.get("mlp_only_layers") or []
@@ -121,9 +286,14 @@ def _check_unsupported(raw: dict, model_type: str, num_layers: int):
             raise ConfigError(
                 "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                 "is not supported")
-    layer_types = raw.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types[:num_layers]):
-        raise ConfigError(f"layer_types {sorted(set(layer_types))} is not supported: only full_attention")
+    quant = raw.get("quantization_config")
+    if quant and not (model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
+        raise ConfigError(f"quantization_config {quant.get('quant_method')!r} is not supported "
+                          "(only gpt_oss's mxfp4 experts, dequantized on load)")
+    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                     raw.get("partial_rotary_factor", 1.0))
+    if model_type != "phi3" and partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor={partial} is only supported for phi3")
 
 
 def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
@@ -131,12 +301,23 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: {FAMILIES}")
     num_layers = int(raw["num_hidden_layers"])
-    _check_unsupported(raw, model_type, num_layers)
+    _check_unsupported(raw, model_type)
+    gemma = model_type in GEMMA
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    theta, scaling = _rope(raw)
+    head_dim = int(_get(raw, "head_dim", default=256 if gemma else hidden // heads))
+    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                     raw.get("partial_rotary_factor")) or 1.0
+    rotary_dim = int(head_dim * partial)
+    theta, scaling, local_theta, local_scaling = _rope(raw, rotary_dim)
+    layer_types, window = _layer_types(raw, model_type, num_layers)
+    max_pos = int(raw.get("max_position_embeddings", MAX_POSITIONS.get(model_type, 4096)))
+    if window is not None and window >= max_pos:  # binds at no position the model takes
+        window = None
     eos = raw.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    moe = model_type in ("mixtral", "qwen3_moe")
+    moe = model_type in MOE
+    oss = model_type == "gpt_oss"
+    cap = lambda key, gemma2_default: raw.get(key, gemma2_default if model_type == "gemma2" else None)
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
@@ -145,20 +326,40 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(_get(raw, "num_key_value_heads", default=heads)),
-        head_dim=int(_get(raw, "head_dim", default=hidden // heads)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if oss else 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", oss)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        hidden_act=_activation(raw, model_type),
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        layer_types=() if set(layer_types) == {"full_attention"} else layer_types,
+        sliding_window=window,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+        norm_plus_one=gemma,
+        scale_embed=gemma,
+        sandwich_norms=gemma,
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+        attn_logit_softcap=cap("attn_logit_softcapping", 50.0) if gemma else None,
+        final_logit_softcap=cap("final_logit_softcapping", 30.0) if gemma else None,
         num_experts=int(_get(raw, "num_local_experts", "num_experts", default=0)) if moe else 0,
         num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)) if moe else 0,
         moe_intermediate_size=int(
             raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0) if moe else 0,
         # Mixtral always renormalizes its top-k weights; Qwen3-MoE only when norm_topk_prob.
-        norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", True)),
+        # GPT-OSS takes the softmax over the top-k logits: normalized by construction.
+        norm_topk_prob=True if model_type in ("mixtral", "gpt_oss") else bool(
+            raw.get("norm_topk_prob", True)),
+        sinks=oss,
+        o_bias=oss and bool(raw.get("attention_bias", True)),
+        expert_bias=oss,
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)) if oss else None,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)) if oss else 1.0,
+        expert_weights="mxfp4" if raw.get("quantization_config") else "",
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos,
         name=name,
@@ -184,6 +385,10 @@ def load_config(path: str | Path) -> ModelConfig:
 
 def to_hf_dict(config: ModelConfig) -> dict:
     """The Hugging Face `config.json` for a config (used by export and the default model)."""
+    if (config.model_type not in FAMILIES[:6] or config.layer_types or config.rotary_dim
+            or config.hidden_act != "silu" or config.rope_scaling.kind == "longrope"):
+        raise ConfigError(f"writing a config.json for this {config.model_type} config is not "
+                          "supported (sliding windows, partial RoPE, LongRoPE, GeGLU, Phi-3, Gemma)")
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[config.model_type]
@@ -194,6 +399,11 @@ def to_hf_dict(config: ModelConfig) -> dict:
     elif rs.kind == "llama3":
         scaling = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                    "high_freq_factor": rs.high_freq_factor,
+                   "original_max_position_embeddings": rs.original_max_position}
+    elif rs.kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": rs.factor, "beta_fast": rs.beta_fast,
+                   "beta_slow": rs.beta_slow, "truncate": rs.truncate,
+                   "attention_factor": rs.attention_factor,
                    "original_max_position_embeddings": rs.original_max_position}
     out = {
         "architectures": [arch], "model_type": config.model_type,

@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from .loader import CheckpointError
+from .errors import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble within a word's 8 columns
 
@@ -274,5 +274,9 @@ def parse_quantization_config(cfg: dict | None):
     if method == "gptq":
         return parse_gptq(cfg)
     if method == "compressed-tensors":
+        formats = {g.get("format") or cfg.get("format")
+                   for g in (cfg.get("config_groups") or {}).values()} or {cfg.get("format")}
+        if formats == {"float-quantized"}:
+            return None  # FP8: read by fp8_checkpoint
         return CompressedTensorsConfig(cfg)
     return None

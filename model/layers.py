@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -71,20 +72,50 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
     axis_name: str = "embed"
+    plus_one: bool = False  # Gemma: scale by (1 + weight), in f32 before the cast back
 
     @nn.compact
     def __call__(self, x):
-        scale = param(self, "scale", (self.dim,), (self.axis_name,), self.dtype, nn.initializers.ones)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = param(self, "scale", (self.dim,), (self.axis_name,), self.dtype, init)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * x32.astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jnp.ndarray:
-    """Inverse frequencies [head_dim // 2], with linear or Llama-3 scaling applied."""
-    inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+def _yarn(inv, inv_scaled, dim: int, theta: float, s: RopeScaling):
+    """Blend per frequency: extrapolate (keep) those that turn more than beta_fast times over the
+    pretraining length, interpolate (divide by factor) those under beta_slow, ramp between."""
+    def dim_of(rotations):  # the dimension index that turns `rotations` times
+        return dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_scaled * ramp + inv * (1 - ramp)
+
+
+def rope_frequencies(dim: int, theta: float, scaling: RopeScaling, seq_lens=None) -> jnp.ndarray:
+    """Inverse frequencies [dim // 2] of a RoPE over `dim` dims, with the scaling applied.
+    LongRoPE picks its short or long set per token by the length of the token's sequence so
+    far, `seq_lens` [..., T] (then the result is [..., T, dim // 2]), as transformers picks it
+    per forward call by its largest position."""
+    exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    inv = 1.0 / theta ** exponent
     if scaling.kind == "linear":
         return inv / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn(inv, inv / scaling.factor, dim, theta, scaling)
+    if scaling.kind == "longrope":
+        long = (seq_lens > scaling.original_max_position)[..., None]
+        factors = jnp.where(long, jnp.asarray(scaling.long_factor, jnp.float32),
+                            jnp.asarray(scaling.short_factor, jnp.float32))
+        return 1.0 / (factors * theta ** exponent)
     if scaling.kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
         old = scaling.original_max_position
@@ -99,14 +130,22 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jnp.n
     return inv
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [..., T, heads, D], positions [..., T]; rotates the two halves of D (HF convention)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
+    """x [..., T, heads, D], positions [..., T]; rotates the two halves of the leading
+    2 * len(inv_freq) dims of D (HF convention), the rest pass through. cos and sin are scaled
+    by `attention_factor` (YaRN, LongRoPE)."""
+    rot = 2 * inv_freq.shape[-1]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, rot/2]
+    cos = jnp.cos(angles)[..., None, :] * attention_factor
+    sin = jnp.sin(angles)[..., None, :] * attention_factor
+    x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+def activation(name: str):
+    """The gate's nonlinearity: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+    return {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, approximate=True)}[name]
 
 
 class MLP(nn.Module):
@@ -119,13 +158,17 @@ class MLP(nn.Module):
         w_gate = param(self, "w_gate", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (c.intermediate_size, c.hidden_size), ("mlp", "embed"), self.dtype)
-        h = jax.nn.silu(quant.linear(x, w_gate)) * quant.linear(x, w_up)
+        h = activation(c.hidden_act)(quant.linear(x, w_gate)) * quant.linear(x, w_up)
         return quant.linear(h, w_down)
 
 
-def route(x, router, top_k: int, renormalize: bool):
+def route(x, router, top_k: int, renormalize: bool, router_bias=None):
     """Top-k routing as Mixtral and Qwen3-MoE do it: softmax over all experts in f32, keep the
-    top k, optionally renormalize them to sum to one. Returns (weights [N, k], experts [N, k])."""
+    top k, optionally renormalize them to sum to one. With a `router_bias` (GPT-OSS): the top k
+    of the biased logits, softmax over those k. Returns (weights [N, k], experts [N, k])."""
+    if router_bias is not None:
+        logits, experts = jax.lax.top_k((x @ router + router_bias).astype(jnp.float32), top_k)
+        return jax.nn.softmax(logits, axis=-1).astype(x.dtype), experts
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
@@ -133,12 +176,24 @@ def route(x, router, top_k: int, renormalize: bool):
     return weights.astype(x.dtype), experts
 
 
-def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
-    """SwiGLU over tokens already sorted by expert: one grouped matmul per projection.
-    Quantized experts pass as (values, scales [E, G, F]) pairs: the kernels dequantize them."""
+def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=None, biases=None):
+    """SwiGLU (or `glu`, with per-expert `biases`) over tokens already sorted by expert: one
+    grouped matmul per projection. Quantized experts pass as (values, scales [E, G, F]) pairs:
+    the kernels dequantize them."""
     if quant.is_quantized(w_gate):
+        if glu is not None or biases is not None:
+            raise ValueError("quantized experts take only SwiGLU without biases (not GPT-OSS's)")
         w_gate, w_up, w_down = (quant.grouped_operand(w) for w in (w_gate, w_up, w_down))
-    return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
+    return kernels.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=glu,
+                               biases=biases)
+
+
+def clamped_swiglu(limit: float, alpha: float):
+    """GPT-OSS's expert activation: gate clamped above, up clamped both ways, up shifted by 1."""
+    def glu(gate, up):
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(gate * alpha) * (up + 1)
+    return glu
 
 
 def moe_dispatch_combine(x, weights, experts, num_experts, expert_fn):
@@ -166,10 +221,21 @@ class MoE(nn.Module):
         w_gate = param(self, "w_gate", (e, d, f), ("experts", "embed", "mlp"), self.dtype)
         w_up = param(self, "w_up", (e, d, f), ("experts", "embed", "mlp"), self.dtype)
         w_down = param(self, "w_down", (e, f, d), ("experts", "mlp", "embed"), self.dtype)
+        router_bias, biases, glu = None, None, None
+        if c.expert_bias:
+            zeros = nn.initializers.zeros
+            router_bias = param(self, "router_bias", (e,), (None,), self.dtype, zeros)
+            biases = (param(self, "b_gate", (e, f), ("experts", "mlp"), self.dtype, zeros),
+                      param(self, "b_up", (e, f), ("experts", "mlp"), self.dtype, zeros),
+                      param(self, "b_down", (e, d), ("experts", "embed"), self.dtype, zeros))
+        if c.swiglu_limit is not None:
+            glu = clamped_swiglu(c.swiglu_limit, c.swiglu_alpha)
         shape = x.shape
         x = x.reshape(-1, d)
         if (hooks := _HOOKS.get()) is not None:
-            return hooks.moe(x, router, w_gate, w_up, w_down).reshape(shape)
-        weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob)
-        expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down)
+            extras = {} if biases is None else dict(router_bias=router_bias, biases=biases)
+            return hooks.moe(x, router, w_gate, w_up, w_down, glu=glu, **extras).reshape(shape)
+        weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob, router_bias)
+        expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down, glu,
+                                                         biases)
         return moe_dispatch_combine(x, weights, experts, e, expert_fn).reshape(shape)

@@ -16,13 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from . import quant
+from . import fp8_checkpoint, quant
 from .config import ModelConfig, load_config
+from .errors import CheckpointError
 from .transformer import param_shapes
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded as the config describes."""
 
 
 # Buffers some exporters save that carry no weights.
@@ -63,14 +60,34 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     L = f"layers_{i}"
     t = lambda w: w.T  # HF Linear stores [out, in]; params are [in, out]
-    out = {
-        (L, "attn_norm", "scale"): ([p + "input_layernorm.weight"], None),
-        (L, "mlp_norm", "scale"): ([p + "post_attention_layernorm.weight"], None),
+    out = {(L, "attn_norm", "scale"): ([p + "input_layernorm.weight"], None)}
+    if c.sandwich_norms:  # Gemma: norms after attention and around the MLP
+        out[(L, "attn_post_norm", "scale")] = ([p + "post_attention_layernorm.weight"], None)
+        out[(L, "mlp_norm", "scale")] = ([p + "pre_feedforward_layernorm.weight"], None)
+        out[(L, "mlp_post_norm", "scale")] = ([p + "post_feedforward_layernorm.weight"], None)
+    else:
+        out[(L, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], None)
+    if c.model_type == "phi3":  # one fused projection each for q|k|v and gate|up, split here
+        qkv, rows = [p + "self_attn.qkv_proj.weight"], np.cumsum([0, h * hd, kv * hd, kv * hd])
+        part = lambda i, n: lambda w: w[rows[i]:rows[i + 1]].T.reshape(d, n, hd)
+        out[(L, "attn", "wq")], out[(L, "attn", "wk")], out[(L, "attn", "wv")] = (
+            (qkv, part(0, h)), (qkv, part(1, kv)), (qkv, part(2, kv)))
+        out[(L, "attn", "wo")] = ([p + "self_attn.o_proj.weight"], lambda w: w.T.reshape(h, hd, d))
+        gate_up, f = [p + "mlp.gate_up_proj.weight"], c.intermediate_size
+        out[(L, "mlp", "w_gate")] = (gate_up, lambda w: w[:f].T)
+        out[(L, "mlp", "w_up")] = (gate_up, lambda w: w[f:].T)
+        out[(L, "mlp", "w_down")] = ([p + "mlp.down_proj.weight"], t)
+        return out
+    out.update({
         (L, "attn", "wq"): ([p + "self_attn.q_proj.weight"], lambda w: w.T.reshape(d, h, hd)),
         (L, "attn", "wk"): ([p + "self_attn.k_proj.weight"], lambda w: w.T.reshape(d, kv, hd)),
         (L, "attn", "wv"): ([p + "self_attn.v_proj.weight"], lambda w: w.T.reshape(d, kv, hd)),
         (L, "attn", "wo"): ([p + "self_attn.o_proj.weight"], lambda w: w.T.reshape(h, hd, d)),
-    }
+    })
+    if c.o_bias:
+        out[(L, "attn", "bo")] = ([p + "self_attn.o_proj.bias"], None)
+    if c.sinks:
+        out[(L, "attn", "sinks")] = ([p + "self_attn.sinks"], None)
     if c.qkv_bias:
         out[(L, "attn", "bq")] = ([p + "self_attn.q_proj.bias"], lambda b: b.reshape(h, hd))
         out[(L, "attn", "bk")] = ([p + "self_attn.k_proj.bias"], lambda b: b.reshape(kv, hd))
@@ -81,6 +98,9 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
     if not c.is_moe:
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out[(L, "mlp", ours)] = ([f"{p}mlp.{theirs}.weight"], t)
+        return out
+    if c.model_type == "gpt_oss":
+        out.update(_gpt_oss_experts(c, p, L))
         return out
     if c.model_type == "mixtral":
         block, names = p + "block_sparse_moe.", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
@@ -94,6 +114,48 @@ def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
     return out
 
 
+def _gpt_oss_experts(c: ModelConfig, p: str, L: str) -> dict[tuple, tuple]:
+    """GPT-OSS keeps all experts in one tensor per projection, stored [E, in, out], gate and up
+    interleaved along out; or as MXFP4 blocks and scales of the [E, out, in] weights."""
+    x = p + "mlp.experts."
+    gate, up = (lambda w: w[..., ::2]), (lambda w: w[..., 1::2])
+    if c.expert_weights == "mxfp4":
+        gate_up = [x + "gate_up_proj_blocks", x + "gate_up_proj_scales"]
+        down = [x + "down_proj_blocks", x + "down_proj_scales"]
+        deq = lambda blocks, scales: np.swapaxes(dequantize_mxfp4(blocks, scales), -1, -2)
+        w_gate, w_up, w_down = (lambda b, s: gate(deq(b, s))), (lambda b, s: up(deq(b, s))), deq
+    else:
+        gate_up, down = [x + "gate_up_proj"], [x + "down_proj"]
+        w_gate, w_up, w_down = gate, up, None
+    return {
+        (L, "moe", "router"): ([p + "mlp.router.weight"], lambda w: w.T),
+        (L, "moe", "router_bias"): ([p + "mlp.router.bias"], None),
+        (L, "moe", "w_gate"): (gate_up, w_gate),
+        (L, "moe", "w_up"): (gate_up, w_up),
+        (L, "moe", "w_down"): (down, w_down),
+        (L, "moe", "b_gate"): ([x + "gate_up_proj_bias"], gate),
+        (L, "moe", "b_up"): ([x + "gate_up_proj_bias"], up),
+        (L, "moe", "b_down"): ([x + "down_proj_bias"], None),
+    }
+
+
+# FP4 E2M1 by its 4-bit code (sign, 2 exponent bits, 1 mantissa bit; low nibble first in a byte).
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 -> float32. blocks [..., G, 16] uint8 (32 FP4 values per block, two a byte),
+    scales [..., G] uint8 E8M0 (2 ** (s - 127)) -> [..., G * 32]."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not fit scales {scales.shape}")
+    values = np.stack([FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]], axis=-1)
+    values = values.reshape(*scales.shape, 32)
+    out = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return out.reshape(*scales.shape[:-1], -1)
+
+
 def hf_sources(config: ModelConfig) -> dict[tuple, tuple]:
     """Every param path -> (HF tensor names, builder). The inverse is used by export."""
     out = {("embed",): (["model.embed_tokens.weight"], None),
@@ -105,8 +167,38 @@ def hf_sources(config: ModelConfig) -> dict[tuple, tuple]:
     return out
 
 
-def _read(name: str, files: dict[str, Path], handles: dict) -> np.ndarray:
+def _stored_dtype(name: str, files: dict[str, Path], handles: dict) -> str:
+    """The safetensors dtype string ("BF16", "F8_E4M3", ...) of a tensor, without reading it."""
     file = files[name]
+    if file not in handles:
+        handles[file] = _open(file)
+    try:
+        return handles[file].get_slice(name).get_dtype()
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
+
+
+def _read_fp8(name: str, file: Path) -> np.ndarray:
+    """An F8_E4M3 tensor straight from the file (the safetensors numpy/flax readers have no
+    float8 type): the header's offsets, the bytes viewed as ml_dtypes' float8_e4m3fn."""
+    import ml_dtypes
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))[name]
+        start, end = meta["data_offsets"]
+        f.seek(8 + n + start)
+        raw = np.frombuffer(f.read(end - start), np.uint8)
+    return raw.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
+
+
+def _read(name: str, files: dict[str, Path], handles: dict, fp8_ok: bool = False) -> np.ndarray:
+    file = files[name]
+    if _stored_dtype(name, files, handles) == "F8_E4M3":
+        if not fp8_ok:
+            raise CheckpointError(f"tensor {name} in {file} is stored in FP8 without a scale "
+                                  "this loader knows of (config.json has no quantization_config "
+                                  "naming it)")
+        return _read_fp8(name, file)
     if file not in handles:
         handles[file] = _open(file)
     try:
@@ -114,9 +206,10 @@ def _read(name: str, files: dict[str, Path], handles: dict) -> np.ndarray:
             tensor = handles[file].get_tensor(name)
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
-    if tensor.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+    packed = name.endswith(("_blocks", "_scales"))  # MXFP4 experts: bytes
+    if tensor.dtype not in ((jnp.uint8,) if packed else (jnp.float32, jnp.float16, jnp.bfloat16)):
         raise CheckpointError(f"tensor {name} in {file} has dtype {tensor.dtype}; "
-                              "expected float32, float16 or bfloat16")
+                              f"expected {'uint8' if packed else 'float32, float16 or bfloat16'}")
     return np.asarray(tensor)
 
 
@@ -156,8 +249,24 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
                                   "it loads as stored, on one device (no quantization=, no mesh)")
         for param_path in ints.linears:
             sources.pop(param_path)
+    fp8 = _fp8_format(path) if ints is None else None
     wanted = {name for names, _ in sources.values() for name in names}
     wanted |= ints.names() if ints is not None else set()
+    stored_fp8 = set()
+    if fp8 is not None:  # each FP8 weight brings its scale; a static input scale may come too
+        handles = {}
+        stored_fp8 = {n for n in wanted & files.keys()
+                      if _stored_dtype(n, files, handles) == "F8_E4M3"}
+        for name in sorted(stored_fp8):
+            if not fp8.quantized(name):
+                raise CheckpointError(f"tensor {name} is stored in FP8, but the checkpoint's "
+                                      "quantization_config leaves its module unquantized "
+                                      "(ignore / modules_to_not_convert)")
+        wanted |= {fp8.scale_name(n) for n in stored_fp8}
+        optional = {fp8.input_scale_name(n) for n in stored_fp8} & files.keys()
+        for name in sorted(optional):
+            _check_input_scale(name, _read(name, files, handles))
+        wanted |= optional
     missing = sorted(wanted - files.keys())
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -170,13 +279,24 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
                               f"does not use: {extra[:5]} (in {files[extra[0]].name})")
     handles, params = {}, {}
     for param_path, (names, build) in sources.items():
-        arrays = [_read(n, files, handles) for n in names]
         want = _get(expected, param_path)
-        try:
-            value = build(*arrays) if build else arrays[0]
-        except ValueError:  # a reshape that cannot fit: reported as the shape error below
-            value = None
+        if names[0] in stored_fp8:
+            value = _fp8_param(fp8, param_path, names, build, want, files, handles)
+            if quant.is_quantized(value):
+                sharding = None if shardings is None else _get(shardings, param_path)
+                value = jax.tree.map(jnp.asarray, value) if sharding is None else \
+                    jax.device_put(value, quant.sharding_for(value, sharding))
+                _set(params, param_path, value)
+                continue
+            arrays = None  # a weight our model keeps in `dtype`: dequantized on the host
+        else:
+            arrays = [_read(n, files, handles) for n in names]
+            try:
+                value = build(*arrays) if build else arrays[0]
+            except ValueError:  # a reshape that cannot fit: reported as the shape error below
+                value = None
         if value is None or value.shape != want.shape:
+            arrays = arrays or [_read(names[0], files, handles, fp8_ok=True)]
             raise CheckpointError(
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
@@ -217,3 +337,64 @@ def _quantize_in_place(value, contract_axes, sharding, quantization="fp8", axes=
 @functools.lru_cache(maxsize=64)
 def _quantizer(contract_axes, out_shardings):
     return jax.jit(lambda w: quant.quantize_fp8(w, contract_axes), out_shardings=out_shardings)
+
+
+# -- published FP8 checkpoints (model/fp8_checkpoint.py) ---------------------------------------------
+def _fp8_format(path: Path):
+    """The checkpoint's FP8 format, None for a plain one; CheckpointError for one not read."""
+    config_file = path / "config.json"
+    try:
+        qc = json.loads(config_file.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    if not qc:
+        return None
+    try:
+        return fp8_checkpoint.Fp8Format(qc)
+    except fp8_checkpoint.FormatError as e:
+        raise CheckpointError(f"{config_file}: quantization_config: {e}") from None
+
+
+def _check_input_scale(name, scale):
+    s = np.asarray(scale, np.float32)
+    if s.size != 1 or not np.isfinite(s).all() or (s <= 0).any():
+        raise CheckpointError(f"{name} must be one positive scale (per-tensor static input "
+                              f"scale), not shape {tuple(s.shape)} with values {s.ravel()[:4]}")
+
+
+def _fp8_param(fp8, param_path, names, build, want, files, handles):
+    """A QArray for a linear weight (values transposed as `build` does, scales likewise), or
+    the dequantized float32 array for any other param stored in FP8 (an LM head, a router)."""
+    qs, scales = [], []
+    for n in names:
+        q = _read(n, files, handles, fp8_ok=True)
+        if q.dtype != np.dtype("float8_e4m3fn") or q.ndim != 2:
+            raise CheckpointError(f"tensor {n} in {files[n].name} should be a 2-D "
+                                  f"float8_e4m3fn weight; it is {q.dtype} {tuple(q.shape)}")
+        try:
+            scales.append(fp8.scale_2d(n, q.shape, _read(fp8.scale_name(n), files, handles)))
+        except fp8_checkpoint.FormatError as e:
+            raise CheckpointError(str(e)) from None
+        qs.append(q)
+    axes = quant.linear_axes(param_path)
+    if axes is None:
+        deq = [quant.numpy_dequantize(q, s, (q.shape[0] // s.shape[0], q.shape[1] // s.shape[1]))
+               for q, s in zip(qs, scales)]
+        return build(*deq) if build else deq[0]
+    lead, in_axes = axes
+    try:
+        value = build(*qs)
+    except ValueError:
+        value = None
+    if value is None or value.shape != want.shape:
+        raise CheckpointError(
+            f"tensor {names[0]} in {files[names[0]].name} has shape {qs[0].shape}, which "
+            f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
+    scale_t = np.stack([s.T for s in scales]) if lead else scales[0].T
+    scale = fp8_checkpoint.to_param_scale(scale_t, want.shape, lead, in_axes)
+    if scale is None:
+        raise CheckpointError(f"{fp8.scale_name(names[0])}: blocks of {fp8.block} do not split "
+                              f"evenly over the axes of {'.'.join(param_path)} "
+                              f"{tuple(want.shape)}")
+    return quant.check(quant.QArray(value, scale.astype(np.float32), None, "fp8"),
+                       fp8.scale_name(names[0]))

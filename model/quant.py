@@ -29,6 +29,9 @@ calls on it. The layout:
 projections) and `matrix(w, in_axes)` views a QArray as the [K, N] (or [E, K, N]) matrix the
 kernels take: the blocks of the flattened axes must stay rectangular (an axis with block 1
 followed by whole or evenly-blocked axes), which every layout above satisfies.
+The kernels see plain arrays only: `kernels.quant_matmul(x [M, K], q [K, N], scale [G, N],
+zero)` (G = K / block_k; it picks W8A16 or W8A8, `kernels/__init__.py`) and, for stacked
+experts, `kernels.grouped_mlp` with (q, scale [E, G, N]) pairs (`grouped_operand`).
 """
 
 from __future__ import annotations
@@ -164,6 +167,14 @@ def matrix(w: QArray, in_axes: int = 1, lead: int = 0) -> QArray:
     return QArray(w.q.reshape(new), reshape(w.scale), reshape(w.zero), w.scheme)
 
 
+def _per_column(a, q):
+    """Scales (or zeros) of a [..., K, N] matrix as the kernels take them: [..., K / bk, N]."""
+    if a is None:
+        return None
+    a = _expand(a, (1,) * (a.ndim - 1) + (q.shape[-1] // a.shape[-1],))
+    return jnp.broadcast_to(a, a.shape[:-1] + q.shape[-1:])
+
+
 def linear(x, w, in_axes: int = 1, **kw):
     """x [..., in...] times w [in..., out...] -> [..., out...] in x's dtype: a plain matmul,
     or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8)."""
@@ -176,8 +187,8 @@ def linear(x, w, in_axes: int = 1, **kw):
         y = x2 @ w.reshape(x2.shape[1], -1)
     else:
         m = matrix(w, in_axes)
-        per_n = lambda a: None if a is None else _expand(a, (1, m.block[1]))  # [K / bk, N]
-        y = kernels.quant_matmul(x2, m.q, per_n(m.scale), per_n(m.zero), **kw)
+        y = kernels.quant_matmul(x2, m.q, _per_column(m.scale, m.q), _per_column(m.zero, m.q),
+                                 **kw)
     return y.reshape(*lead, *out_shape)
 
 
@@ -187,7 +198,7 @@ def grouped_operand(w: QArray):
     if w.zero is not None:
         raise NotImplementedError(f"grouped experts with zero points ({w.scheme})")
     m = matrix(w, in_axes=1, lead=1)
-    return m.q, _expand(m.scale, (1, 1, m.block[2]))
+    return m.q, _per_column(m.scale, m.q)
 
 
 # -- which params are quantized, and over which axes ---------------------------------------------
@@ -259,8 +270,7 @@ def quantize_params(params, scheme: str = "fp8"):
     if check_quantization(scheme) is None:
         return params
     if scheme != "fp8":
-        from .quant_int import quantize_params as quantize_int
-        return quantize_int(params, scheme)
+        raise ValueError(f"quantize_params takes 'fp8'; {scheme!r} is quant_int.quantize_params'")
 
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)

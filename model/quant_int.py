@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import w4a16_matmul as im
+from .errors import CheckpointError
 from .int_formats import IntLinear
 
 # Quantize-on-load modes of float checkpoints: (bits, group size).
@@ -154,7 +155,6 @@ class IntCheckpoint:
     def __init__(self, quant_cfg, config, sources, expected, files):
         from . import quant
         from .int_formats import CompressedTensorsConfig
-        from .loader import CheckpointError
         self.quant = quant_cfg
         method = "compressed-tensors" if isinstance(quant_cfg, CompressedTensorsConfig) \
             else quant_cfg.method
@@ -180,7 +180,6 @@ class IntCheckpoint:
 
     def load(self, path, get) -> PackedInt:
         from .int_formats import read_linear
-        from .loader import CheckpointError
         module, shape, in_axes, names = self.linears[path]
         k, n = math.prod(shape[:in_axes]), math.prod(shape[in_axes:])
         lin = read_linear(self.quant, get, lambda name: name in names, module, (k, n))

@@ -5,6 +5,7 @@ incremental detokenization for streaming.
 
 from __future__ import annotations
 
+import itertools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -80,6 +81,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, batch, skip_special_tokens: bool = True) -> list[str]:
+        return self.tok.decode_batch([list(ids) for ids in batch],
+                                     skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **variables) -> str:
         """Render the checkpoint's chat template the way `transformers` does."""
@@ -131,11 +136,29 @@ class IncrementalDetokenizer:
         self.prefix = max(0, self.read - self.CONTEXT)  # start of the decoding window
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read])
-        text = decode(self.ids[self.prefix:])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
+        return self.add_many([self], [token_id])[0]
+
+    @staticmethod
+    def add_many(detoks: list["IncrementalDetokenizer"], token_ids: list[int]) -> list[str]:
+        """One new token for each detokenizer; their deltas, decoded in one batched call where
+        every detokenizer shares a tokenizer that has `decode_batch`."""
+        windows = []
+        for d, token in zip(detoks, token_ids):
+            d.ids.append(token)
+            windows += [d.ids[d.prefix:d.read], d.ids[d.prefix:]]
+        if not detoks:
+            return []
+        tok = detoks[0].tokenizer
+        if hasattr(tok, "decode_batch") and all(d.tokenizer is tok for d in detoks):
+            texts = tok.decode_batch(windows)
+        else:
+            texts = [d.tokenizer.decode(w) for d, w in zip(
+                itertools.chain.from_iterable(zip(detoks, detoks)), windows)]
+        out = []
+        for d, before, text in zip(detoks, texts[::2], texts[1::2]):
+            if len(text) <= len(before) or text.endswith("\ufffd"):
+                out.append("")
+                continue
+            d.prefix, d.read = d.read, len(d.ids)
+            out.append(text[len(before):])
+        return out

@@ -19,17 +19,23 @@ from .layers import MLP, MoE, RMSNorm, constrain, embed_lookup, param
 class Block(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch=None):
         c = self.config
-        h, layer_cache = Attention(c, self.dtype, name="attn")(
-            RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="attn_norm")(x),
-            positions, segment_ids, layer_cache, batch)
+        norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype,
+                                    plus_one=c.norm_plus_one, name=name)
+        h, layer_cache = Attention(c, self.dtype, self.layer, name="attn")(
+            norm("attn_norm")(x), positions, segment_ids, layer_cache, batch)
+        if c.sandwich_norms:  # Gemma also normalizes each sublayer's output
+            h = norm("attn_post_norm")(h)
         x = x + h
         ffn = MoE(c, self.dtype, name="moe") if c.is_moe else MLP(c, self.dtype, name="mlp")
-        x = x + ffn(RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="mlp_norm")(x))
-        return x, layer_cache
+        h = ffn(norm("mlp_norm")(x))
+        if c.sandwich_norms:
+            h = norm("mlp_post_norm")(h)
+        return x + h, layer_cache
 
 
 class Decoder(nn.Module):
@@ -39,8 +45,9 @@ class Decoder(nn.Module):
     def setup(self):
         c = self.config
         self.embed = param(self, "embed", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
-        self.layers = [Block(c, self.dtype, name=f"layers_{i}") for i in range(c.num_layers)]
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.layers = [Block(c, self.dtype, i, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype,
+                                  plus_one=c.norm_plus_one)
         if not c.tie_word_embeddings:
             self.lm_head = param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
                                  self.dtype)
@@ -48,12 +55,18 @@ class Decoder(nn.Module):
     def logits(self, x):
         x = self.final_norm(x)
         w = self.embed.T if self.config.tie_word_embeddings else self.lm_head
-        return (x @ w).astype(jnp.float32)
+        logits = (x @ w).astype(jnp.float32)
+        if cap := self.config.final_logit_softcap:
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
 
     def __call__(self, tokens, positions, segment_ids=None, kv_cache=None, batch=None):
         # The residual stream: [batch, length, embed] dense, or [tokens, embed] on a flat batch.
         axes = ("batch", "length", "embed") if tokens.ndim == 2 else ("tokens", "embed")
-        x = constrain(embed_lookup(self.embed, tokens), axes)
+        x = embed_lookup(self.embed, tokens)
+        if self.config.scale_embed:  # Gemma: by sqrt(hidden), rounded to the model dtype first
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        x = constrain(x, axes)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, segment_ids,
@@ -113,7 +126,22 @@ def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int):
     return (config.num_kv_heads, num_pages, page_size, config.head_dim)
 
 
+KV_SCALE = 1.0  # the per-KV-head scale of float8 pages (K and V are stored as x / scale)
+
+
+def kv_layer_cache(full, shape, dtype):
+    """One layer's cache: (k_pages, v_pages) each `shape` [kv_heads, pages, page, head_dim] in
+    `dtype`; with a one-byte dtype (float8) also (k_scale, v_scale), float32 [kv_heads, 1, 1, 1]
+    (the pages' rank, so they shard like the pages). `full(shape, value, dtype)` makes each."""
+    pages = (full(shape, 0, dtype), full(shape, 0, dtype))
+    if jnp.dtype(dtype).itemsize > 1:
+        return pages
+    scale = (shape[0], 1, 1, 1)
+    return pages + (full(scale, KV_SCALE, jnp.float32), full(scale, KV_SCALE, jnp.float32))
+
+
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16):
-    """A list per layer of (k_pages, v_pages), each [kv_heads, num_pages, page_size, head_dim]."""
+    """A list per layer of (k_pages, v_pages), each [kv_heads, num_pages, page_size, head_dim];
+    float8 pages come with their scales (`kv_layer_cache`)."""
     shape = kv_cache_shape(config, num_pages, page_size)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+    return [kv_layer_cache(jnp.full, shape, dtype) for _ in range(config.num_layers)]

@@ -48,6 +48,13 @@ def generation_defaults(folder) -> dict:
     return {k: gen[k] for k in ("temperature", "top_k", "top_p", "min_p") if gen.get(k) is not None}
 
 
+def add_kv_cache_dtype_argument(p: argparse.ArgumentParser):
+    from pallasite.serving.llm import KV_CACHE_DTYPES
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="KV cache pages: 'auto' (the weights' dtype) or 'fp8' (float8 e4m3 with "
+                        "per-KV-head scales: twice the pages in the same memory)")
+
+
 def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint folder or Hub name org/name[@revision] "
@@ -62,6 +69,7 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     from pallasite.serving.server import add_quantization_argument
     add_quantization_argument(p)
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--max-model-len", type=int, default=None)
     from pallasite.sharding import add_mesh_arguments
     add_mesh_arguments(p)
@@ -102,7 +110,8 @@ def generate_locally(prompt: str, args) -> int:
         print(f"pallasite: no --model given: using the embedded default model ({folder})",
               file=sys.stderr)
     kwargs = dict(max_num_seqs=1, max_num_batched_tokens=256, token_buckets=[1, 256],
-                  max_model_len=args.max_model_len, quantization=args.quantization)
+                  max_model_len=args.max_model_len, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     if args.speculative_config is not None:
         from pallasite.serving.speculative import check_cli
         check_cli("pallasite generate", args.speculative_config, folder)

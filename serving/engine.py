@@ -9,6 +9,14 @@ The host runs one step ahead of the device: `step()` dispatches step n+1 and onl
 step n's tokens, so scheduling, packing and detokenizing overlap the device's work. A sequence
 decoding on a token the host has not seen yet reads it from `last_tokens`, a device array holding
 each slot's latest sample.
+
+The host path of a step, in order (each a method below; hooks go beside the one they extend):
+  `Scheduler.schedule`  picks the chunks (decode rows first, then prefill chunks);
+  `_admit_rows`         writes newly admitted sequences' constant rows into the batch state;
+  `BatchState.pack`     gathers the step's arrays from the slot-indexed batch state (batch.py);
+  `_dispatch`           runs the compiled forward pass and sampler, donating the device state;
+  `_collect`            reads step n-1's samples back and `_accept`s them in bulk: tokens and
+                        finish reasons first, then one batched detokenization, then outputs.
 """
 
 from __future__ import annotations
@@ -17,13 +25,16 @@ import dataclasses
 import random
 import time
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..model import Batch, forward, init_kv_cache
+from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
+from .batch import BatchState, int_layout, sample_layout
 from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
@@ -36,8 +47,6 @@ HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's histo
 # of HBM speed (profiling/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
 # product. So the token axis is never shorter than two slots.
 MIN_TOKEN_BUCKET = 2
-INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
-HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
 
 
 @dataclasses.dataclass
@@ -47,8 +56,9 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the most likely (token id, logprob), best first
 
 
-@dataclasses.dataclass
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """What a request got from one step (a tuple: the engine makes one per running request per
+    step)."""
     request_id: str
     new_token_ids: list[int]
     text_delta: str
@@ -64,16 +74,7 @@ class RequestOutput:
     spec_accepted: int = 0  # ... and accepted
 
 
-def int_layout(T: int, S: int, P: int, R: int = 1) -> dict[str, int]:
-    """The pieces of a step's int32 input to the forward pass, in order, and their sizes. R:
-    logits rows per sequence (1 + the speculative tokens)."""
-    return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
-                logits_indices=S * R, page_table=S * P)
-
-
-def sample_layout(S: int) -> dict[str, int]:
-    """The pieces of a step's int32 input to the sampler."""
-    return dict(sample_rows=S, rows=len(sampling.INT_FIELDS) * S)
+_new_output = tuple.__new__
 
 
 def geometric(limit: int, factor: int, start: int = 1) -> list[int]:
@@ -88,8 +89,10 @@ class Engine:
     def __init__(self, config, params, tokenizer=None, *, num_pages: int, page_size: int = 16,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
-                 seed: int = 0, speculative_config=None, draft=None):
+                 seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None):
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
+        # The KV pages' dtype (None: the weights'); float8 pages carry per-KV-head scales.
+        self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or jax.tree.leaves(params)[0].dtype)
         self.page_size, self.max_num_seqs = page_size, max_num_seqs
         self.max_model_len = max_model_len or min(config.max_position_embeddings,
                                                   num_pages * page_size)
@@ -103,11 +106,14 @@ class Engine:
         max_pages = self.pages.pages_for(self.max_model_len)
         spec = SpeculativeConfig.parse(speculative_config)
         self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or (
-            geometric(max_num_batched_tokens, 4) + [max_num_seqs] + self._spec_buckets(spec))})
+            geometric(max_num_batched_tokens, 4) + [max_num_seqs]
+            + ([spec.num_speculative_tokens + 1] if spec else []))})
         self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
                              f" and the pages of max_model_len ({max_pages})")
+        self.batch = BatchState(max_num_seqs, page_size, self.scheduler.page_table,
+                                self.token_buckets, self.page_buckets)
         self._place(mesh, num_pages)
         # Speculation: proposals follow the previous step's tokens, so its steps do not overlap.
         self.spec = make_speculator(spec, target_config=config, params_dtype=self.params[
@@ -115,9 +121,12 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
             page_buckets=self.page_buckets, draft=draft)
         self.rows = self.spec.rows if self.spec else 1
-        self.overlap = overlap and self.spec is None
+        if self.spec:
+            self.overlap = False
+            self.spec.install(self.scheduler, self.batch)
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.guide = Guide(tokenizer, config.vocab_size, self.eos)  # structured output, logit bias
+        self._guided: set[str] = set()  # live requests the guide constrains or biases
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._inflight = None  # (chunks, device output) of the step not yet read back
@@ -130,16 +139,11 @@ class Engine:
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
         self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
 
-    @staticmethod
-    def _spec_buckets(spec) -> list[int]:
-        """A default token bucket for one speculating sequence (1 + k tokens): batch 1."""
-        return [] if spec is None else [spec.num_speculative_tokens + 1]
-
     def _place(self, mesh, num_pages: int):
         """The device state: KV pages, the last sample of each slot (+ a scratch slot) and the
         penalties' history. On a mesh, params and pages go on their shards, the rest is
         replicated, and the step follows those shardings."""
-        config, dtype = self.config, jax.tree.leaves(self.params)[0].dtype
+        config, dtype = self.config, self.kv_cache_dtype
         last_tokens = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
         history = sampling.init_history(self.max_num_seqs, config.vocab_size)
         self._jit, self._inputs = jax.jit, None
@@ -190,8 +194,9 @@ class Engine:
                    logprobs=-1 if sp.logprobs is None else sp.logprobs)
         seq.row = sampling.pack_rows([row], 1)
         self.guide.start(seq)
+        if Guide.guided(seq):
+            self._guided.add(request_id)
         if self.tokenizer is not None:
-            from ..model.tokenizer import IncrementalDetokenizer
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
@@ -201,6 +206,7 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq)
+            self._guided.discard(request_id)
             self._outbox.append(self._output(seq, [], "", None, "abort"))
 
     def has_unfinished(self) -> bool:
@@ -241,37 +247,49 @@ class Engine:
         return outputs
 
     def _launch(self, chunks: list[Chunk]):
+        self._admit_rows()
+        packed = self.batch.pack(chunks)
+        out = self._dispatch(packed, chunks)
+        entry = None
+        if self.step_log is not None:
+            entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
+                         pages_used=self.pages.stats()["pages_used"])
+            self.step_log.append(entry)
+        return chunks, out, entry
+
+    def _admit_rows(self):
         for seq in self.scheduler.admitted:
+            self.batch.admit(seq)
             if seq.penalized:
                 self._load_history(seq)
-        ints, sample_ints, floats, key, mode = self._pack(chunks)
-        exe = self._exe.get(key) or self._compile_now(key)
-        S = min(key[0], self.max_num_seqs) * self.rows
+
+    def _dispatch(self, packed, chunks):
+        """Run one step on the device (asynchronously); returns the samples' device array."""
+        exe = self._exe.get(packed.key) or self._compile_now(packed.key)
+        S = min(packed.key[0], self.max_num_seqs) * self.rows
         kv, last_tokens, history = self.state
-        logits, kv = exe(self.params, kv, last_tokens, ints)
+        logits, kv = exe(self.params, kv, last_tokens, packed.ints)
+        ints, floats, skey = packed.sample_ints, packed.floats, (S, packed.mode)
+        if self._guided:  # only while a live request is constrained or biased
+            ints, floats, skey = self._guide_inputs(chunks, S, ints, floats, skey)
+        sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
+        out, last_tokens, history = sampler(logits, last_tokens, history, ints, floats)
+        out.copy_to_host_async()  # queued behind this step, not behind the next one
+        self.state = (kv, last_tokens, history)
+        return out
+
+    def _guide_inputs(self, chunks, S: int, ints, floats, skey):
+        """Structured output and logit bias: the guided sampler variant and its extra inputs."""
         if self._inflight and self.guide.needs_sync(chunks):
             # A constrained row's mask needs the token of the step in flight: read it back now,
             # while this step's forward pass runs; only the sampler waits for the mask.
             self._early = self._collect(*self._inflight)
             self._inflight = None
         guided = self.guide.step_inputs(self.spec.spread(chunks) if self.spec else chunks, S)
-        if guided is not None:  # constrained or biased rows: the guided variant takes more
-            sample_ints, floats = (np.concatenate([sample_ints, guided[0]]),
-                                   np.concatenate([floats, guided[1]]))
-        skey = (S, mode) + (("guided",) if guided is not None else ())
-        sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
-        out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
-        out.copy_to_host_async()  # queued behind this step, not behind the next one
-        self.state = (kv, last_tokens, history)
-        entry = None
-        if self.step_log is not None:
-            entry = dict(T=key[0], P=key[1], rows=len(chunks), tokens=sum(c.length for c in chunks),
-                         decode_rows=sum(c.length == 1 and c.samples for c in chunks),
-                         context_tokens=sum(c.start + c.length for c in chunks),
-                         running=len(self.scheduler.running),
-                         pages_used=self.pages.stats()["pages_used"])
-            self.step_log.append(entry)
-        return chunks, out, entry
+        if guided is None:
+            return ints, floats, skey
+        return (np.concatenate([ints, guided[0]]), np.concatenate([floats, guided[1]]),
+                skey + ("guided",))
 
     def _collect(self, chunks: list[Chunk], out, entry):
         t = time.perf_counter()
@@ -279,86 +297,75 @@ class Engine:
         done = time.perf_counter()
         if entry is not None:
             entry["done"] = done
-        if self.spec:  # each sequence's rows: its newest token and each proposal
-            out = out.reshape(-1, self.rows, out.shape[-1])
-            return [self.spec.verify(self, c, out[i]) for i, c in enumerate(chunks)
-                    if c.samples and c.seq.status != FINISHED], done - t
-        return [self._accept(c.seq, out[i]) for i, c in enumerate(chunks)
-                if c.samples and c.seq.status != FINISHED], done - t
+        if self.spec:
+            return self.spec.collect(self, chunks, out), done - t
+        rows = [i for i, c in enumerate(chunks) if c.samples and c.seq.status != FINISHED]
+        return self._accept([chunks[i].seq for i in rows], out[rows]), done - t
 
     # -- host side of a step ------------------------------------------------------------------
-    def _pack(self, chunks: list[Chunk]):
-        """Lay the chunks out on one flat token axis, padded to the smallest bucket that fits,
-        and pack everything into one int32 and one float32 array (two transfers)."""
-        ps, n = self.page_size, sum(c.length for c in chunks)
-        widest = max(self.pages.pages_for(c.start + c.length) for c in chunks)
-        T = next(b for b in self.token_buckets if b >= n)
-        P = next(b for b in self.page_buckets if b >= widest)
-        S, R = min(T, self.max_num_seqs), self.rows
-        tok, pos, slot = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32)
-        src = np.full(T, -1, np.int32)
-        qstart, ctx = np.zeros(S + 1, np.int32), np.zeros(S, np.int32)
-        last = np.zeros(S * R, np.int32)
-        table, sample_row = np.zeros((S, P), np.int32), np.full(S * R, -1, np.int32)
-        floats, ints = sampling.pack_rows([], S * R)
-        at = 0
-        for i, c in enumerate(chunks):
-            seq, end = c.seq, c.start + c.length
-            pages = self.pages.table(seq.request_id)
-            known = seq.tokens[c.start:end - len(c.draft)] + c.draft
-            tok[at:at + len(known)] = known
-            if len(known) < c.length:  # the newest token is still on the device
-                src[at + c.length - 1] = seq.slot
-            p = np.arange(c.start, end)
-            pos[at:at + c.length] = p
-            used = np.asarray(pages[:self.pages.pages_for(end)], np.int32)
-            slot[at:at + c.length] = used[p // ps] * ps + p % ps
-            table[i, :len(used)] = used
-            at += c.length
-            qstart[i + 1:] = at
-            ctx[i] = end
-            # Row i * R + j: the logits after the chunk's (j + 1)-th last-but-draft token, drawn
-            # as output index (the next one) + j.
-            rows = slice(i * R, i * R + len(c.draft) + 1)
-            last[rows] = np.arange(at - 1 - len(c.draft), at)
-            floats[:, rows], ints[:, rows] = seq.row[0][:, :1], seq.row[1][:, :1]
-            ints[INDEX, rows] = seq.num_output - c.samples + np.arange(len(c.draft) + 1)
-            ints[HISTORY_ROW, rows] = seq.slot
-            if c.samples:
-                sample_row[i * R] = seq.slot
-        mode = max((c.seq.mode for c in chunks if c.samples), default=0)
-        packed = np.concatenate([tok, pos, slot, src, qstart, ctx, last, table.ravel()])
-        return (packed, np.concatenate([sample_row, ints.ravel()]), floats.ravel(), (T, P),
-                sampling.MODES[mode])
+    def _accept(self, seqs: list[Sequence], out: np.ndarray) -> list[RequestOutput]:
+        """Take one sampled token per sequence: first every token and its finish reason, then
+        the new text of all of them in one batched detokenization, then the outputs."""
+        now, tokens, reasons = time.time(), out[:, 0].tolist(), [None] * len(seqs)
+        guided, complete = self._guided, []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.num_pending -= 1
+            seq.tokens.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token in seq.stop_ids:
+                reasons[i] = "stop"
+            elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
+                reasons[i] = "length"
+            if guided and seq.request_id in guided and self.guide.accept(seq, token):
+                complete.append(i)
+        deltas = None
+        if self.tokenizer is not None:
+            deltas = self._text(seqs, tokens, reasons, complete)
+        else:
+            self._complete(reasons, complete)
+        for seq, reason in zip(seqs, reasons):
+            if reason is not None:
+                self.seqs.pop(seq.request_id, None)
+                self._guided.discard(seq.request_id)
+                self.scheduler.finish(seq)
+        return [_new_output(RequestOutput, (
+            seq.request_id, [token], "" if deltas is None else deltas[i],
+            None if seq.sampling.logprobs is None else self._logprobs(seq, token, out[i]),
+            reason is not None, reason, len(seq.prompt_ids), seq.cached_tokens,
+            len(seq.tokens) - len(seq.prompt_ids), seq.arrival_time, seq.first_token_time, 0, 0))
+            for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons))]
 
-    def _accept(self, seq: Sequence, row) -> RequestOutput:
-        token = int(row[0])
-        seq.num_pending -= 1
-        seq.tokens.append(token)
-        complete = self.guide.accept(seq, token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.time()
-        lps = None
-        if seq.sampling.logprobs is not None:  # row: token, logprob, top ids, top logprobs
-            n, width, f = seq.sampling.logprobs, (len(row) - 2) // 2, row.view(np.float32)
-            top = zip(row[2:2 + n].tolist(), f[2 + width:2 + width + n].tolist())
-            lps = [TokenLogprob(token, float(f[1]), list(top))]
-        reason = None
-        if token in seq.stop_ids:
-            reason = "stop"
-        elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
-            reason = "length"
-        if seq.detok is not None and reason != "stop":  # a stop token adds no text
-            seq.text += seq.detok.add(token)
-        if complete and reason is None:  # the grammar admits nothing more: done, text kept
-            reason = "stop"
-        delta, hit_stop = self._text_delta(seq, final=reason is not None)
-        if hit_stop:
-            reason = "stop"
-        if reason is not None:
-            self.seqs.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-        return self._output(seq, [token], delta, lps, reason)
+    def _text(self, seqs, tokens, reasons, complete) -> list[str]:
+        """Each sequence's text delta, its new tokens detokenized in one batched call (a stop
+        token adds no text); a stop string found in the text sets its reason to "stop"."""
+        todo = [i for i, r in enumerate(reasons) if r != "stop"]
+        new = IncrementalDetokenizer.add_many([seqs[i].detok for i in todo],
+                                              [tokens[i] for i in todo])
+        texts, deltas = [""] * len(seqs), [""] * len(seqs)
+        for i, text in zip(todo, new):
+            texts[i] = text
+        self._complete(reasons, complete)
+        for i, seq in enumerate(seqs):
+            seq.text += texts[i]
+            if not seq.sampling.stop:  # nothing to hold back
+                deltas[i], seq.sent = seq.text[seq.sent:], len(seq.text)
+                continue
+            deltas[i], hit_stop = self._text_delta(seq, final=reasons[i] is not None)
+            reasons[i] = "stop" if hit_stop else reasons[i]
+        return deltas
+
+    @staticmethod
+    def _complete(reasons, complete):
+        for i in complete:  # the grammar admits nothing more: done, its text kept
+            reasons[i] = reasons[i] or "stop"
+
+    @staticmethod
+    def _logprobs(seq: Sequence, token: int, row) -> list[TokenLogprob]:
+        """row: token, logprob, top ids, top logprobs (floats bit-cast)."""
+        n, width, f = seq.sampling.logprobs, (len(row) - 2) // 2, row.view(np.float32)
+        top = zip(row[2:2 + n].tolist(), f[2 + width:2 + width + n].tolist())
+        return [TokenLogprob(token, float(f[1]), list(top))]
 
     def _text_delta(self, seq: Sequence, final: bool) -> tuple[str, bool]:
         """New text to send, and whether a stop string ended it. While running, a tail that could

@@ -98,12 +98,17 @@ class KVPages:
             elif self.refs[page] == 0:
                 self.free_list.append(page)
 
-    def cache_full_pages(self, seq, tokens):
-        """Enter `seq`'s full pages into the prefix cache. `tokens` are the sequence's tokens
-        whose K/V are written (or queued to be written ahead of any reader) in its pages."""
-        table, keys = self.tables[seq], self.digests[seq]
+    def cache_full_pages(self, seq, tokens, upto: int | None = None):
+        """Enter `seq`'s full pages into the prefix cache. `tokens[:upto]` are the sequence's
+        tokens whose K/V are written (or queued to be written ahead of any reader) in its pages.
+        Cheap when no page filled up since the last call (the common decode step)."""
+        keys = self.digests[seq]
+        full = min(len(tokens), len(tokens) if upto is None else upto) // self.page_size
+        if full <= len(keys):
+            return
+        table = self.tables[seq]
         parent = keys[-1] if keys else self.root
-        for i in range(len(keys), min(len(tokens) // self.page_size, len(table))):
+        for i in range(len(keys), min(full, len(table))):
             key = page_digest(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
             page = table[i]
             if key not in self.cache and page not in self.key_of:

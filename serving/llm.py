@@ -22,6 +22,7 @@ from .engine import Engine, RequestOutput, TokenLogprob
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
+from .settings import default_num_pages, engine_sizes  # noqa: F401  (default_num_pages: re-export)
 from .structured import MAX_LOGIT_BIAS, StructuredOutput
 
 
@@ -109,21 +110,18 @@ def default_model_folder() -> Path:
     return Path(default_model_path())
 
 
-def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int,
-                      fraction: float = 0.7) -> int:
-    """Pages for a full context per sequence slot, capped at `fraction` of the device's free
-    memory (the rest is for activations); where memory is not reported, uncapped."""
-    page_bytes = 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
-        jnp.dtype(dtype).itemsize
-    want = max_num_seqs * -(-max_model_len // page_size)
-    one_seq = -(-max_model_len // page_size)
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-        return max(min(want, int(free // page_bytes)), one_seq)
-    # No memory report (CPU): XLA:CPU copies the donated pool every step (measured: a 200 MB
-    # pool makes a decode step 13x slower), so keep it to a few full contexts.
-    return min(want, 4 * one_seq)
+# --kv-cache-dtype: "auto" stores K/V in the weights' dtype; "fp8" (alias "fp8_e4m3") in
+# float8_e4m3fn with float32 per-KV-head scales (docs/kernels_notes.md).
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype_of(name: str):
+    """The KV pages' dtype for a `kv_cache_dtype` option (None: the weights'), or a ValueError
+    naming the valid choices."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of "
+                         f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] and jnp.dtype(KV_CACHE_DTYPES[name])
 
 
 class LLM:
@@ -131,19 +129,24 @@ class LLM:
     a Hub name, `org/name[@revision]` (None: the embedded default model). `quantization="fp8"`
     stores every linear weight in float8_e4m3fn with float32 per-output-channel scales,
     "w4a16" / "w8a16" in INT4 (group 128) / INT8 (per channel), quantized as it loads; an
-    AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored.
+    AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored. Sizes left as None
+    are picked for the device (`settings.engine_sizes`): small on CPU, throughput-sized on a
+    GPU.
+
     `speculative_config` turns on speculative decoding, in vLLM's shape: {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or
     {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": 4}
     ("default-draft": the default model's own draft)."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
-                 num_pages: int | None = None, page_size: int = 16, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, mesh=None, seed: int = 0,
-                 quantization: str | None = None, **engine_kwargs):
+                 num_pages: int | None = None, page_size: int = 16,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 mesh=None, seed: int = 0, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", **engine_kwargs):
         from ..model import load_hf, quant
         from ..model.hub import resolve
         quant.check_quantization(quantization)
+        kv_cache_dtype_of(kv_cache_dtype)  # refuse a bad value before loading anything
         path = resolve(path) if path is not None else default_model_folder()
         if dtype is None:
             dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -159,7 +162,7 @@ class LLM:
         self._start(config, params, tokenizer, max_model_len=max_model_len, num_pages=num_pages,
                     page_size=page_size, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, mesh=mesh, seed=seed,
-                    **engine_kwargs)
+                    kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
 
     @staticmethod
     def _placement(path, mesh, dtype, quantization=None) -> dict:
@@ -182,28 +185,32 @@ class LLM:
     def from_params(cls, config, params, tokenizer=None, **kwargs) -> "LLM":
         """An LLM over weights already in memory (tests, benchmarks, freshly trained models).
         `quantization="fp8"` quantizes their linear weights first."""
-        from ..model import quant
+        from ..model import quant, quant_int
         if mode := quant.check_quantization(kwargs.pop("quantization", None)):
-            params = quant.quantize_params(params, mode)
+            pack = quant.quantize_params if mode == "fp8" else quant_int.quantize_params
+            params = pack(params, mode)
         llm = cls.__new__(cls)
         kwargs.setdefault("page_size", 16)
-        kwargs.setdefault("max_num_seqs", 32)
-        kwargs.setdefault("max_num_batched_tokens", 512)
         llm._start(config, params, tokenizer, **kwargs)
         return llm
 
     def _start(self, config, params, tokenizer, *, max_model_len=None, num_pages=None,
-               page_size=16, warmup=True, **engine_kwargs):
+               page_size=16, max_num_seqs=None, max_num_batched_tokens=None,
+               token_buckets=None, warmup=True, kv_cache_dtype="auto", **engine_kwargs):
         self.config, self.tokenizer = config, tokenizer
         max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
-        if num_pages is None:
-            num_pages = default_num_pages(config, page_size, jax.tree.leaves(params)[0].dtype,
-                                          max_model_len, engine_kwargs["max_num_seqs"])
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype) or jax.tree.leaves(params)[0].dtype
+        sizes = engine_sizes(config, kv_dtype, max_model_len=max_model_len, page_size=page_size,
+                             num_pages=num_pages, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             token_buckets=token_buckets)
+        num_pages = sizes.pop("num_pages")
+        engine_kwargs.update({k: v for k, v in sizes.items() if v is not None})
         max_model_len = min(max_model_len, num_pages * page_size)
         # A mesh with data > 1 gets one engine per data slice behind one front door.
         self.engine = engine_for_mesh(config, params, tokenizer, num_pages=num_pages,
                                       page_size=page_size, max_model_len=max_model_len,
-                                      **engine_kwargs)
+                                      kv_cache_dtype=kv_dtype, **engine_kwargs)
         if warmup:
             self.engine.warmup()
         self.loop = self._loop = EngineLoop(self.engine)  # `_loop`: an older name, kept for now

@@ -93,6 +93,10 @@ class _EngineCollector:
     def collect(self):
         # Read from the scrape thread while the engine steps: each value is one int, read whole.
         stats = self.engine.stats()
+        info = GaugeMetricFamily(PREFIX + "kv_cache_info", "The KV cache pages' dtype",
+                                 labels=["dtype"])
+        info.add_metric([str(self.engine.kv_cache_dtype)], 1)
+        yield info
         for key, name, doc in self.GAUGES:
             if key in stats:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=stats[key])

@@ -38,6 +38,7 @@ class Replicas:
             self.replicas.append(Engine(config, local, tokenizer, mesh=sub, **engine_kwargs))
         first = self.replicas[0]
         self.max_model_len, self.eos = first.max_model_len, first.eos
+        self.kv_cache_dtype = first.kv_cache_dtype
         self.owner: dict[str, Engine] = {}  # request id -> the replica serving it
 
     # -- the Engine surface -------------------------------------------------------------------

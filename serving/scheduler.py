@@ -7,6 +7,12 @@ decode get their one token first, the rest of the budget goes to prefill chunks,
 
 The engine runs one step ahead of its results, so a decoding sequence may have one sampled
 token the host has not seen yet (`num_pending`): the step reads it straight from the device.
+
+Each running sequence holds a slot (a row of the batch state the engine keeps between steps).
+The scheduler keeps every slot's page table in one persistent array, `page_table`, written only
+where pages change (admission, a decode step that crosses a page), so packing a step is a
+gather, not a rebuild. The decode pass is the hot loop at high concurrency: it does a few
+integer tests per sequence and touches the page pool only when a page fills up.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import NamedTuple
+
+import numpy as np
 
 from .kv_pages import KVPages
 
@@ -70,15 +79,17 @@ class Sequence:
         return self.tokens[len(self.prompt_ids):]
 
 
-@dataclasses.dataclass
-class Chunk:
+class Chunk(NamedTuple):
     """`length` tokens of `seq` from token index `start`; `samples`: the chunk ends at the
-    sequence's last token, so the step samples a new one after it."""
+    sequence's last token, so the step samples a new one after it. A tuple: the decode pass
+    makes one per running sequence per step, with `_new_chunk` (no Python-level __new__)."""
     seq: Sequence
     start: int
     length: int
     samples: bool
-    draft: list = dataclasses.field(default_factory=list)  # proposals: the chunk's last tokens
+
+
+_new_chunk = tuple.__new__
 
 
 class Scheduler:
@@ -92,9 +103,12 @@ class Scheduler:
                              f"({pages.num_pages} pages of {pages.page_size} tokens)")
         self.pages, self.max_num_seqs = pages, max_num_seqs
         self.budget, self.max_model_len = max_num_batched_tokens, max_model_len
+        self.drafted = 0  # speculative tokens in the decode pass's chunks (speculative.py)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        # Page ids of each slot's sequence, zero past its last page.
+        self.page_table = np.zeros((max_num_seqs, pages.pages_for(max_model_len)), np.int32)
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
@@ -139,42 +153,63 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
-        chunks, budget, preempted = [], self.budget, False
         self.admitted = []
-        for seq in list(self.running):  # decode first, oldest first
-            if seq.status != RUNNING or seq.total_len - seq.num_computed != 1:
-                continue
-            if seq.num_output >= seq.max_output:
-                continue  # its pending token is its last: it finishes when that arrives
-            if seq.draft and not self.pages.grow(seq.request_id, seq.total_len + len(seq.draft)):
-                seq.draft = []  # no room to speculate: decode one token
-            while not self.pages.grow(seq.request_id, seq.total_len):
-                preempted = True
-                self._preempt(self.running[-1])
-                if seq.status != RUNNING:
-                    break
-            else:
-                chunks.append(self._chunk(seq, 1, seq.draft))
-                budget -= chunks[-1].length
-        for seq in self.running:  # prefills under way, oldest first
-            if budget > 0 and seq.total_len - seq.num_computed > 1:
+        chunks, prefilling, preempted = self._decode()
+        decoded, budget = len(chunks), self.budget - len(chunks) - self.drafted
+        for seq in prefilling:  # prefills under way, oldest first
+            if budget > 0 and seq.status == RUNNING:
                 chunks.append(self._chunk(seq, budget))
                 budget -= chunks[-1].length
         while (not preempted and budget > 0 and self.waiting
                and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0])):
             chunks.append(self._chunk(self.waiting.popleft(), budget))
             budget -= chunks[-1].length
-        for c in chunks:
-            # Later steps may share these pages: the device runs steps in order, so their K/V
-            # are written before any later step reads them.
-            self.pages.cache_full_pages(c.seq.request_id, c.seq.tokens[:c.start + c.length])
+        # Later steps may share the pages these chunks fill: the device runs steps in order,
+        # so their K/V are written before any later step reads them. A decode row's known
+        # tokens grow by one a step, so it fills a page only when they reach a page boundary.
+        cache, span = self.pages.cache_full_pages, self.pages.page_size
+        for i, (seq, start, length, _) in enumerate(chunks):
+            if i >= decoded or len(seq.tokens) % span == 0:
+                cache(seq.request_id, seq.tokens, start + length)
         return chunks
 
-    def _chunk(self, seq: Sequence, budget: int, draft=()) -> Chunk:
+    def _decode(self) -> tuple[list[Chunk], list[Sequence], bool]:
+        """One token for every running sequence whose next token is its last known one, oldest
+        first; the pool grows (or preempts the newest) only when a page fills up. Returns the
+        chunks, the running sequences with a prefill under way, and whether it preempted (then
+        nothing new is admitted this step)."""
+        chunks, prefilling, before = [], [], self.num_preemptions
+        tables, span = self.pages.tables, self.pages.page_size
+        for seq in list(self.running):
+            start, total = seq.num_computed, len(seq.tokens) + seq.num_pending
+            if total - start != 1:
+                if total - start > 1:
+                    prefilling.append(seq)
+                continue
+            if seq.status != RUNNING or total - len(seq.prompt_ids) >= seq.max_output:
+                continue  # preempted, or its pending token is its last (it ends on arrival)
+            if total > len(tables[seq.request_id]) * span and not self._grow(seq, total):
+                continue
+            seq.num_computed, seq.num_pending = total, seq.num_pending + 1
+            chunks.append(_new_chunk(Chunk, (seq, start, 1, True)))
+        return chunks, prefilling, self.num_preemptions != before
+
+    def _grow(self, seq: Sequence, total: int) -> bool:
+        """Pages for `total` tokens of a running sequence, preempting the newest running ones
+        while the pool is short. False if `seq` itself was preempted."""
+        table = self.pages.tables[seq.request_id]
+        held = len(table)
+        while not self.pages.grow(seq.request_id, total):
+            self._preempt(self.running[-1])
+            if seq.status != RUNNING:
+                return False
+        self.page_table[seq.slot, held:len(table)] = table[held:]
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
         n = min(seq.total_len - seq.num_computed, budget)
-        chunk = Chunk(seq, seq.num_computed, n + len(draft), seq.num_computed + n == seq.total_len,
-                      list(draft))
-        seq.num_computed += chunk.length
+        chunk = Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.total_len)
+        seq.num_computed += n
         seq.num_pending += chunk.samples  # its sample reaches the host a step later
         return chunk
 
@@ -195,6 +230,9 @@ class Scheduler:
             seq.cached_tokens, seq.ever_admitted = hit, True
         self.prefix_hit_tokens += hit
         seq.num_computed, seq.status, seq.slot = hit, RUNNING, self.free_slots.pop()
+        table = pages.table(seq.request_id)
+        self.page_table[seq.slot, :len(table)] = table
+        self.page_table[seq.slot, len(table):] = 0
         self.running.append(seq)
         self.admitted.append(seq)
         return True

@@ -220,12 +220,19 @@ def add_arguments(parser):
     add_quantization_argument(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most tokens of prompt plus completion")
+    from .llm import KV_CACHE_DTYPES
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="KV cache pages: 'auto' (the weights' dtype) or 'fp8' (float8 e4m3 "
+                             "with per-KV-head scales: twice the pages in the same memory)")
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV cache pages (default: what fits in the device's memory)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="tokens per step (prefill chunks plus decodes)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences per step (default: 32 on CPU; on a GPU as many as "
+                             "the KV pool holds at 256 tokens each, up to 1024)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step, prefill chunks plus decodes (default: 512 on "
+                             "CPU, 8192 on a GPU)")
     parser.add_argument("--token-buckets", type=_ints, default=None,
                         help="comma-separated token-axis sizes to compile (default: the engine's)")
     parser.add_argument("--page-buckets", type=_ints, default=None,
@@ -264,7 +271,8 @@ def llm_factory(args):
         kwargs = dict(max_model_len=args.max_model_len, num_pages=args.num_pages,
                       page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      quantization=getattr(args, "quantization", None))
+                      quantization=getattr(args, "quantization", None),
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         if getattr(args, "speculative_config", None) is not None:
             kwargs["speculative_config"] = args.speculative_config
         for name in ("token_buckets", "page_buckets"):

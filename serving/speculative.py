@@ -27,9 +27,12 @@ import json
 import sys
 from pathlib import Path
 
+from functools import partial
+
 import numpy as np
 
-from .scheduler import Chunk
+from .batch import INDEX, BatchState, Packed, int_layout
+from .scheduler import FINISHED, RUNNING, Chunk
 
 METHODS = ("ngram", "draft_model")
 DEFAULT_DRAFT = "default-draft"  # the draft shipped beside the embedded default model
@@ -183,27 +186,27 @@ class DraftProposer:
         pieces, spec = [], []
         for i, c in enumerate(chunks):
             st = c.seq.spec
-            end = c.start + c.length - len(c.draft)  # the verified tokens' end
+            end = c.start + c.length - len(c.seq.draft)  # the verified tokens' end
             start = min(st.draft_computed, c.start)
             pieces.append((c.seq.tokens[start:end], start, c.seq.request_id))
             st.draft_computed = end
-            if c.draft:
+            if c.seq.draft:
                 spec.append(i)
         if not pieces:
             return
         firsts = self.model.run(pieces)
         for i in spec:
-            chunks[i].draft[0] = int(firsts[i])
-        for j in range(1, max((len(chunks[i].draft) for i in spec), default=0)):
-            live = [i for i in spec if len(chunks[i].draft) > j]
-            nxt = self.model.run([([chunks[i].draft[j - 1]], chunks[i].start + j,
+            chunks[i].seq.draft[0] = int(firsts[i])
+        for j in range(1, max((len(chunks[i].seq.draft) for i in spec), default=0)):
+            live = [i for i in spec if len(chunks[i].seq.draft) > j]
+            nxt = self.model.run([([chunks[i].seq.draft[j - 1]], chunks[i].start + j,
                                    chunks[i].seq.request_id) for i in live])
             for i, t in zip(live, nxt):
-                chunks[i].draft[j] = int(t)
+                chunks[i].seq.draft[j] = int(t)
 
     def after_verify(self, seq, chunk, accepted: int):
         # The draft wrote t, d1 .. d_{n-1}; d_n (when all were accepted) is still to write.
-        n = len(chunk.draft)
+        n = len(seq.draft)
         seq.spec.draft_computed = chunk.start + 1 + min(accepted, max(n - 1, 0))
 
 
@@ -245,7 +248,25 @@ class Speculator:
         for c in chunks:
             if c.seq in admitted:
                 c.seq.spec.draft_computed = c.start
+            # Only a decode chunk (the newest token, then the proposals) keeps its proposal; one
+            # left from before a preemption is stale.
+            if c.seq.draft and (c.length != 1 + len(c.seq.draft)
+                                or c.start != c.seq.total_len - 2):
+                c.seq.draft = []
         self.proposer.propose(chunks)
+
+    def install(self, scheduler, batch=None):
+        """Put the speculating decode pass and packing in place of the plain ones (the plain
+        engine's fast path stays untouched)."""
+        scheduler._decode = partial(decode_pass, scheduler)
+        if batch is not None:
+            batch.pack = partial(pack, batch, self.rows)
+
+    def collect(self, engine, chunks, out) -> list:
+        """The step's outputs: each sequence's rows are its newest token and each proposal."""
+        out = out.reshape(-1, self.rows, out.shape[-1])
+        return [self.verify(engine, c, out[i]) for i, c in enumerate(chunks)
+                if c.samples and c.seq.status != FINISHED]
 
     def spread(self, chunks) -> list:
         """The chunks at their sampler rows (chunk i at row i * rows), the rows between them
@@ -265,7 +286,7 @@ class Speculator:
     def verify(self, engine, chunk, rows):
         """Accept the proposals that match the target's draws, emit them and the next draw, and
         roll the rest back. `rows` [k + 1, width]: the sampler's rows for this sequence."""
-        seq, draft = chunk.seq, chunk.draft
+        seq, draft = chunk.seq, chunk.seq.draft
         a = 0
         while a < len(draft) and int(rows[a][0]) == draft[a]:
             a += 1
@@ -281,7 +302,7 @@ class Speculator:
         seq.num_pending += a  # _accept takes one pending token per emitted token
         outs = []
         for j in range(a + 1):
-            outs.append(engine._accept(seq, rows[j]))
+            outs.append(engine._accept([seq], rows[j:j + 1])[0])
             if outs[-1].finished:
                 break
         if draft and not outs[-1].finished:
@@ -300,10 +321,81 @@ def merge(outs, spec: SpecState):
     """One output for the tokens a sequence emitted in one step."""
     last = outs[-1]
     lps = None if last.logprobs is None else [lp for o in outs for lp in o.logprobs]
-    return dataclasses.replace(
-        last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+    return last._replace(
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
         text_delta="".join(o.text_delta for o in outs), logprobs=lps,
         spec_proposed=spec.proposed, spec_accepted=spec.accepted)
+
+
+# -- the scheduler's decode pass and the step's packing while speculating ----------------------
+def decode_pass(sched):
+    """Scheduler._decode for a speculating engine: a decoding sequence with a proposal gets one
+    chunk of its newest token and the proposals, with pages for all of them (short of free pages
+    it decodes one token: speculation never preempts). `sched.drafted`: the proposals' tokens,
+    which the step's budget leaves to them."""
+    chunks, prefilling, before, drafted = [], [], sched.num_preemptions, 0
+    tables = sched.pages.tables
+    for seq in list(sched.running):
+        start, total = seq.num_computed, seq.total_len
+        if total - start != 1:
+            if total - start > 1:
+                prefilling.append(seq)
+            continue
+        if seq.status != RUNNING or total - len(seq.prompt_ids) >= seq.max_output:
+            seq.draft = []
+            continue  # preempted, or its pending token is its last (it ends on arrival)
+        if seq.draft:
+            table = tables[seq.request_id]
+            held = len(table)
+            if sched.pages.grow(seq.request_id, total + len(seq.draft)):
+                sched.page_table[seq.slot, held:len(table)] = table[held:]
+            else:
+                seq.draft = []
+        if not sched._grow(seq, total):
+            seq.draft = []
+            continue
+        n = len(seq.draft)
+        seq.num_computed, seq.num_pending = total + n, seq.num_pending + 1
+        drafted += n
+        chunks.append(Chunk(seq, start, 1 + n, True))
+    sched.drafted = drafted
+    return chunks, prefilling, sched.num_preemptions != before
+
+
+def pack(state: BatchState, R: int, chunks) -> Packed:
+    """BatchState.pack with R sampler rows per sequence: a chunk's last 1 + len(draft) tokens
+    each get a logits row, row j drawn as output index (the next one) + j; the proposals are
+    the chunk's last tokens (the host knows them all: a speculating engine does not overlap)."""
+    packed = BatchState.pack(state, chunks)
+    (T, P), n = packed.key, packed.n
+    S = min(T, state.max_num_seqs)
+    sizes = np.cumsum(list(int_layout(T, S, P).values()))[:-1]
+    tok, pos, kv_slot, src, qstart, ctx, _, table = np.split(packed.ints, sizes)
+    ends = qstart[1:n + 1]
+    dl = np.array([len(c.seq.draft) for c in chunks], np.int32)
+    for i in np.flatnonzero(dl).tolist():
+        e = int(ends[i])
+        tok[e - dl[i]:e], src[e - 1] = chunks[i].seq.draft, -1
+    # Row i * R + j of chunk i, for j <= len(draft): the logits after its (j + 1)-th last token.
+    j = np.arange(R)[None, :]
+    valid = j <= dl[:, None]
+    which = np.repeat(np.arange(n), dl + 1)
+    jj = np.broadcast_to(j, (n, R))[valid]
+    r = (np.arange(n)[:, None] * R + j)[valid]
+    last = np.zeros(S * R, np.int32)
+    last[r] = ends[which] - 1 - dl[which] + jj
+    sample_row, ints = packed.sample_ints[:S], packed.sample_ints[S:].reshape(-1, S)
+    floats = packed.floats.reshape(-1, S)
+    floats_r = np.repeat(state.neutral[0], S * R, axis=1)
+    ints_r = np.repeat(state.neutral[1], S * R, axis=1)
+    floats_r[:, r], ints_r[:, r] = floats[:, which], ints[:, which]
+    ints_r[INDEX, r] -= dl[which] - jj
+    rows_r = np.full(S * R, -1, np.int32)
+    rows_r[np.arange(n) * R] = sample_row[:n]
+    packed.ints = np.concatenate([tok, pos, kv_slot, src, qstart, ctx, last, table])
+    packed.sample_ints = np.concatenate([rows_r, ints_r.ravel()])
+    packed.floats = floats_r.ravel()
+    return packed
 
 
 def make_speculator(spec, *, target_config, params_dtype, pages, max_num_seqs: int,

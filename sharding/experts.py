@@ -33,7 +33,8 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
     return output.at[dst.reshape(-1)].set(got.reshape(-1, operand.shape[1]), mode="drop")
 
 
-def remote_experts(x_sorted, group_sizes, w_gate, w_up, w_down, *, axis, ep, ragged_a2a):
+def remote_experts(x_sorted, group_sizes, w_gate, w_up, w_down, *, axis, ep, ragged_a2a,
+                   glu=None, biases=None):
     """`expert_fn` for `moe_dispatch_combine` when experts live on other shards. x_sorted holds
     this shard's (token, expert) rows sorted by global expert, group_sizes [E] their counts."""
     n, e_local = x_sorted.shape[0], w_gate.shape[0]
@@ -48,24 +49,30 @@ def remote_experts(x_sorted, group_sizes, w_gate, w_up, w_down, *, axis, ep, rag
     received = ragged_a2a(x_sorted, jnp.zeros((ep * n, x_sorted.shape[1]), x_sorted.dtype),
                           send_from, group_sizes, land[me].reshape(-1), recv_sizes,
                           axis_name=axis)
-    y = grouped_expert_mlp(received, per_expert[me], w_gate, w_up, w_down)
+    y = grouped_expert_mlp(received, per_expert[me], w_gate, w_up, w_down, glu, biases)
     # Back the same way: each block returns to where its sender sorted it.
     sent_from = excl(counts.reshape(ep, -1), 1).reshape(ep, ep, e_local)[:, me].reshape(-1)
     return ragged_a2a(y, jnp.zeros_like(x_sorted), land[:, me].reshape(-1), recv_sizes,
                       sent_from, group_sizes, axis_name=axis)
 
 
-def moe_shard(x, router, w_gate, w_up, w_down, *, config, ep, tp, emulate):
+def moe_shard(x, router, w_gate, w_up, w_down, router_bias=None, b_gate=None, b_up=None,
+              b_down=None, *, config, ep, tp, emulate, glu=None):
     """One shard's MoE over its tokens x [n, D]; weights are this shard's experts and units."""
     k = config.num_experts_per_tok
-    weights, experts = route(x, router, k, config.norm_topk_prob)
+    weights, experts = route(x, router, k, config.norm_topk_prob, router_bias)
+    biases = None
+    if b_gate is not None:  # the down bias once: the tensor shards' outputs are summed
+        first = (jax.lax.axis_index("tensor") == 0) if tp > 1 else True
+        biases = (b_gate, b_up, jnp.where(first, b_down, 0))
     if ep == 1:
-        expert_fn = partial(grouped_expert_mlp, w_gate=w_gate, w_up=w_up, w_down=w_down)
+        expert_fn = partial(grouped_expert_mlp, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                            glu=glu, biases=biases)
     else:
         a2a = jax.lax.ragged_all_to_all
         if emulate:
             a2a = partial(dense_ragged_all_to_all, axis_size=ep, max_slice=x.shape[0] * k)
         expert_fn = partial(remote_experts, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                            axis="expert", ep=ep, ragged_a2a=a2a)
+                            axis="expert", ep=ep, ragged_a2a=a2a, glu=glu, biases=biases)
     out = moe_dispatch_combine(x, weights, experts, config.num_experts, expert_fn)
     return jax.lax.psum(out, "tensor") if tp > 1 else out  # down-projection was split over F

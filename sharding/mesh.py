@@ -96,11 +96,14 @@ def kv_cache_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
 def init_kv_cache(config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int,
                   dtype=jnp.bfloat16):
     """Zeroed KV pages for every layer, created in place on their shards (no full copy on any
-    device): a list per layer of (k_pages, v_pages) [kv heads on the mesh, pages, page, dim]."""
+    device): a list per layer of (k_pages, v_pages) [kv heads on the mesh, pages, page, dim],
+    and the scales of float8 pages (`model.transformer.kv_layer_cache`)."""
     shape = kv_cache_shape(config, plan_of(mesh), num_pages, page_size)
     sharding = kv_cache_sharding(config, mesh)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(config.num_layers)]
+    from ..model.transformer import kv_layer_cache
+    full = lambda shape, value, dtype: jax.jit(lambda: jnp.full(shape, value, dtype),
+                                               out_shardings=sharding)()
+    return [kv_layer_cache(full, shape, dtype) for _ in range(config.num_layers)]
 
 
 def data_slices(mesh: Mesh) -> list[Mesh]:

@@ -43,19 +43,22 @@ class MeshHooks:
         spec = logical_to_spec(logical_axes, x.shape, self.plan)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def attention(self, attend, q, k, v, segment_ids=None, layer_cache=None, batch=None):
+    def attention(self, attend, q, k, v, segment_ids=None, layer_cache=None, batch=None,
+                  sinks=None):
         """attend(q, k, v, segment_ids, layer_cache, batch) -> (o, layer_cache), run once per
         tensor shard on its query heads, their kv heads and their KV pages. Dense inputs keep
-        their batch split over "data"; a flat (paged) batch is whole on every shard."""
+        their batch split over "data"; a flat (paged) batch is whole on every shard. Per-head
+        `sinks` [H] are split with the query heads."""
         lead = q.ndim - 2  # [B, T] dense, [T] flat
         batch_axis = None
         if layer_cache is None and q.shape[0] % self.plan.data == 0:
             batch_axis = "data"
         rows = (batch_axis,) + (None,) * (lead - 1)
         kv_axis = "tensor" if self.kv_split else None
-        args = dict(q=q, k=k, v=v, segment_ids=segment_ids, layer_cache=layer_cache, batch=batch)
+        args = dict(q=q, k=k, v=v, segment_ids=segment_ids, layer_cache=layer_cache, batch=batch,
+                    sinks=sinks)
         specs = dict(q=P(*rows, "tensor", None), k=P(*rows, kv_axis, None),
-                     v=P(*rows, kv_axis, None), segment_ids=P(*rows), batch=P(),
+                     v=P(*rows, kv_axis, None), segment_ids=P(*rows), batch=P(), sinks=P("tensor"),
                      layer_cache=kv_cache_partition_spec(self.config, self.plan))
         args = {name: a for name, a in args.items() if a is not None}
         specs = {name: specs[name] for name in args}
@@ -70,8 +73,9 @@ class MeshHooks:
             k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=k.ndim - 2)
             v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=v.ndim - 2)
         with kernels.portable_backends(self.mesh.size > 1):  # see there: Mosaic GPU off meshes
+            sinks = {"sinks": args["sinks"]} if "sinks" in args else {}
             return attend(args["q"], k, v, args.get("segment_ids"), args.get("layer_cache"),
-                          args.get("batch"))
+                          args.get("batch"), **sinks)
 
     def embed(self, table, tokens):
         """Vocabulary-parallel lookup: each tensor shard takes the tokens that fall in its rows
@@ -90,9 +94,10 @@ class MeshHooks:
             return jax.lax.psum(jax.numpy.where(mine[..., None], x, 0), "tensor")
         return self._map(lookup, (P("tensor", None), rows), P(*rows, None))(table, tokens)
 
-    def moe(self, x, router, w_gate, w_up, w_down):
+    def moe(self, x, router, w_gate, w_up, w_down, *, glu=None, router_bias=None, biases=None):
         """x [N, D] -> [N, D]: tokens split over data x expert, experts over expert, their MLP
-        units over tensor (see `experts.py`)."""
+        units over tensor (see `experts.py`). `glu`, `router_bias` and per-expert `biases`
+        (b_gate, b_up, b_down) as `model.layers.MoE` takes them."""
         shards = self.plan.data * self.plan.expert
         n = x.shape[0]
         x = jax.numpy.pad(x, ((0, -n % shards), (0, 0)))  # every shard gets as many rows
@@ -102,9 +107,12 @@ class MeshHooks:
         specs = (tokens, P(), quant.spec_for(w_gate, up, size), quant.spec_for(w_up, up, size),
                  quant.spec_for(w_down, down, size))
         fn = partial(moe_shard, config=self.config, ep=self.plan.expert, tp=self.plan.tensor,
-                     emulate=self.emulate_a2a)
-        out = self._map(fn, specs, tokens)(x, router, w_gate, w_up, w_down)
-        return out[:n]
+                     emulate=self.emulate_a2a, glu=glu)
+        args, specs = [x, router, w_gate, w_up, w_down], list(specs)
+        if biases is not None:
+            args += [router_bias, *biases]
+            specs += [P(), P("expert", "tensor"), P("expert", "tensor"), P("expert", None)]
+        return self._map(fn, tuple(specs), tokens)(*args)[:n]
 
 
 def with_mesh(fn, config: ModelConfig, mesh: Mesh):

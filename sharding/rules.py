@@ -17,7 +17,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ..model import ModelConfig, param_logical_axes, param_shapes
+from ..model import ModelConfig, param_logical_axes, param_shapes, quant
 from .plan import MeshPlan, PlanError, _divisors, tensor_sizes
 
 AXES = ("data", "tensor", "expert")

@@ -387,3 +387,26 @@ def test_all_reduce_microbenchmark_keeps_every_all_reduce():
     out = run_on_fake_devices(script, 2)
     assert out["count"] == 8
     assert set(out["us"]) == {"1", "4"} and all(v > 0 for v in out["us"].values())
+
+
+def test_fp8_weights_are_priced_as_the_code_stores_them():
+    """`--quantization fp8`: linear layers one byte, the embedding and LM head in bf16; a
+    batch-1 decode step reads those bytes; prefill's dense products run at the FP8 rate."""
+    config = pi.load_model("llama-3-8b")
+    plan_, cluster = MeshPlan(), pi.Cluster(pi.GPUS["h100"])
+    shapes = pm.shapes_of(config, plan_)
+    bf16, fp8 = pi.Workload(), pi.Workload(quantization="fp8")
+    table = 2 * config.vocab_size * config.hidden_size  # embedding and head elements
+    mem = pm.memory(config, shapes, plan_, cluster, fp8)
+    assert mem.weights == (shapes.total - table) + 2 * table
+    d_bf16, d_fp8 = (pm.decode_step(config, shapes, plan_, cluster, wl, 1, 1024)
+                     for wl in (bf16, fp8))
+    head = config.vocab_size * config.hidden_size * 2
+    assert d_bf16.hbm_bytes - d_fp8.hbm_bytes == pytest.approx(
+        (shapes.total - table) * 1, rel=1e-6)
+    assert d_fp8.time < 0.65 * d_bf16.time and head < d_fp8.hbm_bytes
+    p_bf16, p_fp8 = (pm.prefill_step(config, shapes, plan_, cluster, wl, 2, 1024)
+                     for wl in (bf16, fp8))
+    assert p_fp8.t_compute < 0.6 * p_bf16.t_compute
+    args = plan.parser().parse_args(["llama-3-8b", "--quantization", "fp8"])
+    assert plan.workload(args).quantization == "fp8"

@@ -180,7 +180,7 @@ def test_tokenize_detokenize_model_info(llm, client):
         "tiny", MAX_MODEL_LEN, llm.config.vocab_size, "float32")
     assert info.has_chat_template and info.max_num_seqs == 8 and info.page_size == 8
     assert info.quantization == ""  # plain weights
-    assert info.mesh
+    assert info.mesh and info.kv_cache_dtype == "float32"
 
 
 def test_32_concurrent_streams(llm, server):
@@ -424,6 +424,7 @@ def test_metrics(llm, server, client):
     assert metric(text, "pallasite_request_errors_total", code="INVALID_ARGUMENT") >= 1
     assert metric(text, "pallasite_requests_total", code="OK", method="GenerateUnary") >= 1
     assert metric(text, "pallasite_kv_pages_total") == llm.engine.pages.num_pages
+    assert metric(text, "pallasite_kv_cache_info", dtype="float32") == 1
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert {"pallasite_queue_depth", "pallasite_running_sequences", "pallasite_kv_pages_used",
             "pallasite_kv_pages_cached", "pallasite_prefix_hit_tokens_total"} <= names

@@ -301,6 +301,37 @@ def test_moe_model_on_a_mesh_equals_one_device(moe_checkpoint, moe_ref, shape):
     check_mesh(config, on_mesh, layout, moe_ref)
 
 
+# -- newer families: windows, soft caps, Gemma's norms and Phi-3's fused weights, same rules ----
+
+@mesh_test
+@pytest.mark.parametrize("family,shape", [("gemma3", (1, 2, 1)), ("gemma2", (2, 2, 1)),
+                                          ("phi3", (1, 4, 1)), ("qwen2_window", (1, 4, 1)),
+                                          ("gpt_oss", (1, 2, 2))],
+                         ids=["gemma3-tp2", "gemma2-dp2xtp2", "phi3-tp4", "qwen2_window-tp4",
+                              "gpt_oss-ep2xtp2"])
+def test_newer_families_on_a_mesh_equal_one_device(family, shape, tmp_path):
+    import hf_models
+    from pallasite.model import load_hf
+    from pallasite.sharding import Layout, MeshPlan, make_mesh, param_shardings
+    hf_models.save(family, tmp_path)
+    config, params = load_hf(tmp_path, dtype=jnp.float32)
+    layout = Layout(config, make_mesh(MeshPlan(*shape)))
+    _, on_mesh = load_hf(tmp_path, dtype=jnp.float32,
+                         shardings=param_shardings(config, layout.mesh))
+    t, e, d, hd = layout.plan.tensor, layout.plan.expert, config.hidden_size, config.head_dim
+    layer = on_mesh["layers_0"]
+    check_split(layer["attn"]["wq"], P(None, "tensor", None), (d, 4 // t, hd))
+    if config.is_moe:  # GPT-OSS: sinks with the heads, expert biases with their experts
+        f = config.moe_intermediate_size
+        check_split(layer["attn"]["sinks"], P("tensor"), (4 // t,))
+        check_split(layer["moe"]["w_up"], P("expert", None, "tensor"), (4 // e, d, f // t))
+        check_split(layer["moe"]["b_up"], P("expert", "tensor"), (4 // e, f // t))
+        check_split(layer["moe"]["b_down"], P("expert", None), (4 // e, d))
+    else:
+        check_split(layer["mlp"]["w_up"], P(None, "tensor"), (d, 96 // t))
+    check_mesh(config, on_mesh, layout, reference(config, params))
+
+
 @mesh_test
 def test_fp8_weights_on_a_mesh(moe_checkpoint, dense):
     """FP8 weights quantized on load straight onto an ep2 x tp2 mesh, and placed on a tp4 mesh:

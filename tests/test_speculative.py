@@ -289,15 +289,15 @@ class FakeEngine:
     def __init__(self, scheduler):
         self.scheduler, self.pages = scheduler, scheduler.pages
 
-    def _accept(self, seq, row):
-        token = int(row[0])
+    def _accept(self, seqs, out):
+        (seq,), token = seqs, int(out[0][0])
         seq.num_pending -= 1
         seq.tokens.append(token)
         done = token == 7 or seq.num_output >= seq.max_output
         if done:
             self.scheduler.finish(seq)
-        return RequestOutput(seq.request_id, [token], "", None, done, "stop" if done else None,
-                             len(seq.prompt_ids), 0, seq.num_output, 0.0, None)
+        return [RequestOutput(seq.request_id, [token], "", None, done, "stop" if done else None,
+                              len(seq.prompt_ids), 0, seq.num_output, 0.0, None)]
 
 
 def check_no_page_is_doubly_owned(pages):
@@ -317,6 +317,7 @@ def test_page_accounting_under_random_accept_reject_abort_preempt(seed, k, num_p
     max_len = min(num_pages * 4, 40)
     sched = Scheduler(pages, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=max_len)
     spec = Speculator(SpeculativeConfig("ngram", k), RandomProposer(rng, k))
+    spec.install(sched)
     engine, live, n = FakeEngine(sched), [], 0
     for _ in range(60):
         if rng.random() < 0.4:
@@ -333,9 +334,10 @@ def test_page_accounting_under_random_accept_reject_abort_preempt(seed, k, num_p
         spec.propose(chunks)
         for c in chunks:
             if c.samples and c.seq.status != FINISHED:
-                a = rng.randint(0, len(c.draft))
-                rows = [[t] for t in c.draft[:a]] + [[8]] * (K + 2)  # 8: never a proposal
-                spec.verify(engine, c, np.array(rows[:len(c.draft) + 1]))
+                draft = c.seq.draft
+                a = rng.randint(0, len(draft))
+                rows = [[t] for t in draft[:a]] + [[8]] * (K + 2)  # 8: never a proposal
+                spec.verify(engine, c, np.array(rows[:len(draft) + 1]))
                 assert c.seq.status == FINISHED or c.seq.num_computed == c.seq.total_len - 1
         for seq in live:
             if seq.status != FINISHED:

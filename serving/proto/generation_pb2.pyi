@@ -208,7 +208,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "context_length", "vocab_size", "dtype", "mesh", "eos_token_ids", "has_chat_template", "max_num_seqs", "kv_pages", "page_size", "quantization", "speculative")
+    __slots__ = ("model_name", "context_length", "vocab_size", "dtype", "mesh", "eos_token_ids", "has_chat_template", "max_num_seqs", "kv_pages", "page_size", "quantization", "speculative", "kv_cache_dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class ModelInfoResponse(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
     vocab_size: int
@@ -233,4 +234,5 @@ class ModelInfoResponse(_message.Message):
     page_size: int
     quantization: str
     speculative: str
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, default=None, help="sequences in flight, at most")
     w.add_argument("--rate", type=float, default=None, help="requests per second to sustain")
     w.add_argument("--weight-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    w.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="price FP8 weights as `pallasite serve --quantization fp8` runs them: "
+                        "linear layers 1 byte, LM head and embedding in --weight-dtype")
     w.add_argument("--kv-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     w.add_argument("--page-size", type=int, default=16)
     w.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step")
@@ -53,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
 def workload(args) -> Workload:
     return Workload(prompt=Lengths.parse(args.prompt), output=Lengths.parse(args.output),
                     concurrency=args.concurrency, rate=args.rate,
-                    weight_bytes=DTYPE_BYTES[args.weight_dtype], kv_bytes=DTYPE_BYTES[args.kv_dtype],
+                    weight_bytes=DTYPE_BYTES[args.weight_dtype], quantization=args.quantization,
+                    kv_bytes=DTYPE_BYTES[args.kv_dtype],
                     page_size=args.page_size, chunk=args.chunk, ttft_ms=args.ttft_ms,
                     tpot_ms=args.tpot_ms)
 

@@ -180,12 +180,21 @@ class Workload:
     concurrency: int | None = None  # cap on sequences in flight (whole cluster)
     rate: float | None = None  # requests per second
     weight_bytes: int = 2
+    quantization: str | None = None  # "fp8": linear weights (attention, MLP, experts) 1 byte
     kv_bytes: int = 2
     act_bytes: int = 2
     page_size: int = 16
     chunk: int = 2048  # prefill tokens per step (max_num_batched_tokens)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+
+    def bytes_of(self, kind: str) -> int:
+        """Bytes an element of a parameter kind ("dense", "experts", "head", "embed") takes:
+        with FP8 weights the linear layers' one byte (float32 per-channel scales add <0.1%),
+        the LM head and the embedding stay in the weights' dtype."""
+        if self.quantization == "fp8" and kind in ("dense", "experts"):
+            return 1
+        return self.weight_bytes
 
     @property
     def max_len(self) -> int:

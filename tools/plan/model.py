@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 
+from ...kernels import W8A16_MAX_ROWS
 from ...model import ModelConfig
 from ...sharding import MeshPlan, param_partition_specs, shard_shape
 from ...sharding.rules import _param_layout, kv_cache_heads
@@ -171,10 +172,8 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     t, e = plan.tensor, plan.expert
     # Weights read: everything but the embedding table (gathered rows) and the experts, which
     # are costed apart (experts_time: they run as their own products, not overlapped).
-    w_elems = shapes.device.get("dense", 0) + shapes.device.get("head", 0)
-    if config.tie_word_embeddings:
-        w_elems += shapes.device.get("embed", 0)
-    weight_bytes = w_elems * wl.weight_bytes
+    kinds = ("dense", "head") + (("embed",) if config.tie_word_embeddings else ())
+    weight_bytes = sum(shapes.device.get(kind, 0) * wl.bytes_of(kind) for kind in kinds)
     kv_tok = kv_bytes_per_token(config, plan, wl.kv_bytes)
     hbm = weight_bytes + kv_read_tokens * kv_tok + tokens * kv_tok
     # Matrix FLOPs: 2 per weight per token on this device; experts see k of E per token and
@@ -191,8 +190,12 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     w_time = weight_bytes / (gpu.hbm_tbps * 1e12 * const("eff_hbm_weights"))
     kv_time = (hbm - weight_bytes) / (gpu.hbm_tbps * 1e12 * const("eff_hbm_kv"))
     step.t_mem = w_time + kv_time
-    step.t_compute = mm / (gpu.bf16_tflops * 1e12 * const("eff_matmul")) + \
-        attn / (const("attn_tflops") * 1e12)
+    # FP8 weights: steps of more than W8A16_MAX_ROWS tokens run the dense products FP8 x FP8
+    # (twice the bf16 rate on Hopper); smaller ones, and the head, run in bf16.
+    fp8_mm = wl.quantization == "fp8" and tokens > W8A16_MAX_ROWS
+    dense_mm = 2 * tokens * dense / (2 if fp8_mm else 1)
+    step.t_compute = (dense_mm + 2 * seqs * head) / (gpu.bf16_tflops * 1e12 * const("eff_matmul")) \
+        + attn / (const("attn_tflops") * 1e12)
     step.t_comm = config.num_layers * sum(s for _, s in comm.values()) + \
         embedding_all_reduce(config, plan, cluster, tokens, wl.act_bytes)
     step.t_fixed = const("step_overhead_ms") * 1e-3 + \
@@ -216,12 +219,12 @@ def experts_time(config: ModelConfig, shapes: Shapes, plan: MeshPlan, gpu, wl: W
     rate = gpu.bf16_tflops * 1e12
     if pallas:
         rows = tokens * k / e  # the rows routed to this device's experts (uniform routing)
-        read = local * experts_touched(config, tokens) * wl.weight_bytes
+        read = local * experts_touched(config, tokens) * wl.bytes_of("experts")
         flops = 2 * rows * local * e / E  # each row meets one expert's weights
         t_exp = max(read / bw, flops / rate) / const("eff_grouped")
     else:
         flops = 2 * buffer_rows * local  # each row meets every local expert's weights
-        read = local * wl.weight_bytes
+        read = local * wl.bytes_of("experts")
         t_exp = read / bw + flops / (rate * const("eff_matmul"))
     step.hbm_bytes += read
     step.mm_flops += flops
@@ -346,7 +349,7 @@ def memory(config, shapes, plan, cluster, wl, kv_fraction: float | None = None) 
     """Per-device memory: weights (exact), the workspace of a full prefill chunk, and the KV
     cache in whole pages in what is left (`kv_fraction` of it)."""
     budget = cluster.gpu.memory_gib * GIB * const("mem_fraction")
-    weights = shapes.device_total * wl.weight_bytes
+    weights = sum(n * wl.bytes_of(kind) for kind, n in shapes.device.items())
     chunk = min(wl.chunk, max(wl.max_len, 1))
     work = activation_bytes(config, plan, chunk, max(1, chunk // wl.prompt.lo),
                             min(chunk, wl.prompt.hi), wl.act_bytes, wl.page_size) + \

@@ -1,0 +1,132 @@
+"""The batch as the host keeps it between steps, and the packing of one step.
+
+Everything per sequence that a step needs and that does not change from step to step lives in
+arrays indexed by the sequence's slot: the sampler's parameters (written once, at admission),
+the prompt length, the sampler variant, and the page table (the scheduler's `page_table`,
+written only where pages change). Packing a step is then a handful of numpy gathers over the
+chunks' slots; the only per-sequence Python is reading four numbers off each chunk, and the
+tokens of prefill chunks.
+
+A step's device input is two flat arrays (one transfer each): int32 (`int_layout`: the forward
+pass's token axis and batch metadata, then the sampler's rows) and float32 (the sampler's
+float parameters).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from . import sampling
+
+INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
+HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
+
+
+def int_layout(T: int, S: int, P: int, R: int = 1) -> dict[str, int]:
+    """The pieces of a step's int32 input to the forward pass, in order, and their sizes. R:
+    logits rows per sequence (1 + the speculative tokens, `speculative.py`)."""
+    return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
+                logits_indices=S * R, page_table=S * P)
+
+
+def sample_layout(S: int) -> dict[str, int]:
+    """The pieces of a step's int32 input to the sampler."""
+    return dict(sample_rows=S, rows=len(sampling.INT_FIELDS) * S)
+
+
+class Packed:
+    """One step's host arrays and its shape key (T, P); `S` rows, `n` of them real."""
+    __slots__ = ("ints", "sample_ints", "floats", "key", "mode", "n", "stats")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class BatchState:
+    def __init__(self, max_num_seqs: int, page_size: int, page_table: np.ndarray,
+                 token_buckets: list[int], page_buckets: list[int]):
+        self.max_num_seqs, self.page_size, self.page_table = max_num_seqs, page_size, page_table
+        self.token_buckets, self.page_buckets = token_buckets, page_buckets
+        self.neutral = sampling.pack_rows([], 1)  # a padding row: ([6, 1], [5, 1])
+        self.floats, self.ints = sampling.pack_rows([], max_num_seqs)  # [6, R], [5, R]
+        self.prompt_len = np.zeros(max_num_seqs, np.int32)
+        self.mode = np.zeros(max_num_seqs, np.int8)
+
+    def admit(self, seq):
+        """Write a newly admitted sequence's constant rows into its slot."""
+        floats, ints = seq.row
+        self.floats[:, seq.slot], self.ints[:, seq.slot] = floats[:, 0], ints[:, 0]
+        self.ints[HISTORY_ROW, seq.slot] = seq.slot
+        self.prompt_len[seq.slot], self.mode[seq.slot] = len(seq.prompt_ids), seq.mode
+
+    def pack(self, chunks) -> Packed:
+        """Lay the chunks out on one flat token axis, padded to the smallest bucket that fits."""
+        ps, n = self.page_size, len(chunks)
+        seqs, start, length, samples = zip(*chunks)
+        slot = np.array([seq.slot for seq in seqs], np.int32)
+        start, length = np.array(start, np.int32), np.array(length, np.int32)
+        samples = np.array(samples, bool)
+        ctx = start + length
+        N = int(length.sum())
+        T = next(b for b in self.token_buckets if b >= N)
+        P = next(b for b in self.page_buckets if b >= -(-int(ctx.max()) // ps))
+        S = min(T, self.max_num_seqs)
+
+        # The token axis: each chunk's tokens back to back, then padding (no KV write).
+        tok, src = np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        pos, kv_slot = np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        ends = np.cumsum(length)
+        row = np.repeat(np.arange(n), length)  # chunk of each token
+        p = np.arange(N) - np.repeat(ends - length - start, length)
+        pos[:N] = p
+        kv_slot[:N] = self.page_table[slot[row], p // ps] * ps + p % ps
+        # Tokens the host knows; a chunk whose newest token is still on the device reads it
+        # from the slot's last sample (every decode row, when the host runs a step ahead).
+        have = np.clip(np.array([len(seq.tokens) for seq in seqs], np.int32) - start, 0, length)
+        some = np.flatnonzero(have)
+        if len(some):
+            tok[:N][p - start[row] < have[row]] = list(itertools.chain.from_iterable(
+                seqs[i].tokens[start[i]:start[i] + have[i]] for i in some.tolist()))
+        late = have < length
+        src[ends[late] - 1] = slot[late]
+
+        qstart = np.full(S + 1, N, np.int32)
+        qstart[0], qstart[1:n + 1] = 0, ends
+        ctx_lens, last = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        ctx_lens[:n], last[:n] = ctx, ends - 1
+        table = np.zeros((S, P), np.int32)
+        table[:n] = self.page_table[slot, :P]
+        # Only the pages of the context: a prefill chunk's sequence may hold pages past it (a
+        # decode row's pages end at its context).
+        wide = np.flatnonzero((length > 1) | ~samples)
+        if len(wide):
+            used = np.arange(P)[None, :] < -(-ctx[wide, None] // ps)
+            table[wide] = np.where(used, table[wide], 0)
+
+        # The sampler's rows: gathered from the slots; padding rows are neutral and draw nothing.
+        floats = np.repeat(self.neutral[0], S, axis=1)
+        ints = np.repeat(self.neutral[1], S, axis=1)
+        floats[:, :n], ints[:, :n] = self.floats[:, slot], self.ints[:, slot]
+        ints[INDEX, :n] = ctx - self.prompt_len[slot]  # the output index being drawn
+        sample_row = np.full(S, -1, np.int32)
+        sample_row[:n] = np.where(samples, slot, -1)
+        drawn = slot[samples]
+        mode = int(self.mode[drawn].max()) if len(drawn) else 0
+        ints_all = np.concatenate([tok, pos, kv_slot, src, qstart, ctx_lens, last, table.ravel()])
+        return Packed(ints=ints_all, sample_ints=np.concatenate([sample_row, ints.ravel()]),
+                      floats=floats.ravel(), key=(T, P), mode=sampling.MODES[mode], n=n,
+                      stats=(start, length, samples))
+
+    @staticmethod
+    def describe(packed: Packed) -> dict:
+        """What a step holds, for the step log (benchmarks): tokens, rows, the K/V it reads and
+        the (query, key) pairs its attention computes."""
+        start, length, samples = (a.astype(np.int64) for a in packed.stats)
+        ctx, decode = start + length, (length == 1) & (samples > 0)
+        return dict(T=packed.key[0], P=packed.key[1], rows=packed.n, tokens=int(length.sum()),
+                    decode_rows=int(decode.sum()), sampled_rows=int(samples.sum()),
+                    context_tokens=int(ctx.sum()), decode_context=int(ctx[decode].sum()),
+                    attended_tokens=int((length * start + length * (length + 1) // 2).sum()))

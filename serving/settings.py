@@ -1,0 +1,83 @@
+"""The engine's sizes when the caller leaves them out: small on CPU, throughput-sized on a GPU.
+
+On a GPU the KV pool takes most of the memory left after the weights, the sequence limit is as
+many sequences as that pool holds at a few hundred tokens each (up to 1024), and each step may
+carry 8192 tokens (decode rows first, prefill chunks in the rest). The token axis gets buckets
+spaced by at most 1.5x from 256 rows up: a decode step is padded to its bucket, and above 256
+rows a padded row costs compute that the step's weight and K/V reads no longer hide.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CPU = dict(max_num_seqs=32, max_num_batched_tokens=512)
+GPU_MAX_SEQS, GPU_BUDGET = 1024, 8192
+TOKENS_PER_SEQ = 256  # KV tokens per sequence slot the GPU sizing plans for
+GPU_KV_FRACTION = 0.85  # of the memory free after the weights (the rest: activations, logits)
+
+
+def page_bytes(config, page_size: int, dtype) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
+        jnp.dtype(dtype).itemsize
+
+
+def free_bytes(device=None) -> int | None:
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num_seqs: int,
+                      fraction: float = 0.7) -> int:
+    """Pages for a full context per sequence slot, capped at `fraction` of the device's free
+    memory (the rest is for activations); where memory is not reported, uncapped."""
+    one_seq = -(-max_model_len // page_size)
+    want = max_num_seqs * one_seq
+    free = free_bytes()
+    if free is not None:
+        return max(min(want, int(fraction * free // page_bytes(config, page_size, dtype))), one_seq)
+    # No memory report (CPU): XLA:CPU copies the donated pool every step (measured: a 200 MB
+    # pool makes a decode step 13x slower), so keep it to a few full contexts.
+    return min(want, 4 * one_seq)
+
+
+def gpu_token_buckets(budget: int, max_num_seqs: int) -> list[int]:
+    """Powers of two up to 256, then 1.5x / 2x steps (384, 512, 768, 1024, 1536, 2048, ...)
+    up to the budget; the sequence limit is a bucket too (a full decode step)."""
+    out, b = [], 2
+    while b < min(256, budget):
+        out.append(b)
+        b *= 2
+    b = 256
+    while b < budget:
+        out += [b, b * 3 // 2] if b * 3 // 2 < budget and b < 2048 else [b]
+        b *= 2
+    return sorted({*out, budget, min(max_num_seqs, budget)})
+
+
+def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages=None,
+                 max_num_seqs=None, max_num_batched_tokens=None, token_buckets=None) -> dict:
+    """Fill in whatever the caller left as None. On CPU: today's small defaults. On a GPU: the
+    KV pool from free memory, and the sequence limit, token budget and token buckets above."""
+    if jax.default_backend() != "gpu":
+        seqs = max_num_seqs or CPU["max_num_seqs"]
+        budget = max_num_batched_tokens or max(CPU["max_num_batched_tokens"], seqs)
+        pages = num_pages or default_num_pages(config, page_size, dtype, max_model_len, seqs)
+        return dict(num_pages=pages, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                    token_buckets=token_buckets)
+    one_seq = -(-max_model_len // page_size)
+    if num_pages is None:
+        free = free_bytes()
+        num_pages = GPU_MAX_SEQS * one_seq
+        if free is not None:
+            fit = int(GPU_KV_FRACTION * free // page_bytes(config, page_size, dtype))
+            num_pages = max(min(num_pages, fit), one_seq)
+    if max_num_seqs is None:
+        fits = num_pages * page_size // TOKENS_PER_SEQ
+        max_num_seqs = max(32, min(GPU_MAX_SEQS, 1 << max(fits, 1).bit_length() - 1))
+    budget = max_num_batched_tokens or max(GPU_BUDGET, max_num_seqs)
+    return dict(num_pages=num_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                token_buckets=token_buckets or gpu_token_buckets(budget, max_num_seqs))

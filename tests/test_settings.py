@@ -1,0 +1,38 @@
+"""Engine sizes picked for the device: today's small ones on CPU, throughput-sized on a GPU."""
+
+import jax
+import jax.numpy as jnp
+
+from pallasite.model import config_from_dict
+from pallasite.serving import settings
+
+LLAMA_8B = config_from_dict(dict(
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192))
+
+
+def test_cpu_keeps_the_small_defaults():
+    sizes = settings.engine_sizes(LLAMA_8B, jnp.float32, max_model_len=256, page_size=16)
+    assert (sizes["max_num_seqs"], sizes["max_num_batched_tokens"]) == (32, 512)
+    assert sizes["token_buckets"] is None and sizes["num_pages"] == 4 * 16
+
+
+def test_gpu_sizes_from_free_memory(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(settings, "free_bytes", lambda device=None: 44 * 2**30)  # H100 after 8B
+    sizes = settings.engine_sizes(LLAMA_8B, jnp.bfloat16, max_model_len=2048, page_size=16)
+    page = 2 * 32 * 8 * 16 * 128 * 2
+    assert sizes["num_pages"] == int(0.85 * 44 * 2**30 // page)  # ~300k tokens of K/V
+    assert sizes["max_num_seqs"] == 1024 and sizes["max_num_batched_tokens"] == 8192
+    assert sizes["token_buckets"] == [2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536,
+                                      2048, 4096, 8192]
+    # A small pool gets fewer sequence slots; what the caller says is kept.
+    monkeypatch.setattr(settings, "free_bytes", lambda device=None: 4 * 2**30)  # 27k tokens
+    small = settings.engine_sizes(LLAMA_8B, jnp.bfloat16, max_model_len=2048, page_size=16)
+    assert small["max_num_seqs"] == 64 and 64 in small["token_buckets"]
+    given = settings.engine_sizes(LLAMA_8B, jnp.bfloat16, max_model_len=2048, page_size=16,
+                                  num_pages=100, max_num_seqs=8, max_num_batched_tokens=64,
+                                  token_buckets=[8, 64])
+    assert given == dict(num_pages=100, max_num_seqs=8, max_num_batched_tokens=64,
+                         token_buckets=[8, 64])
