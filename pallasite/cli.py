@@ -74,6 +74,8 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     from pallasite.sharding import add_mesh_arguments
     add_mesh_arguments(p)
     add_sampling_arguments(p)
+    from pallasite.serving.speculative import add_argument as add_speculative_argument
+    add_speculative_argument(p)
 
 
 def run_generate(args) -> int:
@@ -110,6 +112,11 @@ def generate_locally(prompt: str, args) -> int:
     kwargs = dict(max_num_seqs=1, max_num_batched_tokens=256, token_buckets=[1, 256],
                   max_model_len=args.max_model_len, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype)
+    if args.speculative_config is not None:
+        from pallasite.serving.speculative import check_cli
+        check_cli("pallasite generate", args.speculative_config, folder)
+        kwargs["speculative_config"] = args.speculative_config
+        kwargs["token_buckets"] += [args.speculative_config.num_speculative_tokens + 1]
     if args.dtype:
         kwargs["dtype"] = getattr(jnp, args.dtype)
     if args.mesh:
@@ -143,6 +150,9 @@ def generate_locally(prompt: str, args) -> int:
         sys.stdout.write("\n")
         report(last.prompt_tokens, last.completion_tokens, time.perf_counter() - t0,
                last.finish_reason)
+        if last.spec_proposed:
+            print(f"[speculative: {last.spec_accepted} of {last.spec_proposed} proposed tokens "
+                  "accepted]", file=sys.stderr)
     return 0
 
 

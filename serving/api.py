@@ -130,5 +130,7 @@ def finish(response: pb.GenerateResponse, last, timing: dict):
     response.usage.prompt_tokens = last.prompt_tokens
     response.usage.cached_tokens = last.cached_tokens
     response.usage.completion_tokens = last.completion_tokens
+    response.usage.speculative_proposed_tokens = last.spec_proposed
+    response.usage.speculative_accepted_tokens = last.spec_accepted
     response.timing.CopyFrom(pb.Timing(**timing))
     return response

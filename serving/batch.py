@@ -24,10 +24,11 @@ INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int pa
 HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
 
 
-def int_layout(T: int, S: int, P: int) -> dict[str, int]:
-    """The pieces of a step's int32 input to the forward pass, in order, and their sizes."""
+def int_layout(T: int, S: int, P: int, R: int = 1) -> dict[str, int]:
+    """The pieces of a step's int32 input to the forward pass, in order, and their sizes. R:
+    logits rows per sequence (1 + the speculative tokens, `speculative.py`)."""
     return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
-                logits_indices=S, page_table=S * P)
+                logits_indices=S * R, page_table=S * P)
 
 
 def sample_layout(S: int) -> dict[str, int]:

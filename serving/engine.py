@@ -38,6 +38,7 @@ from .batch import BatchState, int_layout, sample_layout
 from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
+from .speculative import SpeculativeConfig, make_speculator
 from .warmup import compile_all, default_page_buckets, first_run_loads
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
@@ -69,6 +70,8 @@ class RequestOutput(NamedTuple):
     completion_tokens: int
     arrival_time: float
     first_token_time: float | None
+    spec_proposed: int = 0  # speculative tokens proposed for this request so far
+    spec_accepted: int = 0  # ... and accepted
 
 
 _new_output = tuple.__new__
@@ -86,7 +89,7 @@ class Engine:
     def __init__(self, config, params, tokenizer=None, *, num_pages: int, page_size: int = 16,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
-                 seed: int = 0, kv_cache_dtype=None):
+                 seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None):
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
         # The KV pages' dtype (None: the weights'); float8 pages carry per-KV-head scales.
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or jax.tree.leaves(params)[0].dtype)
@@ -101,8 +104,10 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         max_pages = self.pages.pages_for(self.max_model_len)
-        self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or geometric(
-            max_num_batched_tokens, 4) + [max_num_seqs]})
+        spec = SpeculativeConfig.parse(speculative_config)
+        self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or (
+            geometric(max_num_batched_tokens, 4) + [max_num_seqs]
+            + ([spec.num_speculative_tokens + 1] if spec else []))})
         self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))
         if self.token_buckets[-1] < max_num_batched_tokens or self.page_buckets[-1] < max_pages:
             raise ValueError(f"buckets must reach max_num_batched_tokens ({max_num_batched_tokens})"
@@ -110,6 +115,15 @@ class Engine:
         self.batch = BatchState(max_num_seqs, page_size, self.scheduler.page_table,
                                 self.token_buckets, self.page_buckets)
         self._place(mesh, num_pages)
+        # Speculation: proposals follow the previous step's tokens, so its steps do not overlap.
+        self.spec = make_speculator(spec, target_config=config, params_dtype=self.params[
+            "embed"].dtype, pages=self.pages, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
+            page_buckets=self.page_buckets, draft=draft)
+        self.rows = self.spec.rows if self.spec else 1
+        if self.spec:
+            self.overlap = False
+            self.spec.install(self.scheduler, self.batch)
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.guide = Guide(tokenizer, config.vocab_size, self.eos)  # structured output, logit bias
         self._guided: set[str] = set()  # live requests the guide constrains or biases
@@ -201,6 +215,7 @@ class Engine:
     def stats(self) -> dict:
         steps = max(self.totals["steps"], 1)
         return {**self.pages.stats(), **self.scheduler.stats(), "compilations": self.compilations,
+                **(self.spec.stats() if self.spec else {}),
                 "steps": self.totals["steps"],
                 "host_ms_per_step": 1e3 * self.totals["host_s"] / steps,
                 "wait_ms_per_step": 1e3 * self.totals["wait_s"] / steps}
@@ -210,7 +225,12 @@ class Engine:
         """Dispatch the next step, then collect the previous one's results."""
         t0 = time.perf_counter()
         outputs, self._outbox = self._outbox, []
+        if self.spec:
+            self.spec.plan(self.scheduler.running, self.scheduler.budget - len(
+                self.scheduler.running), self.max_model_len, skip=self.guide.guided)
         chunks = self.scheduler.schedule()
+        if self.spec and chunks:
+            self.spec.propose(chunks, self.scheduler.admitted)
         launched = self._launch(chunks) if chunks else None
         early, wait = self._early  # the previous step, if a guided sampler read it back
         outputs, self._early = outputs + early, ([], 0.0)
@@ -246,7 +266,7 @@ class Engine:
     def _dispatch(self, packed, chunks):
         """Run one step on the device (asynchronously); returns the samples' device array."""
         exe = self._exe.get(packed.key) or self._compile_now(packed.key)
-        S = min(packed.key[0], self.max_num_seqs)
+        S = min(packed.key[0], self.max_num_seqs) * self.rows
         kv, last_tokens, history = self.state
         logits, kv = exe(self.params, kv, last_tokens, packed.ints)
         ints, floats, skey = packed.sample_ints, packed.floats, (S, packed.mode)
@@ -265,7 +285,7 @@ class Engine:
             # while this step's forward pass runs; only the sampler waits for the mask.
             self._early = self._collect(*self._inflight)
             self._inflight = None
-        guided = self.guide.step_inputs(chunks, S)
+        guided = self.guide.step_inputs(self.spec.spread(chunks) if self.spec else chunks, S)
         if guided is None:
             return ints, floats, skey
         return (np.concatenate([ints, guided[0]]), np.concatenate([floats, guided[1]]),
@@ -277,6 +297,8 @@ class Engine:
         done = time.perf_counter()
         if entry is not None:
             entry["done"] = done
+        if self.spec:
+            return self.spec.collect(self, chunks, out), done - t
         rows = [i for i, c in enumerate(chunks) if c.samples and c.seq.status != FINISHED]
         return self._accept([chunks[i].seq for i in rows], out[rows]), done - t
 
@@ -311,7 +333,7 @@ class Engine:
             seq.request_id, [token], "" if deltas is None else deltas[i],
             None if seq.sampling.logprobs is None else self._logprobs(seq, token, out[i]),
             reason is not None, reason, len(seq.prompt_ids), seq.cached_tokens,
-            len(seq.tokens) - len(seq.prompt_ids), seq.arrival_time, seq.first_token_time))
+            len(seq.tokens) - len(seq.prompt_ids), seq.arrival_time, seq.first_token_time, 0, 0))
             for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons))]
 
     def _text(self, seqs, tokens, reasons, complete) -> list[str]:
@@ -371,7 +393,7 @@ class Engine:
         """The model over one ragged batch: logits of the sampled rows [S, V] and the new KV.
         `shape` (T, S, P) tells how `ints` is laid out."""
         T, S, P = shape
-        sizes = list(int_layout(T, S, P).values())
+        sizes = list(int_layout(T, S, P, self.rows).values())
         tok, pos, slot, src, qstart, ctx, last, table = jnp.split(ints, np.cumsum(sizes)[:-1])
         tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
         batch = Batch(qstart, ctx, table.reshape(S, P), slot, last)
@@ -404,7 +426,7 @@ class Engine:
     def _lower(self, key):
         T, P = key
         S = min(T, self.max_num_seqs)
-        n_int = sum(int_layout(T, S, P).values())
+        n_int = sum(int_layout(T, S, P, self.rows).values())
         fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=1)
         kv, last_tokens, _ = self.state
         return fn.lower(self.params, kv, last_tokens,
@@ -439,7 +461,7 @@ class Engine:
         loads modules) run each once on an all-padding batch, which writes no page and no slot."""
         keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
                        if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
-        sizes = sorted({min(T, self.max_num_seqs) for T in self.token_buckets})
+        sizes = sorted({min(T, self.max_num_seqs) * self.rows for T in self.token_buckets})
         samplers = [(S, m, *g) for S in sizes for m in sampling.MODES for g in ((), ("guided",))
                     if (S, m, *g) not in self._samplers]
         lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
@@ -455,7 +477,7 @@ class Engine:
             S = min(T, self.max_num_seqs)
             fill = dict(kv_slots=-1, sources=-1)  # padding: no write
             ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)
-                                   for name, n in int_layout(T, S, P).items()])
+                                   for name, n in int_layout(T, S, P, self.rows).items()])
             kv, last_tokens, history = self.state
             _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
             self.state = (kv, last_tokens, history)
@@ -470,6 +492,8 @@ class Engine:
             _, last_tokens, history = self._samplers[(S, mode, *guided)](
                 logits, last_tokens, history, ints, floats)
             self.state = (kv, last_tokens, history)
+        if self.spec:
+            self.compilations += self.spec.warmup()
         jax.block_until_ready(self.state)
         return self
 

@@ -86,6 +86,18 @@ class KVPages:
             table.append(page)
         return True
 
+    def shrink(self, seq, num_tokens: int):
+        """Give back the pages of `seq` past its first `num_tokens` tokens (rolled-back
+        speculative tokens): they hold no full cached page, so they go to the free list."""
+        table = self.tables[seq]
+        while len(table) > self.pages_for(num_tokens):
+            page = table.pop()
+            self.refs[page] -= 1
+            if self.refs[page] == 0 and page in self.key_of:
+                self.lru[page] = None
+            elif self.refs[page] == 0:
+                self.free_list.append(page)
+
     def cache_full_pages(self, seq, tokens, upto: int | None = None):
         """Enter `seq`'s full pages into the prefix cache. `tokens[:upto]` are the sequence's
         tokens whose K/V are written (or queued to be written ahead of any reader) in its pages.

@@ -97,6 +97,8 @@ class Completion:
     cached_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    spec_proposed: int = 0  # speculative tokens proposed for this request
+    spec_accepted: int = 0  # ... and accepted
 
 
 def default_model_folder() -> Path:
@@ -129,7 +131,12 @@ class LLM:
     "w4a16" / "w8a16" in INT4 (group 128) / INT8 (per channel), quantized as it loads; an
     AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored. Sizes left as None
     are picked for the device (`settings.engine_sizes`): small on CPU, throughput-sized on a
-    GPU."""
+    GPU.
+
+    `speculative_config` turns on speculative decoding, in vLLM's shape: {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or
+    {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": 4}
+    ("default-draft": the default model's own draft)."""
 
     def __init__(self, path=None, *, dtype=None, max_model_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16,
@@ -243,6 +250,7 @@ class LLM:
                 r.logprobs = (r.logprobs or []) + out.logprobs
             r.finish_reason, r.cached_tokens = out.finish_reason, out.cached_tokens
             r.completion_tokens = out.completion_tokens
+            r.spec_proposed, r.spec_accepted = out.spec_proposed, out.spec_accepted
             if out.finished:
                 with lock:
                     left[0] -= 1

@@ -75,10 +75,17 @@ class _EngineCollector:
               ("pages_used", "kv_pages_used", "KV pages held by running sequences"),
               ("pages_cached", "kv_pages_cached", "KV pages kept in the prefix cache"),
               ("pages_free", "kv_pages_free", "KV pages free"),
-              ("pages_total", "kv_pages_total", "KV pages in the pool")]
+              ("pages_total", "kv_pages_total", "KV pages in the pool"),
+              ("spec_mean_accepted", "spec_mean_accepted_length",
+               "Tokens emitted per speculating sequence-step (accepted proposals + 1)")]
     COUNTERS = [("prefix_hit_tokens", "prefix_hit_tokens", "Prompt tokens found in the prefix cache"),
                 ("preemptions", "preemptions", "Sequences preempted for lack of KV pages"),
-                ("compilations", "compilations", "Compilations of the engine step")]
+                ("compilations", "compilations", "Compilations of the engine step"),
+                ("spec_proposed_tokens", "spec_proposed_tokens",
+                 "Speculative tokens proposed (0 without speculative decoding)"),
+                ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative tokens accepted"),
+                ("spec_verify_steps", "spec_verify_steps",
+                 "Sequence-steps that verified at least one proposed token")]
 
     def __init__(self, engine):
         self.engine = engine

@@ -56,6 +56,10 @@ class Sequence:
     detok: object = None
     text: str = ""
     sent: int = 0
+    # Speculative decoding: tokens proposed to follow the newest one in the next step, and the
+    # speculation's own state (speculative.SpecState).
+    draft: list = dataclasses.field(default_factory=list)
+    spec: object = None
 
     def __post_init__(self):
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -99,6 +103,7 @@ class Scheduler:
                              f"({pages.num_pages} pages of {pages.page_size} tokens)")
         self.pages, self.max_num_seqs = pages, max_num_seqs
         self.budget, self.max_model_len = max_num_batched_tokens, max_model_len
+        self.drafted = 0  # speculative tokens in the decode pass's chunks (speculative.py)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -150,7 +155,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         self.admitted = []
         chunks, prefilling, preempted = self._decode()
-        decoded, budget = len(chunks), self.budget - len(chunks)
+        decoded, budget = len(chunks), self.budget - len(chunks) - self.drafted
         for seq in prefilling:  # prefills under way, oldest first
             if budget > 0 and seq.status == RUNNING:
                 chunks.append(self._chunk(seq, budget))

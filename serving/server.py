@@ -243,6 +243,8 @@ def add_arguments(parser):
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
+    from .speculative import add_argument as add_speculative_argument
+    add_speculative_argument(parser)
     try:
         from ..sharding.mesh import add_mesh_arguments
     except ImportError:  # no mesh options in this build: one device
@@ -271,6 +273,8 @@ def llm_factory(args):
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       quantization=getattr(args, "quantization", None),
                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+        if getattr(args, "speculative_config", None) is not None:
+            kwargs["speculative_config"] = args.speculative_config
         for name in ("token_buckets", "page_buckets"):
             if getattr(args, name):
                 kwargs[name] = getattr(args, name)
@@ -358,6 +362,11 @@ async def serve(args) -> int:
 
 def run(args) -> int:
     """Serve until SIGTERM or SIGINT; returns the exit code (0 after a drain)."""
+    if getattr(args, "speculative_config", None) is not None and not args.random_weights:
+        from .llm import default_model_folder
+        from .speculative import check_cli
+        check_cli("pallasite serve", args.speculative_config,
+                          args.model or default_model_folder())
     setup_logging(args.log_level)
     code = asyncio.run(serve(args))
     if any(t.name == "pallasite-load" and t.is_alive() for t in threading.enumerate()):

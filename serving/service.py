@@ -268,7 +268,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
                 max_num_seqs=e.max_num_seqs, kv_pages=e.pages.num_pages, page_size=e.page_size,
                 quantization=describe_quantization(getattr(e, "params", None) or e.replicas[0].params),
-                kv_cache_dtype=str(e.kv_cache_dtype))
+                kv_cache_dtype=str(e.kv_cache_dtype),
+                speculative=e.spec.config.describe() if getattr(e, "spec", None) else "")
 
 
 def describe_quantization(params) -> str:

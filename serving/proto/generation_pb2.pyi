@@ -132,14 +132,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "speculative_proposed_tokens", "speculative_accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    speculative_proposed_tokens: int
+    speculative_accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., speculative_proposed_tokens: _Optional[int] = ..., speculative_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_time_s", "ttft_s", "e2e_s")
@@ -204,7 +208,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "context_length", "vocab_size", "dtype", "mesh", "eos_token_ids", "has_chat_template", "max_num_seqs", "kv_pages", "page_size", "quantization", "kv_cache_dtype")
+    __slots__ = ("model_name", "context_length", "vocab_size", "dtype", "mesh", "eos_token_ids", "has_chat_template", "max_num_seqs", "kv_pages", "page_size", "quantization", "speculative", "kv_cache_dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +220,7 @@ class ModelInfoResponse(_message.Message):
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
@@ -228,5 +233,6 @@ class ModelInfoResponse(_message.Message):
     kv_pages: int
     page_size: int
     quantization: str
+    speculative: str
     kv_cache_dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., quantization: _Optional[str] = ..., speculative: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
