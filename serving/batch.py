@@ -98,7 +98,8 @@ class BatchState:
         ctx_lens, last = np.zeros(S, np.int32), np.zeros(S, np.int32)
         ctx_lens[:n], last[:n] = ctx, ends - 1
         table = np.zeros((S, P), np.int32)
-        table[:n] = self.page_table[slot, :P]
+        w = min(P, self.page_table.shape[1])  # a page bucket may be wider than any table
+        table[:n, :w] = self.page_table[slot, :w]
         # Only the pages of the context: a prefill chunk's sequence may hold pages past it (a
         # decode row's pages end at its context).
         wide = np.flatnonzero((length > 1) | ~samples)
