@@ -347,7 +347,7 @@ def _fp8_format(path: Path):
         qc = json.loads(config_file.read_text()).get("quantization_config")
     except (OSError, ValueError):
         return None
-    if not qc:
+    if not qc or qc.get("quant_method") == "mxfp4":  # gpt_oss's experts: read with the family
         return None
     try:
         return fp8_checkpoint.Fp8Format(qc)

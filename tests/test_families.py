@@ -121,7 +121,8 @@ def test_refusals_name_the_field():
     base = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     for raw, match in [
         (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
-        (dict(model_type="qwen2", quantization_config={"quant_method": "fp8"}), "fp8"),
+        (dict(model_type="qwen2", quantization_config={"quant_method": "bitsandbytes"}),
+         "bitsandbytes"),
         (dict(model_type="gemma2", use_bidirectional_attention=True), "bidirectional"),
         (dict(model_type="llama", partial_rotary_factor=0.5), "partial_rotary_factor"),
         (dict(model_type="mixtral", hidden_act="gelu_pytorch_tanh"), "hidden_act"),
