@@ -184,6 +184,12 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
                                  sm_scale=sm_scale, interpret=interpret, **opts, **kw)
 
 
+# Page tables up to this many keys take the reference on CPU: XLA fuses its gather into the
+# products, where the blockwise loop would hold a block per token; wider ones take the loop,
+# whose memory and time follow the context in use, not the table (ragged_jnp.py).
+DENSE_CPU_KEYS = 1024
+
+
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, impl=None, interpret=False, **blocks):
@@ -193,6 +199,10 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                 k_scale=k_scale, v_scale=v_scale)
     used = _options(**opts)
     if not _use_pallas(impl, interpret):
+        if page_table.shape[1] * k_pages.shape[2] <= DENSE_CPU_KEYS:  # narrow: one fused pass
+            return reference.ragged_paged_attention_reference(
+                q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
+                **opts)
         from . import ragged_jnp
         return ragged_jnp.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                                  page_table, sm_scale=sm_scale, **opts)
