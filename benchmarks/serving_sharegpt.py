@@ -98,19 +98,10 @@ def step_times(log):
 
 
 def run_offline(engine, reqs, deadline):
-    from pallasite.serving.llm import SamplingParams
-    for rid, prompt, n in reqs:
-        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n,
-                                                       ignore_eos=True))
+    """`bench_serving.run` with the step log and host/device totals recorded."""
+    from .bench_serving import run
     engine.step_log, engine.totals = [], dict(steps=0, host_s=0.0, wait_s=0.0)
-    t0, outs = time.perf_counter(), []
-    while engine.has_unfinished() and time.perf_counter() < deadline:
-        outs += engine.step()
-    wall = time.perf_counter() - t0
-    for rid in list(engine.seqs):  # out of time: stop the rest
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    outs, wall = run(engine, reqs, deadline)
     log, engine.step_log = engine.step_log, None
     return outs, wall, log
 
