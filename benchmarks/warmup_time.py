@@ -78,6 +78,7 @@ def child(cache_dir: str, tiny: bool):
     print(json.dumps(dict(
         warmup_s=wall, engine_warmup_s=rep["seconds"], programs=rep["programs"],
         cache_hits=rep["cache_hits"], jax_compiles=rep["jax_compiles"], slowest=rep["slowest"],
+        lowering_s=rep["lowering_s"],
         compiles_after_warmup=after.compiles + e.compilations - warm,
         first_requests_s=first_s, token_buckets=e.token_buckets, page_buckets=e.page_buckets,
         max_num_seqs=e.max_num_seqs, num_pages=e.pages.num_pages)), flush=True)
@@ -113,7 +114,8 @@ def main(argv=None):
                 continue
             r = rec[name] = json.loads(run.stdout.strip().splitlines()[-1])
             print(f"{name:10s} warm-up {r['warmup_s']:6.1f} s  {r['programs']} programs, "
-                  f"{r['cache_hits']} cache hits, compiles after warm-up "
+                  f"{r['cache_hits']} cache hits, {r['lowering_s']:.0f} s tracing (summed), compiles "
+                  f"after warm-up "
                   f"{r['compiles_after_warmup']}; slowest {r['slowest'][:3]}", flush=True)
     ok = [rec[n] for n, _ in STARTS if "error" not in rec[n]]
     if ok:

@@ -255,8 +255,16 @@ def warm_up(engine, workers: int | None = None):
     names = [f"step T={T} P={P}" for T, P in keys] + [
         " ".join(["sampler", f"S={k[0]}", *k[1:]]) for k in samplers]
     with CompileCounter() as counter:
-        jobs = [partial(lambda k: engine._lower(k).compile(), k) for k in keys] + [
-            partial(lambda k: engine._lower_sampler(*k).compile(), k) for k in samplers]
+        tracing = []  # seconds each job spent tracing and lowering (under the GIL)
+
+        def build(lower, *key):
+            t = time.perf_counter()
+            lo = lower(*key)
+            tracing.append(time.perf_counter() - t)
+            return lo.compile()
+
+        jobs = [partial(build, engine._lower, k) for k in keys] + [
+            partial(build, engine._lower_sampler, *k) for k in samplers]
         compiled = compile_all(jobs, names, workers)
         engine._exe.update(zip(keys, (c for c, _ in compiled[:len(keys)])))
         engine._samplers.update(zip(samplers, (c for c, _ in compiled[len(keys):])))
@@ -271,7 +279,7 @@ def warm_up(engine, workers: int | None = None):
         jax.block_until_ready(engine.state)
     slowest = sorted(zip(names, (s for _, s in compiled)), key=lambda x: -x[1])
     engine.warmup_report = dict(
-        seconds=time.perf_counter() - t0, compile_s=t_compile,
+        seconds=time.perf_counter() - t0, compile_s=t_compile, lowering_s=sum(tracing),
         programs=engine.compilations - before, jax_compiles=counter.compiles,
         cache_hits=counter.hits, cache_dir=cache_dir,
         steps=len(keys), samplers=len(samplers), slowest=[(n, round(s, 2)) for n, s in slowest[:8]])
