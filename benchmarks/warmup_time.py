@@ -114,9 +114,9 @@ def main(argv=None):
                 continue
             r = rec[name] = json.loads(run.stdout.strip().splitlines()[-1])
             print(f"{name:10s} warm-up {r['warmup_s']:6.1f} s  {r['programs']} programs, "
-                  f"{r['cache_hits']} cache hits, {r['lowering_s']:.0f} s tracing (summed), compiles "
-                  f"after warm-up "
-                  f"{r['compiles_after_warmup']}; slowest {r['slowest'][:3]}", flush=True)
+                  f"{r['cache_hits']} cache hits, {r['lowering_s']:.0f} s tracing (summed), "
+                  f"compiles after warm-up {r['compiles_after_warmup']}; slowest "
+                  f"{r['slowest'][:3]}", flush=True)
     ok = [rec[n] for n, _ in STARTS if "error" not in rec[n]]
     if ok:
         print(f"buckets {ok[0]['token_buckets']} x {ok[0]['page_buckets']}, "

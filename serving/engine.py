@@ -2,8 +2,8 @@
 with the device state donated, and hand each request its tokens, text and finish reason.
 
 Shapes come from a small set of buckets: the token axis T, the sequence axis S = min(T,
-max_num_seqs) and the page-table width P. `warmup()` compiles every reachable (T, P) pair ahead of time,
-so no request ever waits for a compilation, and `compilations` counts them all.
+max_num_seqs) and the page-table width P. `warmup()` compiles every reachable (T, P) pair ahead
+of time, so no request ever waits for a compilation, and `compilations` counts them all.
 
 The host runs one step ahead of the device: `step()` dispatches step n+1 and only then waits for
 step n's tokens, so scheduling, packing and detokenizing overlap the device's work. A sequence
