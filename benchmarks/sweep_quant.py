@@ -69,12 +69,15 @@ def fp8_variants(m, k, n, tier):
         return kw
     if tier == 1:
         out = [wm.blocks_for(m, k, n) | dict(num_warps=4, num_stages=4),
-               v(128, 256, 264, 4, 4), v(128, 512, 264, 4, 3), v(256, 256, 264, 8, 3)]
+               v(128, 256, 264, 4, 4), v(128, 256, 264, 4, 4, swap=True, dot_dtype="float16"),
+               v(128, 512, 264, 4, 3, swap=True)]
         out += [v(128, 256, 264, 4, 4, reduce="sum")] if m == 1 else []
     else:
-        out = [v(64, 512, 528, 4, 3), v(128, 256, 528, 4, 4, dot_dtype="float16"),
-               v(256, 128, 264, 4, 5), v(128, 256, 264, 4, 4, dot_dtype="float16"),
-               v(64, 256, 1056, 4, 4)]
+        out = [v(128, 512, 264, 4, 3), v(256, 256, 264, 8, 3), v(64, 512, 528, 4, 3),
+               v(128, 256, 264, 4, 4, dot_dtype="float16"),
+               v(256, 256, 264, 8, 3, swap=True, dot_dtype="float16"),
+               v(64, 256, 528, 4, 4, swap=True, dot_dtype="float16"),
+               v(128, 256, 528, 4, 4, swap=True)]
         out += [v(64, 256, 528, 4, 4, reduce="sum"), v(256, 256, 264, 8, 3, reduce="sum")] \
             if m == 1 else []
     return out
@@ -84,19 +87,20 @@ def int4_variants(m, k, n, tier):
     """kwargs of im.int_matmul (block_n and num_splits always named, so no table applies)."""
     num_tiles = im.padded_k(k, 4) // im.tile_rows(4)
 
-    def v(bn, target, warps, stages, unpack="magic", reduce="dot"):
+    def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False):
         bn = min(bn, n)
         bm = 1 if reduce == "sum" else im.block_m_for(m)
         splits = im.splits_for(-(-m // bm) * bm, n, num_tiles, bm, bn, target)
         return dict(block_n=bn, num_splits=splits, num_warps=warps, num_stages=stages,
-                    unpack=unpack, reduce=reduce)
+                    unpack=unpack, reduce=reduce, swap=swap)
     if tier == 1:
-        out = [v(128, 264, 4, 3, unpack="convert"), v(128, 264, 4, 3), v(64, 528, 4, 3),
-               v(256, 264, 8, 3)]
+        out = [v(128, 264, 4, 3, unpack="convert"), v(128, 264, 4, 3),
+               v(128, 264, 4, 3, swap=True), v(64, 528, 4, 3)]
         out += [v(128, 264, 4, 3, reduce="sum")] if m == 1 else []
     else:
-        out = [v(128, 528, 4, 4), v(128, 264, 8, 2), v(64, 528, 4, 3, unpack="convert"),
-               v(32, 1056, 4, 3), v(64, 1056, 4, 4)]
+        out = [v(256, 264, 8, 3), v(256, 264, 8, 3, swap=True), v(128, 528, 4, 4),
+               v(64, 528, 4, 3, swap=True), v(128, 264, 8, 2), v(64, 528, 4, 3, unpack="convert"),
+               v(32, 1056, 4, 3)]
         out += [v(64, 528, 4, 3, reduce="sum"), v(256, 264, 8, 3, reduce="sum")] \
             if m == 1 else []
     return out

@@ -128,7 +128,7 @@ REDUCES = ("dot", "sum")
 
 
 def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles, unpack,
-            reduce):
+            reduce, swap):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     per, mask, tile = 32 // bits, (1 << bits) - 1, tile_rows(bits)
     lo = pl.program_id(2) * tiles_per_split
@@ -157,30 +157,39 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
         for j in range(per):
             xs, w, zero, scale = slab(words, t, j)
             if reduce == "sum":
-                part = jnp.sum(xs[:, None] * w, axis=0, keepdims=True)
+                acc = acc + jnp.sum(xs[:, None] * w, axis=0, keepdims=True) * scale
+                continue
+            if swap:  # out^T = w^T x^T: the weight slab fills the MMA's rows
+                part = plgpu.dot(w, xs, trans_a=True, trans_b=True)
+                zero, scale = getattr(zero, "T", zero), scale.T  # zero: None, a float or [1, N]
+                xsum = lambda: jnp.sum(xs.astype(jnp.float32), axis=1)[None, :]
             else:
                 part = plgpu.dot(xs, w)
-                if zero is not None:  # x . (c + 128) - (zero + 128) * sum(x): exact inputs
-                    part = part - jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True) * zero
+                xsum = lambda: jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+            if zero is not None:  # x . (c + 128) - (zero + 128) * sum(x): exact inputs
+                part = part - xsum() * zero
             acc = acc + part * scale
         return acc
 
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
-    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+    shape = o_ref.shape[-2:]
+    acc = lax.fori_loop(lo, hi, body, jnp.zeros(shape[::-1] if swap else shape, jnp.float32))
+    o_ref[...] = (acc.T if swap else acc).reshape(o_ref.shape).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n",
                                              "num_splits", "num_warps", "num_stages", "unpack",
-                                             "reduce", "interpret"))
+                                             "reduce", "swap", "interpret"))
 def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
                       block_m: int = 16, block_n: int = 128, num_splits: int = 1,
                       num_warps: int = 4, num_stages: int = 3, unpack: str = "convert",
-                      reduce: str = "dot", interpret: bool = False):
+                      reduce: str = "dot", swap: bool = False, interpret: bool = False):
     """x [M_pad, K_pad] (M_pad a multiple of block_m, K padded with zeros) -> [M_pad, N].
 
     `unpack="magic"` (INT4, bf16 x) makes each code a bf16 by its bit pattern and takes the
     zero off after the dot; "convert" converts int -> f32 -> x's dtype. `reduce="sum"` (one
-    row, block_m 1) multiplies and sums in float32 instead of a padded MMA."""
+    row, block_m 1) multiplies and sums in float32 instead of a padded MMA. `swap` computes
+    w^T x^T, so the unpacked slab (block_n rows) is the MMA's left operand, as Hopper's
+    warpgroup MMA wants, and the few rows of x its narrow right one."""
     m, k_pad = x.shape
     n = words.shape[1]
     block_n = min(block_n, n)
@@ -199,7 +208,7 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     per_split = -(-num_tiles // num_splits)
     kernel = functools.partial(_kernel, bits=bits, group_size=group_size,
                                tiles_per_split=per_split, num_tiles=num_tiles, unpack=unpack,
-                               reduce=reduce)
+                               reduce=reduce, swap=swap and reduce == "dot")
     groups = scale.shape[0]
     x_block = (None, k_pad) if reduce == "sum" else (block_m, k_pad)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, 0)),

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 
 def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
-            has_zero: bool, dot_dtype, reduce: str):
+            has_zero: bool, dot_dtype, reduce: str, swap: bool):
     z_ref, o_ref = rest if has_zero else (None, rest[0])
     grouped = s_ref.shape[0] > 1
 
@@ -40,10 +40,19 @@ def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
         else:
             xs = x_ref[:, pl.ds(k0, block_k)]
             dt = xs.dtype if dot_dtype is None else dot_dtype
-            part = plgpu.dot(xs.astype(dt), w.astype(dt))
-        return acc + (part * s_ref[pl.ds(g, 1), :] if grouped else part)
+            if swap:  # out^T = w^T x^T: the weight tile fills the MMA's rows
+                part = plgpu.dot(w.astype(dt), xs.astype(dt), trans_a=True, trans_b=True)
+            else:
+                part = plgpu.dot(xs.astype(dt), w.astype(dt))
+        if not grouped:
+            return acc + part
+        s = s_ref[pl.ds(g, 1), :]
+        return acc + part * (s.T if swap else s)
 
-    acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
+    shape = o_ref.shape[-2:]
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros(shape[::-1] if swap else shape, jnp.float32))
+    if swap:
+        acc = acc.T
     if not grouped:
         acc = acc * s_ref[...]
     o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
@@ -54,15 +63,19 @@ REDUCES = ("dot", "sum")
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k",
                                              "num_warps", "num_stages", "dot_dtype", "reduce",
-                                             "interpret"))
+                                             "swap", "interpret"))
 def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64,
                  block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                 dot_dtype: str | None = None, reduce: str = "dot", interpret: bool = False):
+                 dot_dtype: str | None = None, reduce: str = "dot", swap: bool = False,
+                 interpret: bool = False):
     """x [M, K], q [K, N], scale [G, N] float32, zero [G, N] or None -> [M, N] in x's dtype.
 
     `dot_dtype` "float16" runs the MMA in f16 (FP8 -> f16 is one conversion per pair; bf16
     activations are exact in f16 within its range); None: x's dtype. `reduce="sum"` (M = 1
-    only) multiplies and sums in float32 instead of a 16-row padded MMA."""
+    only) multiplies and sums in float32 instead of a 16-row padded MMA. `swap` computes the
+    transposed product (w^T x^T), so the weight tile (block_n rows, converted in registers) is
+    the MMA's left operand and the few rows of x its narrow right one, as Hopper's warpgroup
+    MMA wants (64+ rows on the left)."""
     m, k = x.shape
     n = q.shape[1]
     groups = scale.shape[0]
@@ -86,7 +99,7 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     kernel = functools.partial(_kernel, block_k=block_k, num_k=kps // block_k,
                                group_k=group_k if grouped else k, has_zero=zero is not None,
                                dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype),
-                               reduce=reduce)
+                               reduce=reduce, swap=swap and reduce == "dot")
     s_spec = pl.BlockSpec((srows, block_n), lambda i, j, s: (s if grouped else 0, j))
     x_block = (None, kps) if reduce == "sum" else (block_m, kps)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, s)),

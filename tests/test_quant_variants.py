@@ -19,7 +19,8 @@ def rel_err(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("m,kw", [(1, dict(reduce="sum")), (3, dict(dot_dtype="float16"))])
+@pytest.mark.parametrize("m,kw", [(1, dict(reduce="sum")), (3, dict(dot_dtype="float16")),
+                                  (5, dict(swap=True))])
 def test_w8a16_variants_equal_reference(m, kw):
     rng = np.random.default_rng(m)
     k, n = 512, 128
@@ -41,8 +42,9 @@ def test_w8a16_sum_takes_one_row():
 
 @pytest.mark.parametrize("m,asym,kw", [
     (3, True, dict(unpack="magic")),                   # zeros after the dot
-    (1, False, dict(unpack="magic", block_m=16)),      # one row padded into the MMA
     (1, True, dict(reduce="sum")),                     # f32 bit patterns, no MMA
+    (2, True, dict(unpack="magic", swap=True)),        # w^T x^T, zeros after the dot
+    (1, False, dict(unpack="magic", swap=True)),       # one row padded, the zero a constant
 ])
 def test_int4_variants_equal_numpy(m, asym, kw):
     rng = np.random.default_rng(10 + m)
