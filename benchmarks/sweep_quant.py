@@ -71,15 +71,16 @@ def fp8_variants(m, k, n, tier):
         out = [wm.blocks_for(m, k, n) | dict(num_warps=4, num_stages=4),
                v(128, 256, 264, 4, 4), v(128, 256, 264, 4, 4, swap=True, dot_dtype="float16"),
                v(128, 512, 264, 4, 3, swap=True)]
-        out += [v(128, 256, 264, 4, 4, reduce="sum")] if m == 1 else []
+        # Triton does not pipeline loads that feed no dot: many small programs hide latency
+        out += [v(64, 128, 1056, 4, 2, reduce="sum")] if m == 1 else []
     else:
         out = [v(128, 512, 264, 4, 3), v(256, 256, 264, 8, 3), v(64, 512, 528, 4, 3),
                v(128, 256, 264, 4, 4, dot_dtype="float16"),
                v(256, 256, 264, 8, 3, swap=True, dot_dtype="float16"),
                v(64, 256, 528, 4, 4, swap=True, dot_dtype="float16"),
                v(128, 256, 528, 4, 4, swap=True)]
-        out += [v(64, 256, 528, 4, 4, reduce="sum"), v(256, 256, 264, 8, 3, reduce="sum")] \
-            if m == 1 else []
+        out += [v(128, 256, 264, 4, 4, reduce="sum"), v(64, 256, 528, 4, 4, reduce="sum"),
+                v(32, 128, 2112, 2, 2, reduce="sum")] if m == 1 else []
     return out
 
 
@@ -96,13 +97,13 @@ def int4_variants(m, k, n, tier):
     if tier == 1:
         out = [v(128, 264, 4, 3, unpack="convert"), v(128, 264, 4, 3),
                v(128, 264, 4, 3, swap=True), v(64, 528, 4, 3)]
-        out += [v(128, 264, 4, 3, reduce="sum")] if m == 1 else []
+        out += [v(64, 1056, 4, 3, reduce="sum")] if m == 1 else []
     else:
         out = [v(256, 264, 8, 3), v(256, 264, 8, 3, swap=True), v(128, 528, 4, 4),
                v(64, 528, 4, 3, swap=True), v(128, 264, 8, 2), v(64, 528, 4, 3, unpack="convert"),
                v(32, 1056, 4, 3)]
-        out += [v(64, 528, 4, 3, reduce="sum"), v(256, 264, 8, 3, reduce="sum")] \
-            if m == 1 else []
+        out += [v(128, 264, 4, 3, reduce="sum"), v(64, 528, 4, 3, reduce="sum"),
+                v(32, 2112, 2, 3, reduce="sum")] if m == 1 else []
     return out
 
 
