@@ -108,13 +108,16 @@ def default_cache_dir() -> str:
 def enable_compilation_cache(path: str | None = None) -> str | None:
     """Keep compiled programs on disk so that the next start loads its warm-up instead of
     compiling it; returns the folder in use (None: off). `path` None takes `default_cache_dir()`;
-    "" turns it off. A folder the caller already gave JAX is kept. Every program is stored
-    whatever its compile time, so a second start compiles nothing."""
+    "" turns it off. A folder the caller already gave JAX is kept unless $PALLASITE_CACHE_DIR
+    is set. Every program is stored whatever its compile time, so a second start compiles
+    nothing."""
+    import os
     current = jax.config.jax_compilation_cache_dir
-    if current and path is None:
+    if current and path is None and CACHE_ENV not in os.environ:
         return current
     path = default_cache_dir() if path is None else path
     if not path:
+        jax.config.update("jax_compilation_cache_dir", None)
         return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
