@@ -93,10 +93,11 @@ def teacher_of(args, config):
     folder = Path(args.teacher)
     if not any(folder.glob("*.safetensors")):
         raise UsageError(f"--teacher {folder}: no weights (*.safetensors) there")
-    t_config, params = load_hf(folder)
+    t_config = load_config(folder)  # checked before any weight is read
     if t_config.vocab_size != config.vocab_size:
         raise UsageError(f"--teacher's vocabulary ({t_config.vocab_size} tokens) differs from "
                          f"the model's ({config.vocab_size} tokens)")
+    t_config, params = load_hf(folder, config=t_config)
     return Distill(t_config, args.distill_weight, args.distill_temperature), params
 
 
