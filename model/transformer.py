@@ -55,7 +55,9 @@ class Decoder(nn.Module):
     def logits(self, x):
         x = self.final_norm(x)
         w = self.embed.T if self.config.tie_word_embeddings else self.lm_head
-        logits = (x @ w).astype(jnp.float32)
+        # float32 out of the accumulator: bf16 logits tie within 2^-8 of their size, and a tie
+        # broken by rounding differs between step shapes (e.g. speculative verify vs decode).
+        logits = jnp.matmul(x, w, preferred_element_type=jnp.float32)
         if cap := self.config.final_logit_softcap:
             logits = jnp.tanh(logits / cap) * cap
         return logits
