@@ -65,3 +65,45 @@ def test_logits_match_transformers(name, tmp_path):
     with torch.no_grad():
         want = model(torch.tensor(ids)).logits.numpy()
     assert rel_err(forward_logits(params, config, jnp.asarray(ids)), want) <= 1e-4
+
+
+PROMPTS = [[5, 17, 99, 3, 42], [7] * 3 + [64, 12, 90, 33, 8, 120, 4, 6, 77], [11]]
+
+
+@pytest.mark.parametrize("name", ["v2_lite", "v3"])
+def test_greedy_24_tokens_equal_transformers(name, tmp_path):
+    from pallasite.serving.llm import LLM, SamplingParams
+    model = save(name, tmp_path)
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
+                               max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in PROMPTS]
+    with LLM(tmp_path, max_model_len=48, num_pages=32, page_size=8, max_num_seqs=4,
+             max_num_batched_tokens=16, token_buckets=[4, 16], page_buckets=[8]) as llm:
+        got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [g.token_ids for g in got] == want
+
+
+@pytest.mark.parametrize("name", ["v2_lite", "v3"])
+def test_paged_latent_cache_matches_dense(name, tmp_path):
+    save(name, tmp_path)
+    config, params = load_hf(tmp_path, dtype=jnp.float32)
+    page_size, num_pages = 4, 64
+    kv = init_kv_cache(config, num_pages, page_size, jnp.float32)
+    # The latent and the RoPE key per token, one "kv head": no expanded heads.
+    assert [tuple(a.shape) for a in kv[0]] == [(1, num_pages, page_size, config.kv_lora_rank),
+                                                (1, num_pages, page_size, config.qk_rope_head_dim)]
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, config.vocab_size, n) for n in (23, 12)]
+    dense = [np.asarray(forward_logits(params, config, jnp.asarray(s)[None]))[0] for s in seqs]
+    perm = rng.permutation(num_pages)
+    page_tables = [perm[:16], perm[16:32]]
+    # Prefill seq 0 in chunks of 5, 11 and 4 while seq 1 prefills 9 at once, then decode both.
+    plan = [[(0, 0, 5), (1, 0, 9)], [(0, 5, 16)], [(0, 16, 20)]]
+    plan += [[(0, t, t + 1), (1, t - 11, t - 10)] for t in range(20, 23)]
+    for chunks in plan:
+        step = [(s, seqs[s][a:b], a) for s, a, b in chunks]
+        logits, kv = paged_step(params, config, kv, step, page_tables, page_size)
+        for (s, a, b), row in zip(chunks, np.asarray(logits)):
+            assert rel_err(row, dense[s][b - 1]) <= 1e-4, (s, b)
