@@ -107,3 +107,58 @@ def test_paged_latent_cache_matches_dense(name, tmp_path):
         logits, kv = paged_step(params, config, kv, step, page_tables, page_size)
         for (s, a, b), row in zip(chunks, np.asarray(logits)):
             assert rel_err(row, dense[s][b - 1]) <= 1e-4, (s, b)
+
+
+# -- the MLA decode kernel (Pallas interpreter) ----------------------------------------------------
+
+def _mla_inputs(rng, B, H, L, R, page_size, pages_per_seq, num_pages, lens):
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    table = rng.permutation(num_pages)[:B * pages_per_seq].reshape(B, pages_per_seq)
+    return (f(B, H, L), f(B, H, R), f(1, num_pages, page_size, L), f(1, num_pages, page_size, R),
+            jnp.asarray(lens, jnp.int32), jnp.asarray(table, jnp.int32))
+
+
+def _poison(q_lat, q_pe, lat, rope, lens, table):
+    """NaN in every page slot that no row's context reaches."""
+    page_size = lat.shape[2]
+    live = np.zeros(lat.shape[1:3], bool)
+    for row, n in zip(np.asarray(table), np.asarray(lens)):
+        k = np.arange(n)
+        live[row[k // page_size], k % page_size] = True
+    nan = lambda x: jnp.where(jnp.asarray(live)[None, :, :, None], x, jnp.nan)
+    return q_lat, q_pe, nan(lat), nan(rope), lens, table
+
+
+@pytest.mark.parametrize("H,block_h,pages_per_block,num_splits", [
+    (4, 16, 1, 1),     # fewer heads than a block: masked rows
+    (32, 16, 2, 3),    # two head blocks, tiles of two pages, three splits merged
+])
+def test_mla_decode_kernel_matches_reference(H, block_h, pages_per_block, num_splits):
+    from pallasite.kernels import mla_decode
+    rng = np.random.default_rng(H)
+    # Lengths: empty (padding row), inside the first page, on a tile edge, the whole table.
+    args = _mla_inputs(rng, 4, H, 32, 16, 4, 6, 40, [0, 3, 8, 24])
+    want = mla_decode.mla_decode_reference(*args, sm_scale=0.3)
+    # Poison every slot past each row's context: the kernel must not let them into its output.
+    got = mla_decode.mla_decode(*_poison(*args), sm_scale=0.3, block_h=block_h,
+                                pages_per_block=pages_per_block, num_splits=num_splits,
+                                interpret=True)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got[0]).any()  # no context: zeros
+
+
+def test_ragged_mla_kernel_rows_match_reference():
+    """A mixed step through `kernels.mla_attention` with the kernel: each token a decode row."""
+    from pallasite import kernels
+    from pallasite.kernels import mla_decode
+    rng = np.random.default_rng(3)
+    q_lat, q_pe, lat, rope, _, table = _mla_inputs(rng, 4, 16, 32, 16, 4, 5, 30, [0] * 4)
+    # Sequence 0: a 2-token chunk ending at 13; 1: one decode token at 20; then a padding slot.
+    query_start, context_lens = jnp.array([0, 2, 3], jnp.int32), jnp.array([13, 20], jnp.int32)
+    want = mla_decode.ragged_mla_reference(q_lat, q_pe, lat, rope, query_start, context_lens,
+                                           table[:2], sm_scale=0.2)
+    got = kernels.mla_attention(q_lat, q_pe, lat, rope, query_start, context_lens, table[:2],
+                                sm_scale=0.2, interpret=True, num_splits=2)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert np.asarray(got[:3]).any(axis=(1, 2)).all() and not np.asarray(got[3]).any()
