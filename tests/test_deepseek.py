@@ -3,6 +3,10 @@ tiny random `transformers` checkpoints load and match its logits, generate its g
 through `LLM`, and the paged cache of latents (absorbed attention) matches the uncached
 forward. The MLA decode kernel (interpret mode) matches its `jnp` reference."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,3 +166,72 @@ def test_ragged_mla_kernel_rows_match_reference():
                                 sm_scale=0.2, interpret=True, num_splits=2)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert np.asarray(got[:3]).any(axis=(1, 2)).all() and not np.asarray(got[3]).any()
+
+
+# -- on a mesh: TP over query heads (the latent on every shard), EP over experts ------------------
+
+FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
+ON_8_DEVICES = FAKE_DEVICES in os.environ.get("XLA_FLAGS", "")
+MESHES = [("v3", (1, 4, 1)), ("v3", (1, 2, 2)), ("v2_lite", (2, 2, 1)), ("v2_grouped", (1, 1, 4))]
+
+
+@pytest.mark.skipif(ON_8_DEVICES, reason="runs in the parent process")
+def test_the_mesh_tests_pass_on_8_fake_devices():
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAKE_DEVICES}"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           os.path.basename(__file__), "-k", "on_a_mesh"], env=env,
+                          capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    report = done.stdout[-8000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and f"{len(MESHES)} passed" in report, report
+
+
+def _flat_batch(chunks, page_tables, page_size):
+    """tokens, positions and `Batch` of one ragged step (`test_model.paged_step`'s layout)."""
+    from pallasite.model import Batch
+    tokens, positions, slots, starts, lens, last = [], [], [], [0], [], []
+    for seq, ids, start in chunks:
+        pos = np.arange(start, start + len(ids))
+        tokens += list(ids)
+        positions += list(pos)
+        slots += list(page_tables[seq][pos // page_size] * page_size + pos % page_size)
+        starts.append(len(tokens))
+        lens.append(start + len(ids))
+        last.append(len(tokens) - 1)
+    table = np.stack([page_tables[seq] for seq, _, _ in chunks])
+    i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
+    return i32(tokens), i32(positions), Batch(*(i32(a) for a in (starts, lens, table, slots,
+                                                                 last)))
+
+
+@pytest.mark.skipif(not ON_8_DEVICES, reason="runs in the 8-device child process")
+@pytest.mark.parametrize("name,shape", MESHES, ids=[f"{n}-{s}" for n, s in MESHES])
+def test_on_a_mesh_equals_one_device(name, shape, tmp_path):
+    from jax.sharding import PartitionSpec as P
+    from pallasite.model import forward
+    from pallasite.sharding import Layout, MeshPlan, make_mesh, param_shardings
+    save(name, tmp_path)
+    config, params = load_hf(tmp_path, dtype=jnp.float32)
+    layout = Layout(config, make_mesh(MeshPlan(*shape)))
+    _, on_mesh = load_hf(tmp_path, dtype=jnp.float32,
+                         shardings=param_shardings(config, layout.mesh))
+    attn, moe = on_mesh["layers_1"]["attn"], on_mesh["layers_1"]["moe"]
+    assert attn["w_uk"].sharding.spec == P(None, "tensor", None)
+    assert attn["wkv_a"].sharding.spec == P(None, None)  # the latent's projection: whole
+    assert moe["w_up"].sharding.spec == P("expert", None, "tensor")
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 19)))
+    want = forward_logits(params, config, ids)
+    assert rel_err(layout.forward_logits()(on_mesh, ids), want) <= 1e-5
+    page_size, num_pages = 4, 16
+    kv = layout.init_kv_cache(num_pages, page_size, jnp.float32)
+    one_kv = init_kv_cache(config, num_pages, page_size, jnp.float32)
+    assert kv[0][0].shape == (layout.plan.tensor, num_pages, page_size, config.kv_lora_rank)
+    tables = [np.arange(8), np.arange(8, 16)]
+    seqs = np.asarray(ids)
+    plan = [[(0, 0, 7), (1, 0, 3)], [(0, 7, 8), (1, 3, 9)], [(0, 8, 9), (1, 9, 10)]]
+    step = layout.forward()
+    for chunks in plan:
+        args = _flat_batch([(s, seqs[s][a:b], a) for s, a, b in chunks], tables, page_size)
+        got, kv = step(on_mesh, *args[:2], kv, args[2])
+        ref, one_kv = forward(params, config, *args[:2], one_kv, args[2])
+        assert rel_err(got, ref) <= 1e-5
