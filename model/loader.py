@@ -304,8 +304,9 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
         sharding = None if shardings is None else _get(shardings, param_path)
-        value = jnp.asarray(value, dtype) if sharding is None else jax.device_put(
-            value.astype(dtype), sharding)
+        # Each param in its own dtype: `dtype`, but float32 for DeepSeek-V3's score bias.
+        value = jnp.asarray(value, want.dtype) if sharding is None else jax.device_put(
+            value.astype(want.dtype), sharding)
         if quantization and quant.linear_axes(param_path) is not None:
             value = _quantize_in_place(value, quant.contract_axes_of(param_path), sharding,
                                        quantization, quant.linear_axes(param_path))

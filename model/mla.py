@@ -80,12 +80,13 @@ def mla_attend(q_nope, q_pe, latent, k_pe, w_uk, w_uv, segment_ids=None, layer_c
         v = jnp.einsum("...tl,lhv->...thv", latent, w_uv)
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[..., None, :], q_pe.shape)], -1)
-        dv = v.shape[-1]
-        if dv != q.shape[-1]:  # the kernels take one head dim: pad V, drop the pad after
-            v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - dv)])
-        o = kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids,
-                                    sm_scale=sm_scale)
-        return o[..., :dv], None
+        # The kernels take one head dim, a power of two: zeros pad q, k and v (scores keep
+        # their value, the padded output columns are dropped).
+        width = 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length()
+        pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+        o = kernels.flash_attention(pad(q), pad(k), pad(v), causal=True,
+                                    segment_ids=segment_ids, sm_scale=sm_scale)
+        return o[..., :v.shape[-1]], None
     latent_pages, rope_pages = layer_cache
     latent_pages, rope_pages = kernels.write_kv(latent_pages, rope_pages, latent[:, None],
                                                 k_pe[:, None], batch.slots, impl="reference")
