@@ -10,7 +10,6 @@ rows a padded row costs compute that the step's weight and K/V reads no longer h
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 CPU = dict(max_num_seqs=32, max_num_batched_tokens=512)
 GPU_MAX_SEQS, GPU_BUDGET = 1024, 8192
