@@ -142,7 +142,8 @@ def measure(engine, steps: int, profile: bool, mixed: bool = False) -> dict:
     running = len(engine.scheduler.running)
     engine.totals.update(steps=0, host_s=0.0, wait_s=0.0)
     parts = {}
-    for obj, name in [(engine.scheduler, "schedule_step"), (engine.batch, "pack"),
+    schedule = "schedule_step" if hasattr(engine.scheduler, "schedule_step") else "schedule"
+    for obj, name in [(engine.scheduler, schedule), (engine.batch, "pack"),
                       (engine, "_dispatch"), (engine, "_accept")]:
         timed(obj, name, parts)
     prof = cProfile.Profile() if profile else None
