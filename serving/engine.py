@@ -254,6 +254,7 @@ class Engine:
         return outputs
 
     def _launch(self, rows):
+        ended = self._ended  # before _dispatch, which may collect the step in flight early
         self._admit_rows()
         packed = self.batch.pack(rows)
         out = self._dispatch(packed, rows)
@@ -262,7 +263,7 @@ class Engine:
             entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
-        return rows, out, entry, self._ended
+        return rows, out, entry, ended
 
     def _admit_rows(self):
         for seq in self.scheduler.admitted:
