@@ -1,0 +1,26 @@
+"""One persistent XLA compilation cache for the whole run, in a fresh temporary folder.
+
+Most of the suite's time is XLA compiling small engines' steps and samplers, and many tests
+build the same programs (the same tiny configs, the same sampler shapes): with the cache each
+distinct program compiles once per run. The folder is new for every run, so nothing carries over
+between runs, and it is set through the environment before JAX is imported, so that the pytest
+workers, child pytest runs and CLI processes the tests start all share it."""
+
+import os
+import shutil
+import tempfile
+
+_OWNER = "PALLASITE_TEST_CACHE_OWNER"
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pallasite-xla-")
+    os.environ[_OWNER] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The CLI turns the cache on in its own folder (~/.cache by default): the run's one instead.
+os.environ.setdefault("PALLASITE_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(_OWNER) == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
