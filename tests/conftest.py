@@ -8,6 +8,7 @@ workers, child pytest runs and CLI processes the tests start all share it."""
 
 import os
 import shutil
+import sys
 import tempfile
 
 _OWNER = "PALLASITE_TEST_CACHE_OWNER"
@@ -19,6 +20,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The CLI turns the cache on in its own folder (~/.cache by default): the run's one instead.
 os.environ.setdefault("PALLASITE_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
+if "jax" in sys.modules:  # imported before this file (a plugin): its flags have read the env
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    for name in ("min_compile_time_secs", "min_entry_size_bytes"):
+        flag = f"jax_persistent_cache_{name}"
+        jax.config.update(flag, type(getattr(jax.config, flag))(os.environ[flag.upper()]))
 
 
 def pytest_unconfigure(config):

@@ -14,7 +14,8 @@ from pallasite.serving.llm import LLM, SamplingParams
 
 @pytest.fixture(autouse=True)
 def no_disk_cache(monkeypatch):
-    """The CLI turns on JAX's persistent compilation cache, a process-wide setting: not here."""
+    """The CLI points JAX's persistent compilation cache at its own folder, a process-wide
+    setting: here the run's one (conftest.py) stays."""
     monkeypatch.setenv("PALLASITE_CACHE_DIR", "")
 
 
