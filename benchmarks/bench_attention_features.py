@@ -103,17 +103,28 @@ def fp8_decode(log, ceiling, B=64, ctx=4096):
     rows = {}
     variants = [("bf16", {}, (q, kp, vp, lens, table), {}),
                 ("fp8", s, (q, k8, v8, lens, table), {})]
-    for block_k, stages in [(128, 3), (128, 4), (256, 3)]:
-        variants.append((f"fp8 block_k={block_k} stages={stages}", s, (q, k8, v8, lens, table),
-                         dict(block_k=block_k, num_stages=stages)))
+    # Float8 pages halve the bytes but not the work on each tile (the upcast, the softmax of
+    # block_rows padded rows): fewer rows per program may suit them.
+    for rows_, block_k, stages in [(64, 128, 3), (16, 64, 3), (16, 128, 3), (16, 128, 4),
+                                   (16, 256, 3), (32, 128, 3), (16, 64, 5)]:
+        variants.append((f"fp8 rows={rows_} block_k={block_k} stages={stages}", s,
+                         (q, k8, v8, lens, table),
+                         dict(block_rows=rows_, block_k=block_k, num_stages=stages)))
+    variants.append(("bf16 rows=16 block_k=64 stages=3", {}, (q, kp, vp, lens, table),
+                     dict(block_rows=16, block_k=64, num_stages=3)))
     for name, opts, args, tiles in variants:
-        kw = dict(opts, **({"pages_per_block": tiles["block_k"] // PAGE,
+        kw = dict(opts, **({"block_rows": tiles["block_rows"],
+                            "pages_per_block": tiles["block_k"] // PAGE,
                             "num_stages": tiles["num_stages"]} if tiles else {}))
         fn = lambda q, kp, vp, c, t, kw=kw: K.paged_attention(q, kp, vp, c, t, impl="pallas",
                                                               interpret=SMOKE["on"], **kw)
         ref = lambda q, kp, vp, c, t, o=opts: reference.paged_attention_reference(
             q, kp, vp, c, t, **o)
-        err, ok = checked(name, fn, args, ref, 2e-2, log)
+        try:
+            err, ok = checked(name, fn, args, ref, 2e-2, log)
+        except jax.errors.JaxRuntimeError as e:  # e.g. tiles past the shared memory
+            log(f"  {name}: does not run ({str(e).splitlines()[0][:100]})")
+            continue
         ms = time_ms(fn, *args)
         kv_bytes = 2 * B * ctx * KV * D * args[1].dtype.itemsize
         tbps = kv_bytes / (ms / 1e3) / 1e12

@@ -8,7 +8,7 @@ device). Target: constrained_step_ratio <= 1.10.
 First a check of the guided sampler against a numpy reference on fresh random logits and
 bitmasks (output poisoned first). Then two runs of the same workload on one engine: 64 requests
 (random 128-token prompts, `--tokens` outputs, EOS ignored), free, then each constrained by a JSON
-schema of one long string field. A step's time is the gap between consecutive steps' results
+schema of one string field of at least 4000 characters (so that no row finishes early). A step's time is the gap between consecutive steps' results
 (so it includes the host's work that the device waits for: a constrained row's mask needs its
 previous token, so those steps do not run ahead; see serving/structured.py). Only steps with all
 64 rows decoding count. The grammars use `--tokenizer` (default: the embedded model's, padded to
@@ -30,7 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+# The string must be long, so no row can close the object (and stop) before --tokens: a step
+# with every row decoding needs every row still running.
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4000}},
+          "required": ["text"]}
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  max_position_embeddings=8192, rope_theta=500000.0)

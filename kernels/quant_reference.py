@@ -48,19 +48,25 @@ def quantize_rows(x):
     return xq, s
 
 
-def w8a8_matmul(x, q, scale):
+# XLA turns on cuBLASLt's FP8 "fast accumulation" for an FP8 dot at DEFAULT precision: Hopper's
+# FP8 MMAs then keep their partial sums at about 14 bits of mantissa for the whole K instead of
+# promoting them to float32 every few MMAs, and a K=4096 product drifts by ~2e-3 of its norm from
+# the float32 product of the same FP8 inputs (H100, M=2048). HIGHEST turns it off; exact inputs
+# then leave only float32 accumulation error. `fast=True` keeps it (timing the difference).
+def w8a8_matmul(x, q, scale, *, fast: bool = False):
     """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
     accumulating in float32, both scales applied to the product. q must be float8_e4m3fn."""
+    precision = None if fast else jax.lax.Precision.HIGHEST
     m, k = x.shape
     groups, n = scale.shape
     xq, xs = quantize_rows(x)
     if groups == 1:
-        y = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())),
+        y = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * scale
     else:  # one FP8 product per group of K, batched, then the scaled sum
         part = jax.lax.dot_general(xq.reshape(m, groups, k // groups).transpose(1, 0, 2),
                                    q.reshape(groups, k // groups, n),
-                                   (((2,), (1,)), ((0,), (0,))),
+                                   (((2,), (1,)), ((0,), (0,))), precision=precision,
                                    preferred_element_type=jnp.float32)  # [G, M, N]
         y = jnp.sum(part * scale[:, None, :], axis=0)
     return (y * xs).astype(x.dtype)

@@ -62,6 +62,26 @@ TABLE = {
 }
 
 
+# Quantized matmul tiles by weight shape (K, N) and rows: {(K, N): [(largest M, params), ...]},
+# the first entry whose M covers the call wins; a shape or M without an entry takes the kernel's
+# own rule (`w8a16_matmul.blocks_for`, `w4a16_matmul.params_for`). Entries come from
+# `python -m benchmarks.sweep_quant --out DIR`, which prints them in this form; an entry whose
+# tiles do not divide a call's shape is skipped. Llama-3-8B layers: qkv (4096, 6144),
+# o (4096, 4096), gate_up (4096, 28672), down (14336, 4096).
+QUANT_MATMUL = {
+    "w8a16": {},  # FP8 (or INT8 QArray) weights, kernels/w8a16_matmul.py
+    "w4a16": {},  # packed INT4 / INT8 weights, kernels/w4a16_matmul.py
+}
+
+
+def quant_params(kernel: str, m: int, k: int, n: int) -> dict | None:
+    """The tuned tiles of `kernel` for an [m, k] x [k, n] call, or None."""
+    for m_max, p in sorted(QUANT_MATMUL[kernel].get((k, n), ()), key=lambda e: e[0]):
+        if m <= m_max:
+            return dict(p)
+    return None
+
+
 def gpu_key() -> str:
     try:
         kind = jax.devices()[0].device_kind

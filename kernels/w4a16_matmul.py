@@ -118,48 +118,100 @@ def int_matmul_reference(x, words, scale, zero=None, perm=None, *, bits: int, gr
     return y.astype(x.dtype)
 
 
-def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles):
+# Bit patterns that make a code a float with one OR, no integer-to-float conversion (a quarter-
+# rate instruction on Hopper, which capped the first kernel at 0.3-0.5 TB/s): bf16 0x4300 | c is
+# 128 + c for c < 128 (8 significant bits hold 128..255), f32 0x4B000000 | c is 2**23 + c.
+BF16_MAGIC, BF16_BIAS = 0x4300, 128.0
+F32_MAGIC, F32_BIAS = 0x4B000000, 2.0 ** 23
+UNPACKS = ("convert", "magic")
+REDUCES = ("dot", "sum")
+
+
+def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles, unpack,
+            reduce, swap):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     per, mask, tile = 32 // bits, (1 << bits) - 1, tile_rows(bits)
     lo = pl.program_id(2) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, num_tiles)
 
+    def zero_of(g):
+        return 2.0 ** (bits - 1) if z_ref is None else z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+
+    def slab(words, t, j):
+        """(x columns, weight slab, zero, scale) of bit plane j of tile t."""
+        k0 = t * tile + j * SLAB
+        g = k0 // group_size
+        raw = (words >> (bits * j)) & mask
+        if reduce == "sum":  # f32 2**23 + c; minus 2**23 + zero is exact
+            w = lax.bitcast_convert_type(raw | F32_MAGIC, jnp.float32) - (F32_BIAS + zero_of(g))
+            return x_ref[pl.ds(k0, SLAB)].astype(jnp.float32), w, None, s_ref[pl.ds(g, 1), :]
+        xs = x_ref[:, pl.ds(k0, SLAB)]
+        if unpack == "magic":  # bf16 128 + c; 128 + zero comes off after the dot
+            w = lax.bitcast_convert_type((raw | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+            return xs, w, BF16_BIAS + zero_of(g), s_ref[pl.ds(g, 1), :]
+        w = (raw.astype(jnp.float32) - zero_of(g)).astype(xs.dtype)  # small ints: exact
+        return xs, w, None, s_ref[pl.ds(g, 1), :]
+
     def body(t, acc):
-        words = w_ref[pl.ds(t * SLAB, SLAB), :]
+        words = w_ref[pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), :]
         for j in range(per):
-            k0 = t * tile + j * SLAB
-            g = k0 // group_size
-            codes = ((words >> (bits * j)) & mask).astype(jnp.float32)
-            zero = 2.0 ** (bits - 1) if z_ref is None else z_ref[pl.ds(g, 1), :].astype(
-                jnp.float32)
-            w = (codes - zero).astype(x_ref.dtype)  # small integers: exact in bf16
-            part = plgpu.dot(x_ref[:, pl.ds(k0, SLAB)], w)
-            acc = acc + part * s_ref[pl.ds(g, 1), :]
+            xs, w, zero, scale = slab(words, t, j)
+            if reduce == "sum":
+                acc = acc + jnp.sum(xs[:, None] * w, axis=0, keepdims=True) * scale
+                continue
+            if swap:  # out^T = w^T x^T: the weight slab fills the MMA's rows
+                part = plgpu.dot(w, xs, trans_a=True, trans_b=True)
+                zero, scale = getattr(zero, "T", zero), scale.T  # zero: None, a float or [1, N]
+                xsum = lambda: jnp.sum(xs.astype(jnp.float32), axis=1)[None, :]
+            else:
+                part = plgpu.dot(xs, w)
+                xsum = lambda: jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+            if zero is not None:  # x . (c + 128) - (zero + 128) * sum(x): exact inputs
+                part = part - xsum() * zero
+            acc = acc + part * scale
         return acc
 
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
-    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+    shape = o_ref.shape[-2:]
+    acc = lax.fori_loop(lo, hi, body, jnp.zeros(shape[::-1] if swap else shape, jnp.float32))
+    o_ref[...] = (acc.T if swap else acc).reshape(o_ref.shape).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n",
-                                             "num_splits", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "num_splits", "num_warps", "num_stages", "unpack",
+                                             "reduce", "swap", "interpret"))
 def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
                       block_m: int = 16, block_n: int = 128, num_splits: int = 1,
-                      num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """x [M_pad, K_pad] (M_pad a multiple of block_m, K padded with zeros) -> [M_pad, N]."""
+                      num_warps: int = 4, num_stages: int = 3, unpack: str = "convert",
+                      reduce: str = "dot", swap: bool = False, interpret: bool = False):
+    """x [M_pad, K_pad] (M_pad a multiple of block_m, K padded with zeros) -> [M_pad, N].
+
+    `unpack="magic"` (INT4, bf16 x) makes each code a bf16 by its bit pattern and takes the
+    zero off after the dot; "convert" converts int -> f32 -> x's dtype. `reduce="sum"` (one
+    row, block_m 1) multiplies and sums in float32 instead of a padded MMA. `swap` computes
+    w^T x^T, so the unpacked slab (block_n rows) is the MMA's left operand, as Hopper's
+    warpgroup MMA wants, and the few rows of x its narrow right one."""
     m, k_pad = x.shape
     n = words.shape[1]
     block_n = min(block_n, n)
+    if unpack not in UNPACKS or reduce not in REDUCES:
+        raise ValueError(f"int matmul: unpack={unpack!r} must be one of {UNPACKS}, "
+                         f"reduce={reduce!r} one of {REDUCES}")
+    if unpack == "magic" and reduce == "dot" and (bits != 4 or x.dtype != jnp.bfloat16):
+        raise ValueError(f"int matmul: unpack='magic' takes 4 bits and bf16 x, not bits={bits}"
+                         f", {x.dtype}")
+    if reduce == "sum" and block_m != 1:
+        raise ValueError(f"int matmul: reduce='sum' takes block_m=1, not {block_m}")
     if m % block_m or n % block_n or k_pad != words.shape[0] * (32 // bits):
         raise ValueError(f"int matmul: x {x.shape} and words {words.shape} do not fit "
                          f"block_m={block_m}, block_n={block_n}, bits={bits}")
     num_tiles = k_pad // tile_rows(bits)
     per_split = -(-num_tiles // num_splits)
     kernel = functools.partial(_kernel, bits=bits, group_size=group_size,
-                               tiles_per_split=per_split, num_tiles=num_tiles)
+                               tiles_per_split=per_split, num_tiles=num_tiles, unpack=unpack,
+                               reduce=reduce, swap=swap and reduce == "dot")
     groups = scale.shape[0]
-    in_specs = [pl.BlockSpec((block_m, k_pad), lambda i, j, s: (i, 0)),
+    x_block = (None, k_pad) if reduce == "sum" else (block_m, k_pad)
+    in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, 0)),
                 pl.BlockSpec((words.shape[0], block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
     args = [x, words, scale]
@@ -191,9 +243,21 @@ def splits_for(m: int, n: int, num_tiles: int, block_m: int, block_n: int,
     return int(max(1, min(target_programs // blocks, num_tiles, 16)))
 
 
+def params_for(m: int, k_pad: int, n: int, bits: int) -> dict:
+    """Tiles for a call: the tuned entry of `tuning.QUANT_MATMUL` for this shape and M where one
+    fits, else 128 columns a program, rows in blocks of 16-64, split-K to fill the GPU."""
+    from . import tuning
+    p = tuning.quant_params("w4a16", m, k_pad, n) if bits == 4 else None
+    if p is not None and n % min(p.get("block_n", 128), n) == 0 and (
+            p.get("reduce", "dot") == "dot" or m == 1) and (
+            p.get("unpack", "convert") == "convert" or bits == 4):
+        return p
+    return dict(block_n=128)
+
+
 def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: int,
-               block_m: int | None = None, block_n: int = 128, num_splits: int | None = None,
-               interpret: bool = False, **compiler):
+               block_m: int | None = None, block_n: int | None = None,
+               num_splits: int | None = None, interpret: bool = False, **compiler):
     """x [..., K] @ the packed weights -> [..., N]. `perm` [K] (act order) gathers x's columns
     into the packed row order first. Rows are padded to the row block, K to the tile."""
     if perm is not None:
@@ -203,11 +267,21 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     check_group(group_size, k_pad)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    n = words.shape[1]
+    if block_n is None:  # nothing named: the tuned tiles (the caller's names override them)
+        tuned = params_for(m, k_pad, n, bits)
+        block_n, tuned_m = tuned.pop("block_n", 128), tuned.pop("block_m", None)
+        block_m = block_m or tuned_m
+        num_splits = tuned.pop("num_splits", num_splits) if num_splits is None else num_splits
+        compiler = tuned | compiler
+    if compiler.get("unpack") == "magic" and x2.dtype != jnp.bfloat16:
+        compiler = compiler | dict(unpack="convert")  # its bit patterns are bf16's
+    if compiler.get("reduce") == "sum":
+        block_m = 1
     block_m = block_m or block_m_for(m)
     m_pad = -(-m // block_m) * block_m
     if m_pad != m or k_pad != k:
         x2 = jnp.pad(x2, ((0, m_pad - m), (0, k_pad - k)))
-    n = words.shape[1]
     if num_splits is None:
         num_splits = splits_for(m_pad, n, k_pad // tile_rows(bits), block_m, min(block_n, n))
     y = int_matmul_packed(x2, words, scale, zero, bits=bits, group_size=group_size,

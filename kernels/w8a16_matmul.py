@@ -24,36 +24,66 @@ from jax.experimental.pallas import triton as plgpu
 
 
 def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
-            has_zero: bool):
+            has_zero: bool, dot_dtype, reduce: str, swap: bool):
     z_ref, o_ref = rest if has_zero else (None, rest[0])
     grouped = s_ref.shape[0] > 1
 
     def body(i, acc):
-        k0 = i * block_k
-        xs = x_ref[:, pl.ds(k0, block_k)]
+        k0 = pl.multiple_of(i * block_k, block_k)
         w = q_ref[pl.ds(k0, block_k), :]
         g = k0 // group_k  # this split's blocks of x, q and scales start at its first group
         if has_zero:
             w = w.astype(jnp.float32) - z_ref[pl.ds(g, 1), :].astype(jnp.float32)
-        part = plgpu.dot(xs, w.astype(xs.dtype))
-        return acc + (part * s_ref[pl.ds(g, 1), :] if grouped else part)
+        if reduce == "sum":  # one row: a broadcast multiply and a column sum, no padded MMA
+            xs = x_ref[pl.ds(k0, block_k)].astype(jnp.float32)
+            part = jnp.sum(xs[:, None] * w.astype(jnp.float32), axis=0, keepdims=True)
+        else:
+            xs = x_ref[:, pl.ds(k0, block_k)]
+            dt = xs.dtype if dot_dtype is None else dot_dtype
+            if swap:  # out^T = w^T x^T: the weight tile fills the MMA's rows
+                part = plgpu.dot(w.astype(dt), xs.astype(dt), trans_a=True, trans_b=True)
+            else:
+                part = plgpu.dot(xs.astype(dt), w.astype(dt))
+        if not grouped:
+            return acc + part
+        s = s_ref[pl.ds(g, 1), :]
+        return acc + part * (s.T if swap else s)
 
-    acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
+    shape = o_ref.shape[-2:]
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros(shape[::-1] if swap else shape, jnp.float32))
+    if swap:
+        acc = acc.T
     if not grouped:
         acc = acc * s_ref[...]
     o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
 
 
+REDUCES = ("dot", "sum")
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "dot_dtype", "reduce",
+                                             "swap", "interpret"))
 def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64,
                  block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
+                 dot_dtype: str | None = None, reduce: str = "dot", swap: bool = False,
                  interpret: bool = False):
-    """x [M, K], q [K, N], scale [G, N] float32, zero [G, N] or None -> [M, N] in x's dtype."""
+    """x [M, K], q [K, N], scale [G, N] float32, zero [G, N] or None -> [M, N] in x's dtype.
+
+    `dot_dtype` "float16" runs the MMA in f16 (FP8 -> f16 is one conversion per pair; bf16
+    activations are exact in f16 within its range); None: x's dtype. `reduce="sum"` (M = 1
+    only) multiplies and sums in float32 instead of a 16-row padded MMA. `swap` computes the
+    transposed product (w^T x^T), so the weight tile (block_n rows, converted in registers) is
+    the MMA's left operand and the few rows of x its narrow right one, as Hopper's warpgroup
+    MMA wants (64+ rows on the left)."""
     m, k = x.shape
     n = q.shape[1]
     groups = scale.shape[0]
     group_k = k // groups
+    if reduce not in REDUCES or reduce == "sum" and m != 1:
+        raise ValueError(f"w8a16_matmul: reduce={reduce!r} must be one of {REDUCES} "
+                         f"('sum' takes M=1, got M={m})")
+    block_m = 1 if reduce == "sum" else block_m
     block_n, block_k = min(block_n, n), min(block_k, k // split_k, group_k)
     if n % block_n or k % (split_k * block_k) or group_k % block_k:
         raise ValueError(f"w8a16_matmul: N={n} must be a multiple of block_n={block_n}, K={k} "
@@ -67,9 +97,12 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     if grouped and groups % split_k:
         raise ValueError(f"w8a16_matmul: {groups} scale groups do not split into {split_k}")
     kernel = functools.partial(_kernel, block_k=block_k, num_k=kps // block_k,
-                               group_k=group_k if grouped else k, has_zero=zero is not None)
+                               group_k=group_k if grouped else k, has_zero=zero is not None,
+                               dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype),
+                               reduce=reduce, swap=swap and reduce == "dot")
     s_spec = pl.BlockSpec((srows, block_n), lambda i, j, s: (s if grouped else 0, j))
-    in_specs = [pl.BlockSpec((block_m, kps), lambda i, j, s: (i, s)),
+    x_block = (None, kps) if reduce == "sum" else (block_m, kps)
+    in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, s)),
                 pl.BlockSpec((kps, block_n), lambda i, j, s: (s, j)), s_spec]
     args = [x, q, scale]
     if zero is not None:
@@ -90,9 +123,23 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     return out[:m]
 
 
+def fits(m: int, k: int, n: int, groups: int, p: dict) -> bool:
+    """Whether tiles `p` divide this call (a table entry for another shape may not)."""
+    block_n, split = min(p.get("block_n", 64), n), p.get("split_k", 1)
+    block_k = min(p.get("block_k", 256), k // split, k // groups)
+    return (n % block_n == 0 and k % (split * block_k) == 0 and (k // groups) % block_k == 0
+            and (groups == 1 or groups % split == 0) and (p.get("reduce", "dot") == "dot"
+                                                          or m == 1))
+
+
 def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132) -> dict:
-    """Tiles for a call: decode-sized M in one row block with K split until about two waves of
-    programs stream the weights; larger M in 64-row blocks of 128 columns, no split."""
+    """Tiles for a call: the tuned entry of `tuning.QUANT_MATMUL` for this shape and M where
+    one fits, else decode-sized M in one row block with K split until about two waves of
+    programs stream the weights, and larger M in 64-row blocks of 128 columns, no split."""
+    from . import tuning
+    p = tuning.quant_params("w8a16", m, k, n)
+    if p is not None and fits(m, k, n, groups, p):
+        return p
     if m > 16:
         return dict(block_m=64, block_n=128, block_k=64, split_k=1)
     block_n, block_k = 64, 256

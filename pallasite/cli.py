@@ -163,14 +163,10 @@ def report(prompt_tokens: int, completion_tokens: int, seconds: float, reason=No
 
 
 def enable_compilation_cache():
-    """Keep compiled steps on disk, so the next start skips most of the warm-up's compilations.
-    PALLASITE_CACHE_DIR picks the folder; empty turns the cache off."""
-    import os
-    path = os.environ.get("PALLASITE_CACHE_DIR", os.path.expanduser("~/.cache/pallasite/xla"))
-    if path:
-        import jax
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    """Keep compiled programs on disk (`serving/settings.py`): PALLASITE_CACHE_DIR picks the
+    folder, empty turns the cache off."""
+    from pallasite.serving.settings import enable_compilation_cache as enable
+    return enable()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,8 @@
 with the device state donated, and hand each request its tokens, text and finish reason.
 
 Shapes come from a small set of buckets: the token axis T, the sequence axis S = min(T,
-max_num_seqs) and the page-table width P. `warmup()` compiles every (T, P) pair ahead of time,
-so no request ever waits for a compilation, and `compilations` counts them all.
+max_num_seqs) and the page-table width P. `warmup()` compiles every reachable (T, P) pair ahead
+of time, so no request ever waits for a compilation, and `compilations` counts them all.
 
 The host runs one step ahead of the device: `step()` dispatches step n+1 and only then waits for
 step n's tokens, so scheduling, packing and detokenizing overlap the device's work. A sequence
@@ -39,7 +39,7 @@ from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
 from .speculative import SpeculativeConfig, make_speculator
-from .warmup import compile_all, default_page_buckets, first_run_loads
+from .warmup import default_page_buckets, warm_up
 
 HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's history
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
@@ -456,46 +456,9 @@ class Engine:
         return self._samplers[key]
 
     def warmup(self, workers: int | None = None):
-        """Compile every bucket and sampler variant (in parallel threads, as many as the cores
-        and memory take: `warmup.py`) and the history loader, then (on GPU, where a first run
-        loads modules) run each once on an all-padding batch, which writes no page and no slot."""
-        keys = sorted(((T, P) for T in self.token_buckets for P in self.page_buckets
-                       if (T, P) not in self._exe), key=lambda k: -k[0] * k[1])  # largest first
-        sizes = sorted({min(T, self.max_num_seqs) * self.rows for T in self.token_buckets})
-        samplers = [(S, m, *g) for S in sizes for m in sampling.MODES for g in ((), ("guided",))
-                    if (S, m, *g) not in self._samplers]
-        lowered = [self._lower(k) for k in keys] + [self._lower_sampler(*k) for k in samplers]
-        names = [f"step T={T} P={P}" for T, P in keys] + [" ".join(["sampler", f"S={k[0]}", *k[1:]])
-                                                           for k in samplers]
-        compiled = compile_all(lowered, names, workers)
-        self._exe.update(zip(keys, compiled[:len(keys)]))
-        self._samplers.update(zip(samplers, compiled[len(keys):]))
-        self.compilations += len(lowered)
-        if self._load is None:
-            self._compile_load()
-        for T, P in keys if first_run_loads() else ():
-            S = min(T, self.max_num_seqs)
-            fill = dict(kv_slots=-1, sources=-1)  # padding: no write
-            ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)
-                                   for name, n in int_layout(T, S, P, self.rows).items()])
-            kv, last_tokens, history = self.state
-            _, kv = self._exe[(T, P)](self.params, kv, last_tokens, ints)
-            self.state = (kv, last_tokens, history)
-        for S, mode, *guided in samplers:
-            floats, rows = sampling.pack_rows([], S)
-            ints = np.concatenate([np.full(S, -1, np.int32), rows.ravel()])  # -1: no sample
-            extra = guided_layout(S, self.config.vocab_size) if guided else (0, 0)
-            ints = np.concatenate([ints, np.full(extra[0], -1, np.int32)])
-            floats = np.concatenate([floats.ravel(), np.zeros(extra[1], np.float32)])
-            kv, last_tokens, history = self.state
-            logits = jnp.zeros((S, self.config.vocab_size), jnp.float32, device=self._inputs)
-            _, last_tokens, history = self._samplers[(S, mode, *guided)](
-                logits, last_tokens, history, ints, floats)
-            self.state = (kv, last_tokens, history)
-        if self.spec:
-            self.compilations += self.spec.warmup()
-        jax.block_until_ready(self.state)
-        return self
+        """Compile every program a step can need (`warmup.py`); `warmup_report` says how long
+        it took and what the persistent compilation cache held."""
+        return warm_up(self, workers)
 
     # -- penalties' token history -------------------------------------------------------------
     def _compile_load(self):

@@ -44,6 +44,14 @@ def default_num_pages(config, page_size: int, dtype, max_model_len: int, max_num
     return min(want, 4 * one_seq)
 
 
+def coarse(n: int) -> int:
+    """n rounded down to its 7 leading bits (within 1.6%): the pool's size, and so every
+    program's shapes, stay the same from one start to the next although the free memory moves by
+    a few megabytes, so the persistent compilation cache finds them."""
+    drop = max(n.bit_length() - 7, 0)
+    return n >> drop << drop
+
+
 def gpu_token_buckets(budget: int, max_num_seqs: int) -> list[int]:
     """Powers of two up to 256, then 1.5x / 2x steps (384, 512, 768, 1024, 1536, 2048, ...)
     up to the budget; the sequence limit is a bucket too (a full decode step)."""
@@ -74,10 +82,44 @@ def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages
         num_pages = GPU_MAX_SEQS * one_seq
         if free is not None:
             fit = int(GPU_KV_FRACTION * free // page_bytes(config, page_size, dtype))
-            num_pages = max(min(num_pages, fit), one_seq)
+            num_pages = max(min(num_pages, coarse(fit)), one_seq)
     if max_num_seqs is None:
         fits = num_pages * page_size // TOKENS_PER_SEQ
         max_num_seqs = max(32, min(GPU_MAX_SEQS, 1 << max(fits, 1).bit_length() - 1))
     budget = max_num_batched_tokens or max(GPU_BUDGET, max_num_seqs)
     return dict(num_pages=num_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                 token_buckets=token_buckets or gpu_token_buckets(budget, max_num_seqs))
+
+
+# -- the persistent compilation cache ---------------------------------------------------------
+CACHE_ENV = "PALLASITE_CACHE_DIR"  # a folder; empty: no cache
+
+
+def default_cache_dir() -> str:
+    """$PALLASITE_CACHE_DIR if set (empty: off), else the per-user cache folder
+    ($XDG_CACHE_HOME, or ~/.cache)/pallasite/xla."""
+    import os
+    if CACHE_ENV in os.environ:
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pallasite", "xla")
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Keep compiled programs on disk so that the next start loads its warm-up instead of
+    compiling it; returns the folder in use (None: off). `path` None takes `default_cache_dir()`;
+    "" turns it off. A folder the caller already gave JAX is kept unless $PALLASITE_CACHE_DIR
+    is set. Every program is stored whatever its compile time, so a second start compiles
+    nothing."""
+    import os
+    current = jax.config.jax_compilation_cache_dir
+    if current and path is None and CACHE_ENV not in os.environ:
+        return current
+    path = default_cache_dir() if path is None else path
+    if not path:
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

@@ -183,11 +183,11 @@ class Guide:
                 if c.samples and self.guided(c.seq) and c.seq.status != "finished"]
         if not rows:
             return None
-        from llguidance.numpy import fill_next_token_bitmask_par
         mask = np.full((S, self.words), -1, np.int32)
         ids, vals = np.zeros((S, MAX_LOGIT_BIAS), np.int32), np.zeros((S, MAX_LOGIT_BIAS), np.float32)
         matchers = [(s.matcher, i) for i, s in rows if s.matcher is not None]
-        if matchers:
+        if matchers:  # logit bias alone needs no grammar engine
+            from llguidance.numpy import fill_next_token_bitmask_par
             fill_next_token_bitmask_par(self.compiler.executor, matchers, mask)
         for i, s in rows:
             if s.bias is not None:

@@ -18,7 +18,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ[_OWNER] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The CLI turns the cache on in its own folder (~/.cache by default): the run's one instead.
+# The engine's warm-up keeps compiled programs in a per-user folder by default: the run's one
+# instead, so the suite stays hermetic (a test that wants a cache of its own sets its folder).
 os.environ.setdefault("PALLASITE_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
 if "jax" in sys.modules:  # imported before this file (a plugin): its flags have read the env
     import jax

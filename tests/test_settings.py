@@ -23,7 +23,7 @@ def test_gpu_sizes_from_free_memory(monkeypatch):
     monkeypatch.setattr(settings, "free_bytes", lambda device=None: 44 * 2**30)  # H100 after 8B
     sizes = settings.engine_sizes(LLAMA_8B, jnp.bfloat16, max_model_len=2048, page_size=16)
     page = 2 * 32 * 8 * 16 * 128 * 2
-    assert sizes["num_pages"] == int(0.85 * 44 * 2**30 // page)  # ~300k tokens of K/V
+    assert sizes["num_pages"] == settings.coarse(int(0.85 * 44 * 2**30 // page))  # ~300k tokens
     assert sizes["max_num_seqs"] == 1024 and sizes["max_num_batched_tokens"] == 8192
     assert sizes["token_buckets"] == [2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536,
                                       2048, 4096, 8192]
