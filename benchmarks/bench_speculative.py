@@ -6,8 +6,13 @@
 1. verify_cost_ratio: on the Llama-3-8B-shaped model (random bf16 weights), one engine step at
    batch 1 and context --context, verifying 1 + k tokens (k = 4), against a plain one-token
    decode step of an engine without speculation; each is the compiled forward + sampler, median
-   of --iters timed calls after warm-up. Checked: the verify step's first logits row equals
-   the plain step's (same token, same random cache), both computed in this run.
+   of --iters timed calls after warm-up. Each step is also timed as forward alone and sampler
+   alone, beside a third step: the plain engine on a chunk of 1 + k known tokens (bucket 8, one
+   logits row), which isolates the cost of the extra query tokens from that of the extra logits
+   rows and the sampler; on GPU each is profiled (device ms per category, profiling/
+   step_trace.py; --no-trace skips it). Checked: the verify step's first logits row against
+   the plain step's (same token, same random cache), both computed in this run (bf16 rounding
+   differs between the two shapes: benchmarks/spec_identity.py tells rounding from a bug).
 2. mean_accepted: the default model with its draft ("default-draft"), k = 4, greedy, on the
    beginnings of held-out documentation (the documents the training split held out: the same
    corpus, seed and split as the training recipe), tokens emitted per verify step; the outputs
@@ -18,7 +23,9 @@
    yields on the default pair, over what that step costs on the 8B shape relative to a plain
    step (i.e. assuming the 8B target would accept as the default pair does and the draft's own
    cost is negligible; the draft's steps are measured separately in e2e).
-5. e2e: the default pair's batch-1 tokens/s through LLM.generate, with and without speculation.
+5. e2e: the default pair's batch-1 tokens/s through LLM.generate, with and without speculation
+   (token buckets 1, 1 + k and 256: verify steps in their own bucket, as the engine's default
+   buckets have it).
 
 Writes DIR/speculative.json (docs/benchmarks/speculative.json is the committed record) and
 prints a table.
@@ -59,21 +66,25 @@ def parse(argv):
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts (parts 2, 5)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft", default="default-draft", help="draft of the default model")
+    ap.add_argument("--trace", action=argparse.BooleanOptionalAction, default=None,
+                    help="profile each step of part 1 (default: on GPU)")
     return ap.parse_args(argv)
 
 
 # -- 1. what a verify step costs ----------------------------------------------------------------
-def step_inputs(engine, context: int, draft: list[int]):
+def step_inputs(engine, context: int, draft: list[int], chunk: int = 1):
     """A decoding sequence with `context` tokens in its cache (pages allocated, K/V as they
-    are) and `draft` proposals, packed as the engine packs a step."""
-    seq = Sequence("bench", [1 + i % 200 for i in range(context)], None)
+    are) and `draft` proposals, packed as the engine packs a step; with `chunk` > 1 (no
+    draft) a chunk of that many known tokens ending at context - 1 + chunk instead."""
+    n = context - 1 + chunk
+    seq = Sequence("bench", [1 + i % 200 for i in range(n)], None)
     seq.row, seq.mode = engine_row(engine), 0  # greedy
-    engine.pages.grow("bench", context + len(draft))
+    engine.pages.grow("bench", n + len(draft))
     table = engine.pages.tables["bench"]
-    seq.num_computed, seq.slot, seq.draft = context + len(draft), 0, list(draft)
+    seq.num_computed, seq.slot, seq.draft = n + len(draft), 0, list(draft)
     engine.scheduler.page_table[0, :len(table)] = table
     engine.batch.admit(seq)
-    packed = engine.batch.pack([Chunk(seq, context - 1, 1 + len(draft), True)])
+    packed = engine.batch.pack([Chunk(seq, context - 1, chunk + len(draft), True)])
     engine.pages.free("bench")
     engine.scheduler.page_table[0] = 0
     return packed.ints, packed.sample_ints, packed.floats, packed.key, packed.mode
@@ -84,27 +95,72 @@ def engine_row(engine):
     return sampling.pack_rows([dict(temperature=0.0)], 1)
 
 
-def timed_step(engine, inputs, iters: int):
-    """Median seconds of the compiled forward + sampler, and the first logits row."""
+def timed_step(engine, inputs, iters: int, trace_dir=None):
+    """Median ms of the forward alone, the sampler alone (each waited for) and the two
+    back to back (the step), the first logits row, and (with trace_dir) a profiler breakdown."""
     ints, sample_ints, floats, key, mode = inputs
     exe = engine._exe.get(key) or engine._compile_now(key)
     S = min(key[0], engine.max_num_seqs) * engine.rows
     sampler = engine._samplers.get((S, mode)) or engine._compile_sampler(S, mode)
-    kv, last, hist = engine.state
-    times, first = [], None
-    for i in range(iters + 5):
+    first, fwd, smp, both = None, [], [], []
+    logits = None
+
+    def step(parts=None):
+        kv, last, hist = engine.state
         t = time.perf_counter()
         logits, kv = exe(engine.params, kv, last, ints)
+        if parts is not None:
+            jax.block_until_ready(logits)
+            parts.append(time.perf_counter() - t)
         out, last, hist = sampler(logits, last, hist, sample_ints, floats)
+        engine.state = (kv, last, hist)
+        return logits, out
+
+    for i in range(iters + 5):
+        parts = []
+        logits, out = step(parts)
         jax.block_until_ready(out)
-        times.append(time.perf_counter() - t)
+        fwd.append(parts[0])
         if first is None:
             first = np.asarray(logits[0], np.float32)
-    engine.state = (kv, last, hist)
-    return statistics.median(times[5:]), first
+    for i in range(iters + 5):  # the sampler alone, on the last logits
+        kv, last, hist = engine.state
+        t = time.perf_counter()
+        out, last, hist = sampler(logits, last, hist, sample_ints, floats)
+        jax.block_until_ready(out)
+        smp.append(time.perf_counter() - t)
+        engine.state = (kv, last, hist)
+    for i in range(iters + 5):
+        t = time.perf_counter()
+        jax.block_until_ready(step()[1])
+        both.append(time.perf_counter() - t)
+    med = lambda xs: 1e3 * statistics.median(xs[5:])
+    rec = dict(key=list(key), rows=S, forward_ms=med(fwd), sampler_ms=med(smp), step_ms=med(both))
+    if trace_dir is not None:
+        rec["trace"] = trace_breakdown(engine, exe, sampler, lambda: step()[1], trace_dir,
+                                       rec["step_ms"])
+    return rec, first
 
 
-def verify_cost(args) -> dict:
+def trace_breakdown(engine, exe, sampler, step, directory, wall_ms, steps: int = 10):
+    """Device time per category (profiling/step_trace.py) of `steps` pipelined steps."""
+    try:
+        from profiling.step_engine import trace_steps
+        from profiling.step_trace import breakdown, device_ops, parse_hlo
+        path = trace_steps(step, steps, str(directory))
+        modules = [parse_hlo(exe.as_text(), "forward"), parse_hlo(sampler.as_text(), "sampler")]
+        b = breakdown(device_ops(path), modules, steps, engine.config.vocab_size, wall_ms)
+        return dict(kernel_ms=b["kernel_ms"], busy_ms=b["busy_ms"], ops_per_step=b["ops_per_step"],
+                    categories={k: round(v["ms"], 4) for k, v in b["categories"].items()},
+                    top=b["top"][:8])
+    except Exception as e:  # a profiler problem must not cost the timings
+        return dict(error=f"{type(e).__name__}: {e}")
+
+
+def verify_cost(args, out: Path) -> dict:
+    """Three steps on one random cache: a plain decode step (bucket 2), a plain step of a
+    5-token chunk (bucket 8, one logits row: the extra query tokens alone) and the verify step
+    (bucket 8, 5 logits rows, the speculative sampler): where the verify step's extra time is."""
     config = config_from_dict(TINY if args.tiny else LLAMA_8B)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     params = jax.jit(lambda: init_params(config, 0, dtype))()
@@ -119,12 +175,21 @@ def verify_cost(args) -> dict:
           for i, (k, v) in enumerate(plain.state[0])]
     plain.state = (kv, *plain.state[1:])
     spec.state = (jax.tree.map(jnp.copy, kv), *spec.state[1:])
-    t_plain, row_plain = timed_step(plain, step_inputs(plain, args.context, []), args.iters)
-    t_verify, row_verify = timed_step(spec, step_inputs(spec, args.context, [7] * K), args.iters)
+    trace = (lambda name: out / "traces" / name) if args.trace else (lambda name: None)
+    decode, row_plain = timed_step(plain, step_inputs(plain, args.context, []), args.iters,
+                                   trace("decode"))
+    chunk, _ = timed_step(plain, step_inputs(plain, args.context, [], chunk=1 + K), args.iters,
+                          trace("chunk"))
+    verify, row_verify = timed_step(spec, step_inputs(spec, args.context, [7] * K), args.iters,
+                                    trace("verify"))
     err = float(np.max(np.abs(row_plain - row_verify)) / (np.max(np.abs(row_plain)) + 1e-9))
     return dict(model="tiny" if args.tiny else "llama-3-8b-shaped", dtype=str(np.dtype(dtype)),
-                context=args.context, k=K, decode_ms=1e3 * t_plain, verify_ms=1e3 * t_verify,
-                verify_cost_ratio=t_verify / t_plain, first_row_rel_err=err,
+                context=args.context, k=K, decode_ms=decode["step_ms"],
+                verify_ms=verify["step_ms"], verify_cost_ratio=verify["step_ms"] / decode["step_ms"],
+                steps=dict(decode=decode, chunk_1_plus_k=chunk, verify=verify),
+                first_row_rel_err=err,
+                # bf16: the two steps' matrix shapes and split-K shares differ, so their roundings
+                # do (benchmarks/spec_identity.py); float32 must agree closely.
                 first_row_match=err < (1e-4 if args.tiny else 3e-2))
 
 
@@ -152,7 +217,9 @@ def generate_timed(llm, prompts, max_tokens):
 
 def acceptance(args) -> dict:
     from pallasite.serving.llm import LLM
-    kw = dict(max_num_seqs=1, max_num_batched_tokens=256, token_buckets=[1, 256],
+    # The verify steps take the engine's own bucket of 1 + k tokens (its default buckets have
+    # one), not the 256-token prefill bucket.
+    kw = dict(max_num_seqs=1, max_num_batched_tokens=256, token_buckets=[1, K + 1, 256],
               max_model_len=1024)
     docs = held_out_documents(args.prompts)
     rec = {}
@@ -206,13 +273,33 @@ def table(r) -> str:
     return "\n".join(f"{a:<34} {b:<26} {c:<10} {d}" for a, b, c, d in rows)
 
 
+def parts_table(steps) -> str:
+    """Forward / sampler / step ms of the three part-1 steps, and the traced device time per
+    category where a trace was taken."""
+    lines = [f"{'part 1 step':<16} {'T,P':<8} {'rows':>4} {'forward':>9} {'sampler':>9} "
+             f"{'step':>9}  (ms)"]
+    for name, r in steps.items():
+        lines.append(f"{name:<16} {str(tuple(r['key'])):<8} {r['rows']:>4} {r['forward_ms']:>9.3f}"
+                     f" {r['sampler_ms']:>9.3f} {r['step_ms']:>9.3f}")
+    traced = {n: r["trace"]["categories"] for n, r in steps.items()
+              if "categories" in r.get("trace", {})}
+    if traced:
+        cats = sorted({c for v in traced.values() for c in v})
+        lines.append(f"{'device ms/step':<24}" + "".join(f"{n:>16}" for n in traced))
+        for c in cats:
+            lines.append(f"{c:<24}" + "".join(f"{v.get(c, 0.0):>16.4f}" for v in traced.values()))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse(argv)
+    if args.trace is None:
+        args.trace = jax.default_backend() == "gpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d"))
-    record["verify"] = verify_cost(args)
+    record["verify"] = verify_cost(args, out)
     if not record["verify"]["first_row_match"]:
         print("the verify step's first row differs from the plain step's", file=sys.stderr)
     record["acceptance"] = acceptance(args)
@@ -223,6 +310,7 @@ def main(argv=None):
                                            "/ verify_cost_ratio (8B-shaped, verify 1+4 vs decode)")
     (out / "speculative.json").write_text(json.dumps(record, indent=2) + "\n")
     print(table(record))
+    print(parts_table(record["verify"]["steps"]))
     return 0
 
 

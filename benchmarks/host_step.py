@@ -3,9 +3,14 @@
 `cpu_ms_per_step` (the thread's CPU time) is the figure to read on a shared machine, where
 wall time includes waiting for a core. The engine drives a tiny model, but its compiled programs are replaced by stand-ins that return
 a token per row at once, so what is timed is the host's own work: scheduling, packing the batch,
-dispatch and accepting the sampled tokens. `--profile` prints the cProfile of the decode steps.
+dispatch and accepting the sampled tokens. `--profile` prints the cProfile of the timed steps.
 
-    python -m benchmarks.host_step --seqs 1024 [--profile] [--tokenizer]
+Pure decode (default): every sequence decodes through the timed steps. `--mixed`: outputs are
+short (uniform in [8, 2 * --churn_output]) and finished requests are replaced by new prompts, so
+each step carries ~1024 decode rows plus the prefill chunks of the newly admitted ones (the
+churn of a ShareGPT run).
+
+    python -m benchmarks.host_step --seqs 1024 [--mixed] [--profile] [--tokenizer]
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class _Tok:
         return "".join(chr(97 + i % 26) * 2 for i in ids)
 
 
-def build(seqs: int, prompt: int, output: int, tokenizer: bool):
+def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False):
     import jax
     from pallasite.model import config_from_dict, init_params
     from pallasite.serving.engine import Engine
@@ -82,10 +87,24 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool):
                     max_model_len=2048, page_buckets=[128])
     fake_device(engine, 1000)
     rng = np.random.default_rng(0)
-    sp = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
-    for i in range(seqs):
-        engine.add_request(f"r{i}", rng.integers(1000, 30000, prompt).tolist(), sp)
+    engine.arrivals = iter(range(1 << 30))
+
+    def add():
+        n = int(rng.integers(8, 2 * output + 1)) if mixed else output
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(f"r{next(engine.arrivals)}", rng.integers(1000, 30000, prompt).tolist(),
+                           sp)
+    engine.add = add
+    for _ in range(seqs):
+        add()
     return engine
+
+
+def step(engine, mixed: bool):
+    """One engine step; in mixed mode each finished request is replaced by a new one."""
+    finished = sum(out.finished for out in engine.step())
+    for _ in range(finished if mixed else 0):
+        engine.add()
 
 
 def python_loop_ms() -> float:
@@ -113,33 +132,40 @@ def timed(obj, name: str, into: dict):
     setattr(obj, name, wrapper)
 
 
-def measure(engine, steps: int, profile: bool) -> dict:
-    while any(s.num_computed < len(s.prompt_ids) for s in engine.seqs.values()):
-        engine.step()  # prefill everything first
-    for _ in range(3):
-        engine.step()
+def measure(engine, steps: int, profile: bool, mixed: bool = False) -> dict:
+    first = list(engine.seqs.values())
+    while any(s.status == "waiting" or (s.status == "running" and s.num_computed < len(
+            s.prompt_ids)) for s in first):
+        step(engine, mixed)  # prefill everything first
+    for _ in range(3 if not mixed else 40):  # mixed: until requests finish and new ones come
+        step(engine, mixed)
     running = len(engine.scheduler.running)
     engine.totals.update(steps=0, host_s=0.0, wait_s=0.0)
     parts = {}
-    for obj, name in [(engine.scheduler, "schedule"), (engine.batch, "pack"),
+    schedule = "schedule_step" if hasattr(engine.scheduler, "schedule_step") else "schedule"
+    for obj, name in [(engine.scheduler, schedule), (engine.batch, "pack"),
                       (engine, "_dispatch"), (engine, "_accept")]:
         timed(obj, name, parts)
     prof = cProfile.Profile() if profile else None
     t, cpu = time.perf_counter(), time.thread_time()
     if prof:
         prof.enable()
-    per_step = []
+    per_step, tokens = [], 0
+    engine.step_log = []
     for _ in range(steps):
         t0 = time.thread_time()
-        engine.step()
+        step(engine, mixed)
         per_step.append(time.thread_time() - t0)
+    tokens = [e["tokens"] for e in engine.step_log]
+    engine.step_log = None
     if prof:
         prof.disable()
     wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     stats = engine.stats()
-    return dict(running=running, steps=steps, host_ms_per_step=stats["host_ms_per_step"],
+    return dict(mode="mixed" if mixed else "decode", running=running, steps=steps,
+                tokens_per_step=float(np.mean(tokens)), host_ms_per_step=stats["host_ms_per_step"],
                 wall_ms_per_step=1e3 * wall / steps, cpu_ms_per_step=1e3 * cpu / steps,
                 cpu_ms_median=1e3 * float(np.median(per_step)),
                 cpu_ms_best=1e3 * float(np.min(per_step)),
@@ -156,10 +182,14 @@ def main(argv=None):
     ap.add_argument("--output", type=int, default=400)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--tokenizer", action="store_true", help="detokenize every output")
+    ap.add_argument("--mixed", action="store_true", help="requests finish and new ones arrive")
+    ap.add_argument("--churn_output", type=int, default=64,
+                    help="--mixed: mean output tokens of a request")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
-    engine = build(args.seqs, args.prompt, args.output, args.tokenizer)
-    rec = measure(engine, args.steps, args.profile)
+    engine = build(args.seqs, args.prompt, args.churn_output if args.mixed else args.output,
+                   args.tokenizer, args.mixed)
+    rec = measure(engine, args.steps, args.profile, args.mixed)
     print(json.dumps(rec))
     return rec
 

@@ -228,6 +228,31 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                                         **opts, **kw)
 
 
+def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_lens, page_table,
+                  *, sm_scale, impl=None, interpret=False, **blocks):
+    """Multi-head latent attention in the absorbed form over latent pages, on one flat token
+    axis (`mla_decode.py`): q_lat [T, H, L], q_pe [T, H, R] -> [T, H, L]. On GPU each token is
+    a row of the Pallas decode kernel (its own context, its sequence's pages); elsewhere the
+    jnp reference."""
+    from . import mla_decode
+    if not _use_pallas(impl, interpret):
+        return mla_decode.ragged_mla_reference(q_lat, q_pe, latent_pages, rope_pages,
+                                               query_start, context_lens, page_table,
+                                               sm_scale=sm_scale)
+    T, H = q_lat.shape[:2]
+    lens, table = mla_decode.token_rows(query_start, context_lens, page_table, T)
+    kw = dict(block_h=min(32, max(16, pl_next_power_of_2(H)))) | blocks
+    if "num_splits" not in kw:
+        tiles = -(-table.shape[1] // kw.get("pages_per_block", 1))
+        kw["num_splits"] = tuning.num_splits(T * -(-H // kw["block_h"]), tiles)
+    return mla_decode.mla_decode(q_lat, q_pe, latent_pages, rope_pages, lens, table,
+                                 sm_scale=sm_scale, interpret=interpret, **kw)
+
+
+def pl_next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=None,
              interpret=False):
     """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding), in place

@@ -12,15 +12,16 @@ import math
 from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
-            "gemma3_text", "gpt_oss")
+            "gemma3_text", "gpt_oss", "deepseek_v2", "deepseek_v3")
 # Families whose every layer takes `sliding_window` when it is set (no per-layer choice).
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
 MOE = ("mixtral", "qwen3_moe", "gpt_oss")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (model/mla.py)
 GEMMA = ("gemma2", "gemma3_text")
 # transformers' defaults where config.json leaves max_position_embeddings out.
 MAX_POSITIONS = {"mistral": 131072, "mixtral": 131072, "qwen2": 32768, "qwen3": 32768,
                  "qwen3_moe": 32768, "gemma2": 8192, "gemma3_text": 131072,
-                 "gpt_oss": 131072}
+                 "gpt_oss": 131072, "deepseek_v2": 2048, "deepseek_v3": 4096}
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -97,6 +98,28 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     expert_weights: str = ""
+    # DeepSeek's multi-head latent attention (kv_lora_rank > 0): queries through an optional
+    # low-rank q_lora_rank, keys and values from one shared latent of kv_lora_rank dims plus a
+    # RoPE key of qk_rope_head_dim shared by all heads; head_dim is qk_nope + qk_rope.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    softmax_mscale: float = 1.0  # YaRN's mscale_all_dim: scores scale by its square
+    rope_interleave: bool = False  # RoPE on interleaved pairs (the loader reorders the rows)
+    # DeepSeek's MoE: shared experts beside the routed ones; dense MLPs in the first layers (and
+    # off the moe_layer_freq stride); experts chosen within the best topk_group of n_group groups
+    # ("greedy", "group_limited_greedy" by each group's best, "noaux_tc" by each group's best two
+    # with e_score_correction_bias added for the choice only); weights scaled by routed_scaling.
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = ""
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -108,6 +131,23 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether `layer` routes to experts (DeepSeek keeps its first layers dense)."""
+        return self.is_moe and layer >= self.first_k_dense_replace and (
+            layer % self.moe_layer_freq == 0)
+
+    @property
+    def kv_arrays(self) -> tuple[int, ...]:
+        """The last dim of each of a layer's page arrays: K and V (head_dim each), or MLA's
+        latent (kv_lora_rank) and RoPE key (qk_rope_head_dim), with num_kv_heads = 1."""
+        if self.is_mla:
+            return (self.kv_lora_rank, self.qk_rope_head_dim)
+        return (self.head_dim, self.head_dim)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -124,7 +164,7 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * self.softmax_mscale ** 2
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -149,6 +189,20 @@ class ModelConfig:
                               f"{self.num_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.is_mla and self.num_kv_heads != 1:
+            raise ConfigError("multi-head latent attention keeps one latent: num_kv_heads must "
+                              f"be 1, got {self.num_kv_heads}")
+        if self.is_moe and (self.num_experts % self.n_group or not
+                            0 < self.topk_group <= self.n_group):
+            raise ConfigError(f"n_group ({self.n_group}) must divide n_routed_experts "
+                              f"({self.num_experts}) and topk_group ({self.topk_group}) be in "
+                              f"1..n_group")
+        if self.topk_method not in ("", "greedy", "group_limited_greedy", "noaux_tc"):
+            raise ConfigError(f"topk_method {self.topk_method!r} is not supported (supported: "
+                              "greedy, group_limited_greedy, noaux_tc)")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported (supported: "
+                              "softmax, sigmoid)")
         if not (self.rotary_dim == 0 or 0 < self.rotary_dim <= self.head_dim
                 and self.rotary_dim % 2 == 0):
             raise ConfigError(f"rotary_dim {self.rotary_dim} must be even and <= head_dim "
@@ -309,6 +363,8 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: {FAMILIES}")
     num_layers = int(raw["num_hidden_layers"])
     _check_unsupported(raw, model_type)
+    if model_type in DEEPSEEK:  # one latent for all heads: its kv heads are set by _deepseek
+        raw = {**raw, "num_key_value_heads": raw["num_attention_heads"]}
     gemma = model_type in GEMMA
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     head_dim = int(_get(raw, "head_dim", default=256 if gemma else hidden // heads))
@@ -325,7 +381,7 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
     moe = model_type in MOE
     oss = model_type == "gpt_oss"
     cap = lambda key, gemma2_default: raw.get(key, gemma2_default if model_type == "gemma2" else None)
-    return ModelConfig(
+    config = ModelConfig(
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
@@ -370,6 +426,44 @@ def config_from_dict(raw: dict, name: str = "") -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos,
         name=name,
+    )
+    return config.replace(**_deepseek(raw, config)) if model_type in DEEPSEEK else config
+
+
+def _deepseek(raw: dict, config: ModelConfig) -> dict:
+    """The fields DeepSeek-V2/V3 set, read with transformers' defaults. V3 always scores with a
+    sigmoid and picks by noaux_tc (transformers' DeepseekV3TopkRouter reads neither field); V2
+    scores with a softmax and takes `topk_method` (greedy or group_limited_greedy)."""
+    v3 = raw["model_type"] == "deepseek_v3"
+    for field in ("attention_bias", "mlp_bias"):
+        if raw.get(field):
+            raise ConfigError(f"{field}=true is not supported for {raw['model_type']}")
+    nope, rope = int(raw.get("qk_nope_head_dim", 128)), int(raw.get("qk_rope_head_dim", 64))
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    mscale = 1.0
+    if params.get("rope_type", params.get("type", "default")) != "default" and params.get(
+            "mscale_all_dim"):
+        mscale = _mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+    experts = int(raw.get("n_routed_experts") or 0)
+    topk = raw.get("topk_method") or "greedy"
+    return dict(
+        num_kv_heads=1, head_dim=nope + rope, rotary_dim=0, qkv_bias=False,
+        q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        kv_lora_rank=int(raw.get("kv_lora_rank", 512)), qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope, v_head_dim=int(raw.get("v_head_dim") or 128),
+        softmax_mscale=mscale, rope_interleave=not v3 or bool(raw.get("rope_interleave", True)),
+        num_experts=experts, num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0)
+        if experts else 0,
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 1407)) if experts else 0,
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+        n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+        topk_method="noaux_tc" if v3 else topk, scoring_func="sigmoid" if v3 else "softmax",
+        # As DeepSeek's own code and vLLM read it (transformers' V2 router ignores the field;
+        # DeepSeek-V2's published configs set it false).
+        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
     )
 
 

@@ -151,13 +151,15 @@ def activation(name: str):
 class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    width: int = 0  # hidden units (0: intermediate_size)
 
     @nn.compact
     def __call__(self, x):
         c = self.config
-        w_gate = param(self, "w_gate", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
-        w_up = param(self, "w_up", (c.hidden_size, c.intermediate_size), ("embed", "mlp"), self.dtype)
-        w_down = param(self, "w_down", (c.intermediate_size, c.hidden_size), ("mlp", "embed"), self.dtype)
+        f = self.width or c.intermediate_size
+        w_gate = param(self, "w_gate", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
+        w_up = param(self, "w_up", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
+        w_down = param(self, "w_down", (f, c.hidden_size), ("mlp", "embed"), self.dtype)
         h = activation(c.hidden_act)(quant.linear(x, w_gate)) * quant.linear(x, w_up)
         return quant.linear(h, w_down)
 
@@ -174,6 +176,15 @@ def route(x, router, top_k: int, renormalize: bool, router_bias=None):
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), experts
+
+
+def route_tokens(config: ModelConfig, x, router, router_bias=None):
+    """The family's routing: DeepSeek's grouped top-k (`deepseek.route_grouped`, the bias its
+    e_score_correction_bias) or `route` (the bias GPT-OSS's router bias)."""
+    if config.topk_method:
+        from .deepseek import route_grouped
+        return route_grouped(x, router, config, router_bias)
+    return route(x, router, config.num_experts_per_tok, config.norm_topk_prob, router_bias)
 
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=None, biases=None):
@@ -228,14 +239,22 @@ class MoE(nn.Module):
             biases = (param(self, "b_gate", (e, f), ("experts", "mlp"), self.dtype, zeros),
                       param(self, "b_up", (e, f), ("experts", "mlp"), self.dtype, zeros),
                       param(self, "b_down", (e, d), ("experts", "embed"), self.dtype, zeros))
+        if c.topk_method == "noaux_tc":  # DeepSeek-V3's e_score_correction_bias (float32)
+            router_bias = param(self, "score_bias", (e,), (None,), jnp.float32,
+                                nn.initializers.zeros)
         if c.swiglu_limit is not None:
             glu = clamped_swiglu(c.swiglu_limit, c.swiglu_alpha)
+        # DeepSeek's shared experts: one dense MLP every token takes beside the routed ones.
+        shared = MLP(c, self.dtype, c.moe_intermediate_size * c.n_shared_experts,
+                     name="shared")(x) if c.n_shared_experts else 0
         shape = x.shape
         x = x.reshape(-1, d)
         if (hooks := _HOOKS.get()) is not None:
-            extras = {} if biases is None else dict(router_bias=router_bias, biases=biases)
-            return hooks.moe(x, router, w_gate, w_up, w_down, glu=glu, **extras).reshape(shape)
-        weights, experts = route(x, router, c.num_experts_per_tok, c.norm_topk_prob, router_bias)
+            extras = {} if router_bias is None else dict(router_bias=router_bias)
+            extras |= {} if biases is None else dict(biases=biases)
+            return hooks.moe(x, router, w_gate, w_up, w_down, glu=glu, **extras).reshape(
+                shape) + shared
+        weights, experts = route_tokens(c, x, router, router_bias)
         expert_fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down, glu,
                                                          biases)
-        return moe_dispatch_combine(x, weights, experts, e, expert_fn).reshape(shape)
+        return moe_dispatch_combine(x, weights, experts, e, expert_fn).reshape(shape) + shared

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from . import fp8_checkpoint, quant
-from .config import ModelConfig, load_config
+from . import deepseek, fp8_checkpoint, quant
+from .config import DEEPSEEK, ModelConfig, load_config
 from .errors import CheckpointError
 from .transformer import param_shapes
 
@@ -56,6 +56,8 @@ def _open(file: Path):
 
 def _layer_sources(config: ModelConfig, i: int) -> dict[tuple, tuple]:
     """For one layer: param path -> (HF tensor names, function building the param from them)."""
+    if config.model_type in DEEPSEEK:
+        return deepseek.layer_sources(config, i)
     c, p = config, f"model.layers.{i}."
     d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     L = f"layers_{i}"
@@ -273,7 +275,8 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
         raise CheckpointError(f"checkpoint {path} lacks tensor(s) {missing[:5]}{more}")
     tied_head = config.tie_word_embeddings and "lm_head.weight" in files
     extra = sorted(n for n in files.keys() - wanted
-                   if not n.endswith(IGNORED_SUFFIXES) and not (tied_head and n == "lm_head.weight"))
+                   if not n.endswith(IGNORED_SUFFIXES) and not (tied_head and n == "lm_head.weight")
+                   and not deepseek.is_extra_layer(n, config))
     if extra:
         raise CheckpointError(f"checkpoint {path} has tensor(s) the {config.model_type} config "
                               f"does not use: {extra[:5]} (in {files[extra[0]].name})")
@@ -301,8 +304,9 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
         sharding = None if shardings is None else _get(shardings, param_path)
-        value = jnp.asarray(value, dtype) if sharding is None else jax.device_put(
-            value.astype(dtype), sharding)
+        # Each param in its own dtype: `dtype`, but float32 for DeepSeek-V3's score bias.
+        value = jnp.asarray(value, want.dtype) if sharding is None else jax.device_put(
+            value.astype(want.dtype), sharding)
         if quantization and quant.linear_axes(param_path) is not None:
             value = _quantize_in_place(value, quant.contract_axes_of(param_path), sharding,
                                        quantization, quant.linear_axes(param_path))

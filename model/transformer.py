@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from .attention import Attention, Batch
 from .config import ModelConfig
 from .layers import MLP, MoE, RMSNorm, constrain, embed_lookup, param
+from .mla import MLAttention
 
 
 class Block(nn.Module):
@@ -26,12 +27,14 @@ class Block(nn.Module):
         c = self.config
         norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype,
                                     plus_one=c.norm_plus_one, name=name)
-        h, layer_cache = Attention(c, self.dtype, self.layer, name="attn")(
+        attention = MLAttention if c.is_mla else Attention
+        h, layer_cache = attention(c, self.dtype, self.layer, name="attn")(
             norm("attn_norm")(x), positions, segment_ids, layer_cache, batch)
         if c.sandwich_norms:  # Gemma also normalizes each sublayer's output
             h = norm("attn_post_norm")(h)
         x = x + h
-        ffn = MoE(c, self.dtype, name="moe") if c.is_moe else MLP(c, self.dtype, name="mlp")
+        ffn = MoE(c, self.dtype, name="moe") if c.layer_is_moe(self.layer) else MLP(
+            c, self.dtype, name="mlp")
         h = ffn(norm("mlp_norm")(x))
         if c.sandwich_norms:
             h = norm("mlp_post_norm")(h)
@@ -55,7 +58,9 @@ class Decoder(nn.Module):
     def logits(self, x):
         x = self.final_norm(x)
         w = self.embed.T if self.config.tie_word_embeddings else self.lm_head
-        logits = (x @ w).astype(jnp.float32)
+        # float32 out of the accumulator: bf16 logits tie within 2^-8 of their size, and a tie
+        # broken by rounding differs between step shapes (e.g. speculative verify vs decode).
+        logits = jnp.matmul(x, w, preferred_element_type=jnp.float32)
         if cap := self.config.final_logit_softcap:
             logits = jnp.tanh(logits / cap) * cap
         return logits
@@ -126,16 +131,27 @@ def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int):
     return (config.num_kv_heads, num_pages, page_size, config.head_dim)
 
 
+def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
+    """KV cache bytes one token takes over all layers (MLA: its latent and RoPE key)."""
+    return (config.num_layers * config.num_kv_heads * sum(config.kv_arrays)
+            * jnp.dtype(dtype).itemsize)
+
+
 KV_SCALE = 1.0  # the per-KV-head scale of float8 pages (K and V are stored as x / scale)
 
 
-def kv_layer_cache(full, shape, dtype):
+def kv_layer_cache(full, shape, dtype, dims=None):
     """One layer's cache: (k_pages, v_pages) each `shape` [kv_heads, pages, page, head_dim] in
-    `dtype`; with a one-byte dtype (float8) also (k_scale, v_scale), float32 [kv_heads, 1, 1, 1]
-    (the pages' rank, so they shard like the pages). `full(shape, value, dtype)` makes each."""
-    pages = (full(shape, 0, dtype), full(shape, 0, dtype))
+    `dtype`, or with `dims` (`ModelConfig.kv_arrays`) arrays of those last dims (MLA: latent
+    and RoPE key); with a one-byte dtype (float8) also (k_scale, v_scale), float32 [kv_heads, 1,
+    1, 1] (the pages' rank, so they shard like the pages). `full(shape, value, dtype)` makes
+    each."""
+    dims = dims or (shape[-1], shape[-1])
+    pages = tuple(full((*shape[:-1], d), 0, dtype) for d in dims)
     if jnp.dtype(dtype).itemsize > 1:
         return pages
+    if dims[0] != dims[1]:
+        raise ValueError("a float8 KV cache is not supported for multi-head latent attention")
     scale = (shape[0], 1, 1, 1)
     return pages + (full(scale, KV_SCALE, jnp.float32), full(scale, KV_SCALE, jnp.float32))
 
@@ -144,4 +160,5 @@ def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp
     """A list per layer of (k_pages, v_pages), each [kv_heads, num_pages, page_size, head_dim];
     float8 pages come with their scales (`kv_layer_cache`)."""
     shape = kv_cache_shape(config, num_pages, page_size)
-    return [kv_layer_cache(jnp.full, shape, dtype) for _ in range(config.num_layers)]
+    return [kv_layer_cache(jnp.full, shape, dtype, config.kv_arrays)
+            for _ in range(config.num_layers)]

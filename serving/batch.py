@@ -4,8 +4,9 @@ Everything per sequence that a step needs and that does not change from step to 
 arrays indexed by the sequence's slot: the sampler's parameters (written once, at admission),
 the prompt length, the sampler variant, and the page table (the scheduler's `page_table`,
 written only where pages change). Packing a step is then a handful of numpy gathers over the
-chunks' slots; the only per-sequence Python is reading four numbers off each chunk, and the
-tokens of prefill chunks.
+step's slots (the scheduler hands the step over as arrays, `scheduler.Step`); the only
+per-sequence Python is gathering the tokens the host knows of rows that have any to send (prefill
+chunks; decode rows only when the host does not run a step ahead).
 
 A step's device input is two flat arrays (one transfer each): int32 (`int_layout`: the forward
 pass's token axis and batch metadata, then the sampler's rows) and float32 (the sampler's
@@ -19,9 +20,11 @@ import itertools
 import numpy as np
 
 from . import sampling
+from .scheduler import Step
 
 INDEX = list(sampling.INT_FIELDS).index("index")  # rows of the sampler's int parameters
 HISTORY_ROW = list(sampling.INT_FIELDS).index("history_row")
+LOGPROBS = list(sampling.INT_FIELDS).index("logprobs")
 
 
 def int_layout(T: int, S: int, P: int, R: int = 1) -> dict[str, int]:
@@ -52,8 +55,13 @@ class BatchState:
         self.token_buckets, self.page_buckets = token_buckets, page_buckets
         self.neutral = sampling.pack_rows([], 1)  # a padding row: ([6, 1], [5, 1])
         self.floats, self.ints = sampling.pack_rows([], max_num_seqs)  # [6, R], [5, R]
-        self.prompt_len = np.zeros(max_num_seqs, np.int32)
+        self.prompt_len = np.zeros(max_num_seqs, np.int64)
         self.mode = np.zeros(max_num_seqs, np.int8)
+        # What each step's outputs repeat for a slot's request (engine._accept reads them).
+        self.request_id = np.full(max_num_seqs, None, object)
+        self.arrival = np.zeros(max_num_seqs)
+        self.first_token = np.zeros(max_num_seqs)  # time of its first token, once it has one
+        self.cached = np.zeros(max_num_seqs, np.int64)
 
     def admit(self, seq):
         """Write a newly admitted sequence's constant rows into its slot."""
@@ -61,14 +69,18 @@ class BatchState:
         self.floats[:, seq.slot], self.ints[:, seq.slot] = floats[:, 0], ints[:, 0]
         self.ints[HISTORY_ROW, seq.slot] = seq.slot
         self.prompt_len[seq.slot], self.mode[seq.slot] = len(seq.prompt_ids), seq.mode
+        self.request_id[seq.slot], self.arrival[seq.slot] = seq.request_id, seq.arrival_time
+        self.cached[seq.slot] = seq.cached_tokens
+        self.first_token[seq.slot] = seq.first_token_time or 0.0
 
-    def pack(self, chunks) -> Packed:
-        """Lay the chunks out on one flat token axis, padded to the smallest bucket that fits."""
-        ps, n = self.page_size, len(chunks)
-        seqs, start, length, samples = zip(*chunks)
-        slot = np.array([seq.slot for seq in seqs], np.int32)
-        start, length = np.array(start, np.int32), np.array(length, np.int32)
-        samples = np.array(samples, bool)
+    def pack(self, step) -> Packed:
+        """Lay a step's rows (a Step, or a list of Chunks) out on one flat token axis, padded to
+        the smallest bucket that fits."""
+        if not isinstance(step, Step):
+            step = Step.from_chunks(step)
+        ps, n, seqs = self.page_size, len(step), step.seqs
+        slot, start = step.slots.astype(np.int32), step.start.astype(np.int32)
+        length, samples = step.length.astype(np.int32), step.samples
         ctx = start + length
         N = int(length.sum())
         T = next(b for b in self.token_buckets if b >= N)
@@ -85,11 +97,12 @@ class BatchState:
         kv_slot[:N] = self.page_table[slot[row], p // ps] * ps + p % ps
         # Tokens the host knows; a chunk whose newest token is still on the device reads it
         # from the slot's last sample (every decode row, when the host runs a step ahead).
-        have = np.clip(np.array([len(seq.tokens) for seq in seqs], np.int32) - start, 0, length)
+        have = np.clip(step.known.astype(np.int32) - start, 0, length)
         some = np.flatnonzero(have)
         if len(some):
+            st, hv = start[some].tolist(), have[some].tolist()
             tok[:N][p - start[row] < have[row]] = list(itertools.chain.from_iterable(
-                seqs[i].tokens[start[i]:start[i] + have[i]] for i in some.tolist()))
+                seqs[i].tokens[a:a + h] for i, a, h in zip(some.tolist(), st, hv)))
         late = have < length
         src[ends[late] - 1] = slot[late]
 

@@ -11,12 +11,13 @@ decoding on a token the host has not seen yet reads it from `last_tokens`, a dev
 each slot's latest sample.
 
 The host path of a step, in order (each a method below; hooks go beside the one they extend):
-  `Scheduler.schedule`  picks the chunks (decode rows first, then prefill chunks);
+  `Scheduler.schedule_step` picks the rows (decode rows first, then prefill chunks) as arrays;
   `_admit_rows`         writes newly admitted sequences' constant rows into the batch state;
   `BatchState.pack`     gathers the step's arrays from the slot-indexed batch state (batch.py);
   `_dispatch`           runs the compiled forward pass and sampler, donating the device state;
   `_collect`            reads step n-1's samples back and `_accept`s them in bulk: tokens and
-                        finish reasons first, then one batched detokenization, then outputs.
+                        finish reasons as arrays over the rows, then one batched
+                        detokenization, then the outputs, built column by column.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import dataclasses
 import random
 import time
 from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 import jax
@@ -34,10 +36,10 @@ import numpy as np
 from ..model import Batch, forward, init_kv_cache
 from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
-from .batch import BatchState, int_layout, sample_layout
+from .batch import LOGPROBS, BatchState, int_layout, sample_layout
 from .structured import Guide, guided_layout
 from .kv_pages import KVPages
-from .scheduler import FINISHED, Chunk, RequestError, Scheduler, Sequence
+from .scheduler import FINISHED, RequestError, Scheduler, Sequence
 from .speculative import SpeculativeConfig, make_speculator
 from .warmup import default_page_buckets, warm_up
 
@@ -129,7 +131,9 @@ class Engine:
         self._guided: set[str] = set()  # live requests the guide constrains or biases
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
-        self._inflight = None  # (chunks, device output) of the step not yet read back
+        self._ended = 0  # requests finished (or aborted) so far
+        self._stop_set, self._stop_any = set(), np.zeros(0, np.int64)  # every stop token id
+        self._inflight = None  # (rows, device output, ...) of the step not yet read back
         self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
         self._exe: dict = {}  # (T, P) -> compiled forward pass
         self._samplers: dict = {}  # (S, mode) or (S, mode, "guided") -> compiled sampler
@@ -184,6 +188,9 @@ class Engine:
                        seed=self._rng.getrandbits(32) if sp.seed is None else sp.seed % 2**32)
         seq.max_output = min(sp.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
         seq.stop_ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else self.eos)
+        if not seq.stop_ids <= self._stop_set:  # candidates for the stop test of _accept
+            self._stop_set |= seq.stop_ids
+            self._stop_any = np.array(sorted(self._stop_set), np.int64)
         seq.penalized = (sp.repetition_penalty != 1 or sp.presence_penalty != 0
                          or sp.frequency_penalty != 0)
         seq.mode = sampling.mode_of(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
@@ -203,10 +210,9 @@ class Engine:
 
     def abort(self, request_id: str):
         """Stop a request in any state; its pages are freed now, the notice comes from step()."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is not None:
-            self.scheduler.finish(seq)
-            self._guided.discard(request_id)
+            self._finish(seq)
             self._outbox.append(self._output(seq, [], "", None, "abort"))
 
     def has_unfinished(self) -> bool:
@@ -228,10 +234,11 @@ class Engine:
         if self.spec:
             self.spec.plan(self.scheduler.running, self.scheduler.budget - len(
                 self.scheduler.running), self.max_model_len, skip=self.guide.guided)
-        chunks = self.scheduler.schedule()
-        if self.spec and chunks:
-            self.spec.propose(chunks, self.scheduler.admitted)
-        launched = self._launch(chunks) if chunks else None
+        rows = self.scheduler.schedule_step()  # a Step; speculation works on its Chunks
+        if self.spec and len(rows):
+            rows = rows.chunks()
+            self.spec.propose(rows, self.scheduler.admitted)
+        launched = self._launch(rows) if len(rows) else None
         early, wait = self._early  # the previous step, if a guided sampler read it back
         outputs, self._early = outputs + early, ([], 0.0)
         for done in ([self._inflight] if self._inflight else []) + (
@@ -240,22 +247,23 @@ class Engine:
             outputs += out
             wait += wait_s
         self._inflight = launched if self.overlap else None
-        if chunks:
+        if len(rows):
             self.totals["steps"] += 1
             self.totals["wait_s"] += wait
             self.totals["host_s"] += time.perf_counter() - t0 - wait
         return outputs
 
-    def _launch(self, chunks: list[Chunk]):
+    def _launch(self, rows):
+        ended = self._ended  # before _dispatch, which may collect the step in flight early
         self._admit_rows()
-        packed = self.batch.pack(chunks)
-        out = self._dispatch(packed, chunks)
+        packed = self.batch.pack(rows)
+        out = self._dispatch(packed, rows)
         entry = None
         if self.step_log is not None:
             entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
-        return chunks, out, entry
+        return rows, out, entry, ended
 
     def _admit_rows(self):
         for seq in self.scheduler.admitted:
@@ -280,6 +288,7 @@ class Engine:
 
     def _guide_inputs(self, chunks, S: int, ints, floats, skey):
         """Structured output and logit bias: the guided sampler variant and its extra inputs."""
+        chunks = chunks if isinstance(chunks, list) else chunks.chunks()
         if self._inflight and self.guide.needs_sync(chunks):
             # A constrained row's mask needs the token of the step in flight: read it back now,
             # while this step's forward pass runs; only the sampler waits for the mask.
@@ -291,50 +300,79 @@ class Engine:
         return (np.concatenate([ints, guided[0]]), np.concatenate([floats, guided[1]]),
                 skey + ("guided",))
 
-    def _collect(self, chunks: list[Chunk], out, entry):
+    def _collect(self, rows, out, entry, ended: int):
+        """Read a step's samples back (waiting for the device) and accept them. `ended`: the
+        count of finished requests when it was launched; rows of any finished since are skipped."""
         t = time.perf_counter()
         out = np.asarray(out)  # waits for the device (for step n, while step n+1 is queued)
         done = time.perf_counter()
         if entry is not None:
             entry["done"] = done
         if self.spec:
-            return self.spec.collect(self, chunks, out), done - t
-        rows = [i for i, c in enumerate(chunks) if c.samples and c.seq.status != FINISHED]
-        return self._accept([chunks[i].seq for i in rows], out[rows]), done - t
+            return self.spec.collect(self, rows, out), done - t
+        live = rows.samples
+        if ended != self._ended:
+            live = live & np.fromiter((s.status != FINISHED for s in rows.seqs), bool, len(rows))
+        idx = np.flatnonzero(live)
+        seqs = rows.seqs if len(idx) == len(rows) else [rows.seqs[i] for i in idx.tolist()]
+        # Slots as at launch: a row's slot is not handed to another sequence before its step is
+        # collected (a freed slot is reused only by a finished sequence's row, skipped here, as
+        # no admission follows a preemption in the same step).
+        n_tokens = rows.start[idx] + rows.length[idx] + 1
+        return self._accept(seqs, out[idx], rows.slots[idx], n_tokens), done - t
 
     # -- host side of a step ------------------------------------------------------------------
-    def _accept(self, seqs: list[Sequence], out: np.ndarray) -> list[RequestOutput]:
-        """Take one sampled token per sequence: first every token and its finish reason, then
-        the new text of all of them in one batched detokenization, then the outputs."""
-        now, tokens, reasons = time.time(), out[:, 0].tolist(), [None] * len(seqs)
-        guided, complete = self._guided, []
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.num_pending -= 1
+    def _accept(self, seqs: list[Sequence], out: np.ndarray, slots=None, n_tokens=None
+                ) -> list[RequestOutput]:
+        """Take one sampled token per sequence: tokens and finish reasons as arrays over the
+        rows (Python only for stop-token candidates, first tokens, guided rows, logprobs and
+        finishes), then the new text of all of them in one batched detokenization, then the
+        outputs. `slots`, `n_tokens` (the token count after this one): known to the caller, or
+        read off the sequences."""
+        now, n, batch = time.time(), len(seqs), self.batch
+        tokens = out[:, 0]
+        toks = tokens.tolist()
+        for seq, token in zip(seqs, toks):
             seq.tokens.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if token in seq.stop_ids:
+            seq.num_pending -= 1
+        if slots is None:
+            slots = np.fromiter((s.slot for s in seqs), np.int64, n)
+            n_tokens = np.fromiter((len(s.tokens) for s in seqs), np.int64, n)
+        plen = batch.prompt_len[slots]
+        reasons = np.where(n_tokens >= self.scheduler.limit[slots], "length", None)
+        for i in np.flatnonzero(np.isin(tokens, self._stop_any)).tolist():
+            if toks[i] in seqs[i].stop_ids:
                 reasons[i] = "stop"
-            elif len(seq.tokens) - len(seq.prompt_ids) >= seq.max_output:
-                reasons[i] = "length"
-            if guided and seq.request_id in guided and self.guide.accept(seq, token):
+        reasons = reasons.tolist()
+        for i in np.flatnonzero(n_tokens - plen == 1).tolist():
+            seqs[i].first_token_time, batch.first_token[slots[i]] = now, now
+        complete, guided = [], self._guided
+        for i in [i for i, s in enumerate(seqs) if s.request_id in guided] if guided else ():
+            if self.guide.accept(seqs[i], toks[i]):
                 complete.append(i)
-        deltas = None
+        deltas = repeat("")
         if self.tokenizer is not None:
-            deltas = self._text(seqs, tokens, reasons, complete)
+            deltas = self._text(seqs, toks, reasons, complete)
         else:
             self._complete(reasons, complete)
-        for seq, reason in zip(seqs, reasons):
+        lps = [None] * n
+        for i in np.flatnonzero(batch.ints[LOGPROBS, slots] >= 0).tolist():
+            lps[i] = self._logprobs(seqs[i], toks[i], out[i])
+        for i, reason in enumerate(reasons):
             if reason is not None:
-                self.seqs.pop(seq.request_id, None)
-                self._guided.discard(seq.request_id)
-                self.scheduler.finish(seq)
-        return [_new_output(RequestOutput, (
-            seq.request_id, [token], "" if deltas is None else deltas[i],
-            None if seq.sampling.logprobs is None else self._logprobs(seq, token, out[i]),
-            reason is not None, reason, len(seq.prompt_ids), seq.cached_tokens,
-            len(seq.tokens) - len(seq.prompt_ids), seq.arrival_time, seq.first_token_time, 0, 0))
-            for i, (seq, token, reason) in enumerate(zip(seqs, tokens, reasons))]
+                self._finish(seqs[i])
+        return list(map(_new_output, repeat(RequestOutput), zip(
+            batch.request_id[slots].tolist(), [[t] for t in toks], deltas, lps,
+            [r is not None for r in reasons], reasons, plen.tolist(),
+            batch.cached[slots].tolist(), (n_tokens - plen).tolist(),
+            batch.arrival[slots].tolist(), batch.first_token[slots].tolist(), repeat(0),
+            repeat(0))))
+
+    def _finish(self, seq: Sequence):
+        self.seqs.pop(seq.request_id, None)
+        self._guided.discard(seq.request_id)
+        self.scheduler.finish(seq)
+        self._ended += 1
 
     def _text(self, seqs, tokens, reasons, complete) -> list[str]:
         """Each sequence's text delta, its new tokens detokenized in one batched call (a stop

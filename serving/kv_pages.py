@@ -86,6 +86,20 @@ class KVPages:
             table.append(page)
         return True
 
+    def grow_each_by_one(self, seqs) -> list[int] | None:
+        """One more page for each of `seqs`, from the free list, handed out as `grow` one
+        sequence after another would; None (nothing taken) if the free list is short."""
+        k = len(seqs)
+        if k > len(self.free_list):
+            return None
+        pages = self.free_list[len(self.free_list) - k:][::-1]
+        del self.free_list[len(self.free_list) - k:]
+        tables, refs = self.tables, self.refs
+        for seq, page in zip(seqs, pages):
+            tables[seq].append(page)
+            refs[page] = 1
+        return pages
+
     def shrink(self, seq, num_tokens: int):
         """Give back the pages of `seq` past its first `num_tokens` tokens (rolled-back
         speculative tokens): they hold no full cached page, so they go to the free list."""

@@ -11,8 +11,10 @@ token the host has not seen yet (`num_pending`): the step reads it straight from
 Each running sequence holds a slot (a row of the batch state the engine keeps between steps).
 The scheduler keeps every slot's page table in one persistent array, `page_table`, written only
 where pages change (admission, a decode step that crosses a page), so packing a step is a
-gather, not a rebuild. The decode pass is the hot loop at high concurrency: it does a few
-integer tests per sequence and touches the page pool only when a page fills up.
+gather, not a rebuild. The decode pass is the hot loop at high concurrency: it reads each running
+sequence's counters into arrays, decides every row with numpy, and runs Python per sequence only
+for the rare events (a page filling up, a preemption). A step comes out as a `Step`: its rows as
+arrays, decode rows first; `Step.chunks()` gives them as `Chunk`s where a caller wants those.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -90,6 +93,38 @@ class Chunk(NamedTuple):
 
 
 _new_chunk = tuple.__new__
+_slot, _computed, _pending, _tokens = (attrgetter(a) for a in (
+    "slot", "num_computed", "num_pending", "tokens"))
+
+
+class Step:
+    """One step's rows as arrays: each row's sequence, slot, first token, token count, whether it
+    samples, and the tokens its sequence's host list held when scheduled (`known`)."""
+    __slots__ = ("seqs", "slots", "start", "length", "samples", "known")
+
+    def __init__(self, seqs, slots, start, length, samples, known):
+        self.seqs, self.slots, self.start, self.length = seqs, slots, start, length
+        self.samples, self.known = samples, known
+
+    def __len__(self):
+        return len(self.seqs)
+
+    @classmethod
+    def from_chunks(cls, chunks) -> "Step":
+        seqs = [c.seq for c in chunks]
+        ints = lambda xs: np.fromiter(xs, np.int64, len(seqs))
+        return cls(seqs, ints(map(_slot, seqs)), ints(c.start for c in chunks),
+                   ints(c.length for c in chunks), np.fromiter((c.samples for c in chunks), bool,
+                                                               len(seqs)),
+                   ints(map(len, map(_tokens, seqs))))
+
+    def __add__(self, other: "Step") -> "Step":
+        return Step(self.seqs + other.seqs, *(np.concatenate([getattr(self, k), getattr(other, k)])
+                                               for k in self.__slots__[1:]))
+
+    def chunks(self) -> list[Chunk]:
+        return [_new_chunk(Chunk, c) for c in zip(self.seqs, self.start.tolist(),
+                                                   self.length.tolist(), self.samples.tolist())]
 
 
 class Scheduler:
@@ -109,6 +144,10 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         # Page ids of each slot's sequence, zero past its last page.
         self.page_table = np.zeros((max_num_seqs, pages.pages_for(max_model_len)), np.int32)
+        # Per slot: the token count at which the sequence has made all its output (prompt +
+        # max_output), and the tokens its pages hold.
+        self.limit = np.zeros(max_num_seqs, np.int64)
+        self.capacity = np.zeros(max_num_seqs, np.int64)
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
@@ -153,9 +192,14 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
+        return self.schedule_step().chunks()
+
+    def schedule_step(self) -> Step:
         self.admitted = []
-        chunks, prefilling, preempted = self._decode()
-        decoded, budget = len(chunks), self.budget - len(chunks) - self.drafted
+        rows, prefilling, preempted = self._decode()
+        if not isinstance(rows, Step):  # a decode pass that makes chunks (speculative.py)
+            rows = Step.from_chunks(rows)
+        chunks, budget = [], self.budget - len(rows) - self.drafted
         for seq in prefilling:  # prefills under way, oldest first
             if budget > 0 and seq.status == RUNNING:
                 chunks.append(self._chunk(seq, budget))
@@ -168,31 +212,54 @@ class Scheduler:
         # so their K/V are written before any later step reads them. A decode row's known
         # tokens grow by one a step, so it fills a page only when they reach a page boundary.
         cache, span = self.pages.cache_full_pages, self.pages.page_size
-        for i, (seq, start, length, _) in enumerate(chunks):
-            if i >= decoded or len(seq.tokens) % span == 0:
-                cache(seq.request_id, seq.tokens, start + length)
-        return chunks
+        for i in np.flatnonzero(rows.known % span == 0).tolist():
+            seq = rows.seqs[i]
+            cache(seq.request_id, seq.tokens, int(rows.start[i] + rows.length[i]))
+        for seq, start, length, _ in chunks:
+            cache(seq.request_id, seq.tokens, start + length)
+        return rows + Step.from_chunks(chunks) if chunks else rows
 
-    def _decode(self) -> tuple[list[Chunk], list[Sequence], bool]:
+    def _decode(self) -> tuple[Step, list[Sequence], bool]:
         """One token for every running sequence whose next token is its last known one, oldest
         first; the pool grows (or preempts the newest) only when a page fills up. Returns the
-        chunks, the running sequences with a prefill under way, and whether it preempted (then
-        nothing new is admitted this step)."""
-        chunks, prefilling, before = [], [], self.num_preemptions
-        tables, span = self.pages.tables, self.pages.page_size
-        for seq in list(self.running):
-            start, total = seq.num_computed, len(seq.tokens) + seq.num_pending
-            if total - start != 1:
-                if total - start > 1:
-                    prefilling.append(seq)
-                continue
-            if seq.status != RUNNING or total - len(seq.prompt_ids) >= seq.max_output:
-                continue  # preempted, or its pending token is its last (it ends on arrival)
-            if total > len(tables[seq.request_id]) * span and not self._grow(seq, total):
-                continue
-            seq.num_computed, seq.num_pending = total, seq.num_pending + 1
-            chunks.append(_new_chunk(Chunk, (seq, start, 1, True)))
-        return chunks, prefilling, self.num_preemptions != before
+        decode rows, the running sequences with a prefill under way, and whether it preempted
+        (then nothing new is admitted this step)."""
+        seqs, n, before = list(self.running), len(self.running), self.num_preemptions
+        ints = lambda xs: np.fromiter(xs, np.int64, n)
+        slots, start = ints(map(_slot, seqs)), ints(map(_computed, seqs))
+        known = ints(map(len, map(_tokens, seqs)))
+        total = known + ints(map(_pending, seqs))
+        # A sequence whose pending token is its last ends when that token arrives.
+        rows = (total - start == 1) & (total < self.limit[slots])
+        prefilling = [seqs[i] for i in np.flatnonzero(total - start > 1).tolist()]
+        grow = np.flatnonzero(rows & (total > self.capacity[slots]))
+        if len(grow):
+            self._grow_rows([seqs[i] for i in grow.tolist()], slots[grow], total[grow])
+        if self.num_preemptions != before:  # the preempted are the newest: a suffix of seqs
+            rows[len(self.running):] = False
+        idx = np.flatnonzero(rows)
+        dseqs = seqs if len(idx) == len(seqs) else [seqs[i] for i in idx.tolist()]
+        if len(idx) != len(seqs):
+            slots, start, known, total = (a[idx] for a in (slots, start, known, total))
+        for seq, t in zip(dseqs, total.tolist()):
+            seq.num_computed, seq.num_pending = t, seq.num_pending + 1
+        step = Step(dseqs, slots, start, np.ones(len(idx), np.int64),
+                    np.ones(len(idx), bool), known)
+        return step, prefilling, self.num_preemptions != before
+
+    def _grow_rows(self, seqs: list[Sequence], slots: np.ndarray, total: np.ndarray):
+        """Pages for decode rows that crossed into a new page, oldest first: all at once from the
+        free list when it has a page for each, else one by one (evicting, preempting)."""
+        span = self.pages.page_size
+        if (total <= self.capacity[slots] + span).all():
+            pages = self.pages.grow_each_by_one([seq.request_id for seq in seqs])
+            if pages is not None:
+                self.page_table[slots, self.capacity[slots] // span] = pages
+                self.capacity[slots] += span
+                return
+        for seq, t in zip(seqs, total.tolist()):
+            if seq.status == RUNNING:  # not preempted while an older one grew
+                self._grow(seq, t)
 
     def _grow(self, seq: Sequence, total: int) -> bool:
         """Pages for `total` tokens of a running sequence, preempting the newest running ones
@@ -204,6 +271,7 @@ class Scheduler:
             if seq.status != RUNNING:
                 return False
         self.page_table[seq.slot, held:len(table)] = table[held:]
+        self.capacity[seq.slot] = len(table) * self.pages.page_size
         return True
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
@@ -233,6 +301,8 @@ class Scheduler:
         table = pages.table(seq.request_id)
         self.page_table[seq.slot, :len(table)] = table
         self.page_table[seq.slot, len(table):] = 0
+        self.limit[seq.slot] = len(seq.prompt_ids) + seq.max_output
+        self.capacity[seq.slot] = len(table) * pages.page_size
         self.running.append(seq)
         self.admitted.append(seq)
         return True

@@ -10,7 +10,6 @@ rows a padded row costs compute that the step's weight and K/V reads no longer h
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 CPU = dict(max_num_seqs=32, max_num_batched_tokens=512)
 GPU_MAX_SEQS, GPU_BUDGET = 1024, 8192
@@ -19,8 +18,8 @@ GPU_KV_FRACTION = 0.85  # of the memory free after the weights (the rest: activa
 
 
 def page_bytes(config, page_size: int, dtype) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * \
-        jnp.dtype(dtype).itemsize
+    from ..model.transformer import kv_bytes_per_token
+    return page_size * kv_bytes_per_token(config, dtype)
 
 
 def free_bytes(device=None) -> int | None:

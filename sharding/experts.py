@@ -17,7 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..model.layers import grouped_expert_mlp, moe_dispatch_combine, route
+from ..model.layers import grouped_expert_mlp, moe_dispatch_combine, route_tokens
 
 
 def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -60,7 +60,7 @@ def moe_shard(x, router, w_gate, w_up, w_down, router_bias=None, b_gate=None, b_
               b_down=None, *, config, ep, tp, emulate, glu=None):
     """One shard's MoE over its tokens x [n, D]; weights are this shard's experts and units."""
     k = config.num_experts_per_tok
-    weights, experts = route(x, router, k, config.norm_topk_prob, router_bias)
+    weights, experts = route_tokens(config, x, router, router_bias)
     biases = None
     if b_gate is not None:  # the down bias once: the tensor shards' outputs are summed
         first = (jax.lax.axis_index("tensor") == 0) if tp > 1 else True

@@ -103,7 +103,7 @@ def init_kv_cache(config: ModelConfig, mesh: Mesh, num_pages: int, page_size: in
     from ..model.transformer import kv_layer_cache
     full = lambda shape, value, dtype: jax.jit(lambda: jnp.full(shape, value, dtype),
                                                out_shardings=sharding)()
-    return [kv_layer_cache(full, shape, dtype) for _ in range(config.num_layers)]
+    return [kv_layer_cache(full, shape, dtype, config.kv_arrays) for _ in range(config.num_layers)]
 
 
 def data_slices(mesh: Mesh) -> list[Mesh]:

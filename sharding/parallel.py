@@ -65,6 +65,32 @@ class MeshHooks:
         out_specs = (specs["q"], specs.get("layer_cache"))
         return self._map(partial(self._attend_shard, attend), (specs,), out_specs)(args)
 
+    def mla_attention(self, attend, q_nope, q_pe, latent, k_pe, w_uk, w_uv, segment_ids=None,
+                      layer_cache=None, batch=None):
+        """Multi-head latent attention (`model.mla.mla_attend`) per tensor shard of query heads:
+        queries, w_uk and w_uv split with their heads; the latent and RoPE key whole on every
+        shard, each shard writing and reading its own copy of the latent pages."""
+        lead = q_nope.ndim - 2
+        batch_axis = None
+        if layer_cache is None and q_nope.shape[0] % self.plan.data == 0:
+            batch_axis = "data"
+        rows = (batch_axis,) + (None,) * (lead - 1)
+        heads, whole, by_head = P(*rows, "tensor", None), P(*rows, None), P(None, "tensor", None)
+        args = dict(q_nope=q_nope, q_pe=q_pe, latent=latent, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv,
+                    segment_ids=segment_ids, layer_cache=layer_cache, batch=batch)
+        specs = dict(q_nope=heads, q_pe=heads, latent=whole, k_pe=whole, w_uk=by_head,
+                     w_uv=by_head, segment_ids=P(*rows), batch=P(),
+                     layer_cache=kv_cache_partition_spec(self.config, self.plan))
+        args = {name: a for name, a in args.items() if a is not None}
+        specs = {name: specs[name] for name in args}
+
+        def shard(a):
+            with kernels.portable_backends(self.mesh.size > 1):
+                return attend(a["q_nope"], a["q_pe"], a["latent"], a["k_pe"], a["w_uk"],
+                              a["w_uv"], a.get("segment_ids"), a.get("layer_cache"),
+                              a.get("batch"))
+        return self._map(shard, (specs,), (heads, specs.get("layer_cache")))(args)
+
     def _attend_shard(self, attend, args):
         k, v = args["k"], args["v"]
         if not self.kv_split:  # this shard's query heads all read one kv head: keep only it
@@ -109,9 +135,11 @@ class MeshHooks:
         fn = partial(moe_shard, config=self.config, ep=self.plan.expert, tp=self.plan.tensor,
                      emulate=self.emulate_a2a, glu=glu)
         args, specs = [x, router, w_gate, w_up, w_down], list(specs)
+        if router_bias is not None:  # GPT-OSS's router bias, DeepSeek-V3's correction bias
+            args, specs = args + [router_bias], specs + [P()]
         if biases is not None:
-            args += [router_bias, *biases]
-            specs += [P(), P("expert", "tensor"), P("expert", "tensor"), P("expert", None)]
+            args += list(biases)
+            specs += [P("expert", "tensor"), P("expert", "tensor"), P("expert", None)]
         return self._map(fn, tuple(specs), tokens)(*args)[:n]
 
 

@@ -1,6 +1,7 @@
 """`pallasite train`: train (or fine-tune) a model folder on text or JSONL files.
 
     pallasite train --model DIR --data corpus.jsonl --out runs/x --steps 2000
+    pallasite train --model DIR --data corpus.jsonl --out runs/d --teacher BIG_DIR   # distill
 
 DIR holds config.json and tokenizer.json (and weights, unless --scratch). The run writes
 OUT/metrics.jsonl, OUT/checkpoints/ (resumed automatically when present) and OUT/export/, a
@@ -42,6 +43,14 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--export-best", action="store_true",
                    help="export the params of the lowest held-out loss seen, not the last")
+    p.add_argument("--teacher", default=None, metavar="DIR",
+                   help="distill: train against this model's next-token distributions (a "
+                        "model folder with weights and the same vocabulary)")
+    p.add_argument("--distill-weight", type=float, default=1.0,
+                   help="with --teacher: weight of the KL term; 1 - it goes to the data's "
+                        "cross-entropy")
+    p.add_argument("--distill-temperature", type=float, default=1.0,
+                   help="with --teacher: softmax temperature of both distributions")
     p.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true")
 

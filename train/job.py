@@ -18,7 +18,7 @@ from .data import DataError, build_dataset
 from .export import ExportError, export_hf
 from .loop import LoopSettings, run_loop
 from .mesh import make_mesh
-from .step import Hyper, Trainer
+from .step import Distill, Hyper, Trainer
 
 
 class UsageError(ValueError):
@@ -77,7 +77,28 @@ def make_trainer(args, config) -> Trainer:
     if args.batch_size % data:
         raise UsageError(f"--batch-size {args.batch_size} does not divide over the {data} "
                          "data-parallel devices of --mesh")
-    return Trainer(config, hyper, make_mesh(data, tensor, expert), dtype)
+    mesh = make_mesh(data, tensor, expert)
+    distill, teacher = teacher_of(args, config)
+    return Trainer(config, hyper, mesh, dtype, distill, teacher)
+
+
+def teacher_of(args, config):
+    """(Distill, the teacher's params) for --teacher, or (None, None)."""
+    if not getattr(args, "teacher", None):
+        return None, None
+    if not 0.0 <= args.distill_weight <= 1.0:
+        raise UsageError(f"--distill-weight {args.distill_weight} is outside 0..1")
+    if args.distill_temperature <= 0:
+        raise UsageError(f"--distill-temperature {args.distill_temperature} must be > 0")
+    folder = Path(args.teacher)
+    if not any(folder.glob("*.safetensors")):
+        raise UsageError(f"--teacher {folder}: no weights (*.safetensors) there")
+    t_config = load_config(folder)  # checked before any weight is read
+    if t_config.vocab_size != config.vocab_size:
+        raise UsageError(f"--teacher's vocabulary ({t_config.vocab_size} tokens) differs from "
+                         f"the model's ({config.vocab_size} tokens)")
+    t_config, params = load_hf(folder, config=t_config)
+    return Distill(t_config, args.distill_weight, args.distill_temperature), params
 
 
 def start_state(args, trainer: Trainer, checkpoints: Checkpoints | None, meta: dict, say):
@@ -111,7 +132,10 @@ def train(args):
         "model": to_hf_dict(config), "hyper": dataclasses.asdict(trainer.hyper),
         "seq_len": args.seq_len, "batch_size": args.batch_size, "accum": args.accum,
         "seed": args.seed, "train_rows": len(data.train["inputs"]),
-        "data_tokens": data.num_tokens}))
+        "data_tokens": data.num_tokens,
+        **({"teacher": str(args.teacher), "distill_weight": args.distill_weight,
+            "distill_temperature": args.distill_temperature}
+           if getattr(args, "teacher", None) else {})}))
     state = start_state(args, trainer, checkpoints, meta, say)
 
     best = {"eval_loss": float("inf"), "params": None}

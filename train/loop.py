@@ -64,13 +64,20 @@ def _duration(seconds: float) -> str:
 
 def evaluate(trainer: Trainer, params, dataset: Dataset, batch_size: int,
              max_batches: int) -> dict:
-    """Mean held-out loss and perplexity over (up to) max_batches batches."""
-    total, count = 0.0, 0.0
+    """Mean held-out objective ("eval_loss": the cross-entropy, or with a teacher the distilled
+    objective) and perplexity over (up to) max_batches batches; with a teacher also the mean
+    cross-entropy, KL and argmax agreement ("eval_ce", "eval_kl", "eval_agree")."""
+    sums: dict[str, float] = {}
     for batch in eval_batches(dataset.eval, batch_size, max_batches):
-        s, c = trainer.eval(params, trainer.put_batch(batch, accum=False))
-        total, count = total + float(s), count + float(c)
-    loss = total / max(count, 1.0)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+        for k, v in jax.device_get(trainer.eval(params, trainer.put_batch(batch, accum=False))).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    count = max(sums.get("tokens", 0.0), 1.0)
+    loss, ce = sums.get("objective", 0.0) / count, sums.get("ce", 0.0) / count
+    out = {"eval_loss": loss, "eval_ppl": math.exp(min(ce, 50.0)),
+           "eval_tokens": int(sums.get("tokens", 0.0))}
+    if "kl" in sums:
+        out.update(eval_ce=ce, eval_kl=sums["kl"] / count, eval_agree=sums["agree"] / count)
+    return out
 
 
 class MetricsLog:
@@ -94,7 +101,9 @@ class MetricsLog:
         self.t_last = now
         loss = sum(float(m["loss"]) for m in host) / len(host)
         self.progress.show(step, loss, tok_s)
-        self.write({"step": step, "loss": loss, "lr": float(host[-1]["lr"]),
+        extra = {k: sum(float(m[k]) for m in host) / len(host) for k in ("ce", "kl", "agree")
+                 if k in host[-1] and "kl" in host[-1]}
+        self.write({"step": step, "loss": loss, **extra, "lr": float(host[-1]["lr"]),
                     "grad_norm": float(host[-1]["grad_norm"]), "tokens_per_s": tok_s,
                     "epoch": self.batches.epoch(step), "elapsed_s": now - self.t_start})
 
@@ -129,7 +138,9 @@ def run_loop(trainer: Trainer, state, dataset: Dataset, settings: LoopSettings, 
             result = {"step": step, **evaluate(trainer, state["params"], dataset, s.batch_size,
                                                s.eval_batches)}
             progress.note(f"eval at step {step}: loss {result['eval_loss']:.4f}, "
-                          f"perplexity {result['eval_ppl']:.2f}")
+                          f"perplexity {result['eval_ppl']:.2f}" + (
+                              f", agreement with the teacher {result['eval_agree']:.3f}"
+                              if "eval_agree" in result else ""))
             log.write(result)
             if on_eval:
                 on_eval(step, state, result)

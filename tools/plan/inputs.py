@@ -34,6 +34,17 @@ PRESETS = {
                           num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
                           rope_theta=1000000.0),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408,
+                             num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None,
+                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+                             num_experts_per_tok=6, first_k_dense_replace=1,
+                             topk_method="greedy", max_position_embeddings=163840,
+                             rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32,
+                                           "beta_slow": 1, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707,
+                                           "original_max_position_embeddings": 4096}),
 }
 
 

@@ -64,8 +64,8 @@ def _kind(name: str) -> str:
         return "embed"
     if "['lm_head']" in name:
         return "head"
-    if "['moe']" in name and "router" not in name:
-        return "experts"
+    if "['moe']" in name and not any(s in name for s in ("router", "score_bias", "shared")):
+        return "experts"  # DeepSeek's shared experts run on every token: dense
     return "dense"
 
 
@@ -117,9 +117,18 @@ class Step:
 
 
 def kv_bytes_per_token(config: ModelConfig, plan: MeshPlan, kv_bytes: int) -> float:
-    """K and V of one token, all layers, on one device (kv heads split or copied over tensor)."""
+    """K and V of one token, all layers, on one device (kv heads split or copied over tensor);
+    MLA: its latent and RoPE key, a copy on every tensor shard."""
     heads = kv_cache_heads(config, plan) / plan.tensor
-    return 2 * config.num_layers * heads * config.head_dim * kv_bytes
+    return config.num_layers * heads * sum(config.kv_arrays) * kv_bytes
+
+
+def attn_flops_per_pair(config: ModelConfig) -> int:
+    """FLOPs per (query, key) pair and query head: q.k and p.v over head_dim each; MLA's
+    absorbed form scores over latent + RoPE dims and sums latent-wide values."""
+    if config.is_mla:
+        return 2 * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
+    return 4 * config.head_dim
 
 
 def experts_touched(config: ModelConfig, routed_tokens: int) -> float:
@@ -183,7 +192,7 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     head = g.get("head", g.get("embed", 0) if config.tie_word_embeddings else 0) / t
     mm = 2 * tokens * dense + 2 * seqs * head
     heads = config.num_heads / t
-    attn = 4 * heads * config.head_dim * attn_pairs * config.num_layers
+    attn = heads * attn_flops_per_pair(config) * attn_pairs * config.num_layers
     comm = collectives(config, plan, cluster, tokens, wl.act_bytes)
     gpu = cluster.gpu
     step = Step(tokens, hbm, mm, attn, comm)
@@ -306,6 +315,8 @@ def activation_parts(config: ModelConfig, plan: MeshPlan, tokens: int, seqs: int
 
     Attention and MLP run one after the other, so the step holds the larger."""
     t, a, hd, d = plan.tensor, act_bytes, config.head_dim, config.hidden_size
+    if config.is_mla:  # absorbed queries and outputs are latent-wide
+        hd = sum(config.kv_arrays)
     heads = config.num_heads // t
     kv = kv_cache_heads(config, plan) // t
     attention = tokens * (2 * heads + 2 * kv) * hd * a

@@ -1,0 +1,191 @@
+"""The host's per-step path at many sequences, with the device taken out: the scheduler's array
+decode pass against the per-sequence rule it replaces, and the engine's bulk acceptance (stop
+tokens, max_tokens, logprobs, aborts, preemption, prefix hits) against outputs known in advance.
+
+The engine's compiled programs are replaced by stand-ins, so nothing compiles: the sampler draws
+token (seed + 7 * index) % V for output index `index`, the rule a seeded sampler follows too (a
+sample depends on the request's seed and the output index only), so every request's stream is
+known whatever the batch, preemptions and recomputes do."""
+
+import types
+from functools import partial
+
+import numpy as np
+import pytest
+
+from pallasite.model import config_from_dict, init_params
+from pallasite.serving import sampling
+from pallasite.serving.engine import Engine
+from pallasite.serving.kv_pages import KVPages
+from pallasite.serving.llm import SamplingParams
+from pallasite.serving.scheduler import FINISHED, RUNNING, Chunk, Scheduler, Sequence
+
+V = 64
+SEED, INDEX = list(sampling.INT_FIELDS).index("seed"), list(sampling.INT_FIELDS).index("index")
+
+
+def expected(seed: int, max_tokens: int, stops=()) -> tuple[list[int], str]:
+    out = []
+    while len(out) < max_tokens:
+        out.append((seed + 7 * len(out)) % V)
+        if out[-1] in stops:
+            return out, "stop"
+    return out, "length"
+
+
+class _Out:
+    def __init__(self, a):
+        self.a = a
+
+    def copy_to_host_async(self):
+        pass
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a
+
+
+def fake_engine(overlap: bool, num_pages: int) -> Engine:
+    import jax
+    config = config_from_dict(dict(model_type="llama", vocab_size=V, hidden_size=16,
+                                   intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1,
+                                   max_position_embeddings=256))
+    params = jax.tree.map(np.asarray, init_params(config, 0))
+    engine = Engine(config, params, num_pages=num_pages, page_size=4, max_num_seqs=48,
+                    max_num_batched_tokens=96, max_model_len=64, overlap=overlap,
+                    page_buckets=[16])
+    width = 2 + 2 * sampling.MAX_LOGPROBS
+
+    def compile_sampler(S, mode):
+        def sampler(logits, last_tokens, history, ints, floats):
+            rows = ints[S:S + len(sampling.INT_FIELDS) * S].reshape(-1, S)
+            out = np.zeros((S, width), np.int32)
+            out[:, 0] = (rows[SEED] + 7 * rows[INDEX]) % V
+            out[:, 1] = np.float32(-0.5).view(np.int32)
+            out[:, 2:2 + sampling.MAX_LOGPROBS] = out[:, :1]
+            return _Out(out), last_tokens, history
+        engine._samplers[(S, mode)] = sampler
+        return sampler
+
+    def compile_exe(key):
+        engine._exe[key] = lambda params, kv, last_tokens, ints: (None, kv)
+        return engine._exe[key]
+
+    engine._compile_now, engine._compile_sampler = compile_exe, compile_sampler
+    engine._load = lambda history, *a: history
+    return engine
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bulk_acceptance_matches_known_streams(overlap):
+    engine = fake_engine(overlap, num_pages=40)  # short of pages: some sequences are preempted
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, V, 12).tolist()
+    reqs = {}
+    for i in range(90):
+        prompt = rng.integers(0, V, int(rng.integers(2, 20))).tolist()
+        if i % 5 == 0:
+            prompt = shared + prompt[:3]  # found in the prefix cache by later arrivals
+        n, seed = int(rng.integers(1, 30)), int(rng.integers(0, 1000))
+        stops = [int(rng.integers(0, V))] if i % 3 == 0 else []
+        sp = SamplingParams(max_tokens=n, seed=seed, temperature=1.0, ignore_eos=True,
+                            stop_token_ids=stops, logprobs=2 if i % 7 == 0 else None)
+        reqs[f"r{i}"] = (prompt, sp, i // 10, expected(seed, n, stops))
+    aborts = {"r4": 3, "r31": 6, "r57": 9, "r80": 12}
+    outs, step, waiting = {}, 0, sorted(reqs, key=lambda r: reqs[r][2])
+    while waiting or engine.has_unfinished():
+        while waiting and reqs[waiting[0]][2] <= step:
+            rid = waiting.pop(0)
+            engine.add_request(rid, reqs[rid][0], reqs[rid][1])
+        for rid, at in aborts.items():
+            if at == step:
+                engine.abort(rid)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        engine.pages.check()
+        step += 1
+        assert step < 500
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
+    assert stats["pages_used"] == 0 and stats["running"] == 0
+    for rid, (prompt, sp, _, (want, reason)) in reqs.items():
+        got = outs[rid]
+        toks = [t for o in got for t in o.new_token_ids]
+        assert [o.finished for o in got] == [False] * (len(got) - 1) + [True], rid
+        assert all(o.prompt_tokens == len(prompt) for o in got), rid
+        assert [o.completion_tokens for o in got if o.new_token_ids] == list(
+            range(1, len(toks) + 1)), rid
+        if toks:
+            first = [o.first_token_time for o in got if o.new_token_ids]
+            assert first[0] is not None and len(set(first)) == 1, rid
+        if sp.logprobs:
+            assert all(lp.token_id == t and lp.logprob == -0.5 and [i for i, _ in lp.top] == [t, t]
+                       for o in got if o.new_token_ids for lp, t in zip(o.logprobs, o.new_token_ids))
+        else:
+            assert all(o.logprobs is None for o in got), rid
+        if rid in aborts:
+            assert got[-1].finish_reason == "abort" and toks == want[:len(toks)], rid
+        else:
+            assert (toks, got[-1].finish_reason) == (want, reason), rid
+
+
+def reference_decode(sched):
+    """The decode pass as one Python loop over the running sequences (the rule the array pass
+    must follow exactly)."""
+    chunks, prefilling, before = [], [], sched.num_preemptions
+    for seq in list(sched.running):
+        start, total = seq.num_computed, len(seq.tokens) + seq.num_pending
+        if total - start != 1:
+            if total - start > 1:
+                prefilling.append(seq)
+            continue
+        if seq.status != RUNNING or total - len(seq.prompt_ids) >= seq.max_output:
+            continue
+        held = len(sched.pages.tables[seq.request_id]) * sched.pages.page_size
+        if total > held and not sched._grow(seq, total):
+            continue
+        seq.num_computed, seq.num_pending = total, seq.num_pending + 1
+        chunks.append(Chunk(seq, start, 1, True))
+    return chunks, prefilling, sched.num_preemptions != before
+
+
+def test_array_decode_pass_follows_the_per_sequence_rule():
+    """Two schedulers take the same random arrivals, samples, finishes and aborts, one with the
+    array decode pass and one with the reference loop: every step's chunks, page tables and
+    preemptions agree, and the pool stays exact."""
+    rng = np.random.default_rng(5)
+    scheds = [Scheduler(KVPages(40, 4), max_num_seqs=24, max_num_batched_tokens=32,
+                        max_model_len=60) for _ in range(2)]
+    scheds[1]._decode = partial(reference_decode, scheds[1])
+    seqs = [{}, {}]
+    inflight = [[], []]
+    for step in range(300):
+        new = [(f"s{step}_{j}", rng.integers(0, 9, int(rng.integers(1, 14))).tolist(),
+                int(rng.integers(1, 40))) for j in range(int(rng.integers(0, 3)))]
+        abort = rng.random() < 0.1
+        got = []
+        for k, sched in enumerate(scheds):
+            for rid, prompt, n in new:
+                s = Sequence(rid, prompt, types.SimpleNamespace())
+                s.max_output = n
+                seqs[k][rid] = s
+                sched.add(s)
+            live = sorted(rid for rid, s in seqs[k].items() if s.status != FINISHED)
+            if abort and live:
+                sched.finish(seqs[k][live[len(live) // 2]])
+            chunks = sched.schedule()
+            for c in inflight[k]:  # the previous step's samples arrive
+                if c.samples and c.seq.status != FINISHED:
+                    c.seq.num_pending -= 1
+                    c.seq.tokens.append(len(c.seq.tokens) % 5)
+                    if len(c.seq.output_ids) >= c.seq.max_output:
+                        sched.finish(c.seq)
+            inflight[k] = chunks
+            sched.pages.check()
+            tables = {s.request_id: list(sched.page_table[s.slot, :len(sched.pages.tables[
+                s.request_id])]) for s in sched.running}
+            assert all(t == sched.pages.tables[r] for r, t in tables.items())
+            got.append(([(c.seq.request_id, c.start, c.length, c.samples) for c in chunks],
+                        tables, sched.num_preemptions))
+        assert got[0] == got[1], step
+    assert scheds[0].num_preemptions > 0
