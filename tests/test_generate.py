@@ -12,11 +12,6 @@ from pallasite.cli import main as cli_main
 from pallasite.model import default_model_path, forward_logits, load_hf
 from pallasite.serving.llm import LLM, SamplingParams
 
-@pytest.fixture(autouse=True)
-def no_disk_cache(monkeypatch):
-    """The CLI turns on JAX's persistent compilation cache, a process-wide setting: not here."""
-    monkeypatch.setenv("PALLASITE_CACHE_DIR", "")
-
 
 PROMPTS = [[5, 17, 99, 3, 42], [7] * 3 + [64, 12, 90, 33, 8, 120, 4, 6, 77], [11]]
 

@@ -78,8 +78,7 @@ def test_neither_folder_nor_name(offline_cache):
 def test_cli_generates_from_a_hub_name_offline(tmp_path):
     """The real CLI in a fresh process, with HF_HOME and HF_HUB_OFFLINE=1 as a user sets them."""
     cache_repo(tmp_path / "hf" / "hub", "org/tiny", default_files())
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
-           "PALLASITE_CACHE_DIR": ""}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "pallasite.cli", "generate", "--model", "org/tiny",
                           "--prompt", "The for statement", "--max-tokens", "4",
                           "--temperature", "0"], env=env, capture_output=True, text=True,
