@@ -32,9 +32,3 @@ if "jax" in sys.modules:  # imported before this file (a plugin): its flags have
 def pytest_unconfigure(config):
     if os.environ.get(_OWNER) == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
-
-def pytest_collection_modifyitems(items):
-    """The runs of whole files on 8 fake devices in a child process take minutes each: start
-    them first, so that with two workers none of them is left running alone at the end."""
-    items.sort(key=lambda item: "8_fake_devices" not in item.nodeid)
