@@ -37,8 +37,10 @@ class _Out:
         return self.a
 
 
-def fake_device(engine, vocab: int):
-    """Swap the engine's compiled forward passes and samplers for host stand-ins."""
+def fake_device(engine, vocab: int, draw=None):
+    """Swap the engine's compiled forward passes and samplers for host stand-ins. `draw(ints,
+    S)` gives each row's token from the sampler's int inputs (default: any token that is neither
+    eos nor a stop); its logprob is -0.5 and its top logprob ids are itself."""
     from pallasite.serving import sampling
 
     width = 2 + 2 * sampling.MAX_LOGPROBS
@@ -53,7 +55,9 @@ def fake_device(engine, vocab: int):
     def compile_sampler(S, mode):
         def sampler(logits, last_tokens, history, ints, floats):
             out = np.zeros((S, width), np.int32)
-            out[:, 0] = np.arange(S) % vocab  # any token that is neither eos nor a stop
+            out[:, 0] = np.arange(S) % vocab if draw is None else draw(ints, S)
+            out[:, 1] = np.float32(-0.5).view(np.int32)
+            out[:, 2:2 + sampling.MAX_LOGPROBS] = out[:, :1]
             return _Out(out), last_tokens, history
         engine._samplers[(S, mode)] = sampler
         return sampler

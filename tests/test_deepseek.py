@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from pallasite.model import config_from_dict, forward_logits, init_kv_cache, load_hf
+from test_families import assert_greedy_equals_transformers
 from test_model import paged_step, rel_err
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -70,22 +71,9 @@ def test_logits_match_transformers(name, tmp_path):
     assert rel_err(forward_logits(params, config, jnp.asarray(ids)), want) <= 1e-4
 
 
-PROMPTS = [[5, 17, 99, 3, 42], [7] * 3 + [64, 12, 90, 33, 8, 120, 4, 6, 77], [11]]
-
-
 @pytest.mark.parametrize("name", ["v3"])
 def test_greedy_24_tokens_equal_transformers(name, tmp_path):
-    from pallasite.serving.llm import LLM, SamplingParams
-    model = save(name, tmp_path)
-    with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
-                               max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in PROMPTS]
-    with LLM(tmp_path, max_model_len=48, num_pages=32, page_size=8, max_num_seqs=4,
-             max_num_batched_tokens=16, token_buckets=[4, 16], page_buckets=[8]) as llm:
-        got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    assert [g.token_ids for g in got] == want
+    assert_greedy_equals_transformers(save(name, tmp_path), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["v2_lite", "v3"])

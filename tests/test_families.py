@@ -20,19 +20,24 @@ NEW = ["llama_yarn", "phi3", "phi3_longrope", "mistral_window", "qwen2_window", 
 PROMPTS = [[5, 17, 99, 3, 42], [7] * 3 + [64, 12, 90, 33, 8, 120, 4, 6, 77], [11]]
 
 
-@pytest.mark.parametrize("family", NEW)
-def test_greedy_24_tokens_equal_transformers(family, tmp_path):
-    overrides = dict(original_max_position_embeddings=64) if "longrope" in family else {}
-    model = hf_models.save(family, tmp_path, config=overrides)
+def assert_greedy_equals_transformers(model, path):
+    """24 greedy tokens through `LLM` from the checkpoint at `path` equal `model.generate`'s."""
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
                                max_new_tokens=24, min_new_tokens=24, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in PROMPTS]
-    with LLM(tmp_path, max_model_len=48, num_pages=32, page_size=8, max_num_seqs=4,
+    with LLM(path, max_model_len=48, num_pages=32, page_size=8, max_num_seqs=4,
              max_num_batched_tokens=16, token_buckets=[4, 16], page_buckets=[8]) as llm:
         got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [g.token_ids for g in got] == want
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_greedy_24_tokens_equal_transformers(family, tmp_path):
+    overrides = dict(original_max_position_embeddings=64) if "longrope" in family else {}
+    assert_greedy_equals_transformers(hf_models.save(family, tmp_path, config=overrides),
+                                      tmp_path)
 
 
 @pytest.mark.parametrize("family", NEW)

@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 import pytest
 
+from benchmarks.host_step import fake_device
 from pallasite.model import config_from_dict, init_params
 from pallasite.serving import sampling
 from pallasite.serving.engine import Engine
@@ -33,17 +34,6 @@ def expected(seed: int, max_tokens: int, stops=()) -> tuple[list[int], str]:
     return out, "length"
 
 
-class _Out:
-    def __init__(self, a):
-        self.a = a
-
-    def copy_to_host_async(self):
-        pass
-
-    def __array__(self, dtype=None, copy=None):
-        return self.a
-
-
 def fake_engine(overlap: bool, num_pages: int) -> Engine:
     import jax
     config = config_from_dict(dict(model_type="llama", vocab_size=V, hidden_size=16,
@@ -54,25 +44,12 @@ def fake_engine(overlap: bool, num_pages: int) -> Engine:
     engine = Engine(config, params, num_pages=num_pages, page_size=4, max_num_seqs=48,
                     max_num_batched_tokens=96, max_model_len=64, overlap=overlap,
                     page_buckets=[16])
-    width = 2 + 2 * sampling.MAX_LOGPROBS
 
-    def compile_sampler(S, mode):
-        def sampler(logits, last_tokens, history, ints, floats):
-            rows = ints[S:S + len(sampling.INT_FIELDS) * S].reshape(-1, S)
-            out = np.zeros((S, width), np.int32)
-            out[:, 0] = (rows[SEED] + 7 * rows[INDEX]) % V
-            out[:, 1] = np.float32(-0.5).view(np.int32)
-            out[:, 2:2 + sampling.MAX_LOGPROBS] = out[:, :1]
-            return _Out(out), last_tokens, history
-        engine._samplers[(S, mode)] = sampler
-        return sampler
+    def draw(ints, S):  # a seeded sampler's rule: the seed and the output index only
+        rows = ints[S:S + len(sampling.INT_FIELDS) * S].reshape(-1, S)
+        return (rows[SEED] + 7 * rows[INDEX]) % V
 
-    def compile_exe(key):
-        engine._exe[key] = lambda params, kv, last_tokens, ints: (None, kv)
-        return engine._exe[key]
-
-    engine._compile_now, engine._compile_sampler = compile_exe, compile_sampler
-    engine._load = lambda history, *a: history
+    fake_device(engine, V, draw)
     return engine
 
 
