@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=2))
     if args.install:
         dest = Path(args.target) / "draft"
-        shutil.copytree(export, dest, dirs_exist_ok=True)
+        # Weights and config only: the draft shares the default model's tokenizer beside it.
+        shutil.copytree(export, dest, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("tokenizer*"))
         print(f"installed the draft in {dest}")
     return 0
 
