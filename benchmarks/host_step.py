@@ -74,11 +74,13 @@ class _Tok:
         return "".join(chr(97 + i % 26) * 2 for i in ids)
 
 
-def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False):
+def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
+          freeze: bool = True):
     import jax
     from pallasite.model import config_from_dict, init_params
     from pallasite.serving.engine import Engine
     from pallasite.serving.llm import SamplingParams
+    from pallasite.serving.warmup import settle_heap
     config = config_from_dict(dict(model_type="llama", vocab_size=32000, hidden_size=16,
                                    intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1,
@@ -90,6 +92,8 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
                     max_num_seqs=seqs, max_num_batched_tokens=max(8192, seqs),
                     max_model_len=2048, page_buckets=[128])
     fake_device(engine, 1000)
+    if freeze:
+        settle_heap()  # as warm-up leaves the heap
     rng = np.random.default_rng(0)
     engine.arrivals = iter(range(1 << 30))
 

@@ -166,10 +166,12 @@ class Engine:
     def check_request(self, prompt_ids, sampling_params):
         """Raise RequestError if the request cannot be served (read-only: safe from any thread)."""
         self.scheduler.check(prompt_ids)
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        V = self.config.vocab_size  # the prompt is not empty (checked above)
+        bad = [] if 0 <= min(prompt_ids) and max(prompt_ids) < V else [
+            t for t in prompt_ids if not 0 <= t < V]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary "
-                               f"(vocab_size {self.config.vocab_size})")
+                               f"(vocab_size {V})")
         bad = [t for t in sampling_params.stop_token_ids or () if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"stop token id {bad[0]} is outside the vocabulary "

@@ -21,6 +21,20 @@ def page_digest(parent: bytes, tokens) -> bytes:
     return hashlib.blake2b(parent + array("i", tokens).tobytes(), digest_size=16).digest()
 
 
+def chain_digests(keys: list[bytes], root: bytes, tokens, page_size: int, n: int) -> list[bytes]:
+    """Extend `keys`, the digests of the first full pages of `tokens` (chained from `root`), to
+    its first `n` pages: one byte conversion for all the new pages, then a hash per page (each
+    what `page_digest` gives)."""
+    if len(keys) < n:
+        step, parent = 4 * page_size, keys[-1] if keys else root
+        data = array("i", tokens[len(keys) * page_size:n * page_size]).tobytes()
+        blake2b = hashlib.blake2b
+        for j in range(0, len(data), step):
+            parent = blake2b(parent + data[j:j + step], digest_size=16).digest()
+            keys.append(parent)
+    return keys
+
+
 class KVPages:
     def __init__(self, num_pages: int, page_size: int, model_key: str = ""):
         if num_pages < 1 or page_size < 1:
@@ -52,23 +66,23 @@ class KVPages:
                     pages_used=used, pages_cached=len(self.lru))
 
     # -- sequence lifecycle --------------------------------------------------------------------
-    def share_prefix(self, seq, tokens) -> int:
+    def share_prefix(self, seq, tokens, keys: list[bytes] | None = None) -> int:
         """Start `seq`'s table with the cached pages matching the longest run of full pages of
         `tokens`; returns how many tokens they hold. Callers pass all but the last known token so
-        at least one token is left to compute."""
+        at least one token is left to compute. `keys`: the sequence's page digests so far (a list
+        its caller keeps and this extends), so each page is hashed once in a sequence's life."""
         assert seq not in self.tables, f"sequence {seq!r} already has pages"
-        table, keys, parent = [], [], self.root
-        for i in range(len(tokens) // self.page_size):
-            key = page_digest(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
-            page = self.cache.get(key)
+        n = len(tokens) // self.page_size
+        keys = chain_digests([] if keys is None else keys, self.root, tokens, self.page_size, n)
+        table, cache = [], self.cache
+        for key in keys[:n]:
+            page = cache.get(key)
             if page is None:
                 break
             table.append(page)
-            keys.append(key)
-            parent = key
         for page in table:
             self._ref(page)
-        self.tables[seq], self.digests[seq] = table, keys
+        self.tables[seq], self.digests[seq] = table, keys[:len(table)]
         return len(table) * self.page_size
 
     def grow(self, seq, num_tokens: int) -> bool:
@@ -87,13 +101,16 @@ class KVPages:
         return True
 
     def grow_each_by_one(self, seqs) -> list[int] | None:
-        """One more page for each of `seqs`, from the free list, handed out as `grow` one
-        sequence after another would; None (nothing taken) if the free list is short."""
-        k = len(seqs)
-        if k > len(self.free_list):
+        """One more page for each of `seqs`, from the free list and then the LRU's oldest
+        cached pages, handed out as `grow` one sequence after another would; None (nothing
+        taken) if the pool is short."""
+        k, free = len(seqs), self.free_list
+        if k > self.num_available():
             return None
-        pages = self.free_list[len(self.free_list) - k:][::-1]
-        del self.free_list[len(self.free_list) - k:]
+        take = min(k, len(free))
+        pages = free[len(free) - take:][::-1]
+        del free[len(free) - take:]
+        pages += [self._evict() for _ in range(k - take)]
         tables, refs = self.tables, self.refs
         for seq, page in zip(seqs, pages):
             tables[seq].append(page)
@@ -112,23 +129,25 @@ class KVPages:
             elif self.refs[page] == 0:
                 self.free_list.append(page)
 
-    def cache_full_pages(self, seq, tokens, upto: int | None = None):
+    def cache_full_pages(self, seq, tokens, upto: int | None = None,
+                         keys: list[bytes] | None = None):
         """Enter `seq`'s full pages into the prefix cache. `tokens[:upto]` are the sequence's
         tokens whose K/V are written (or queued to be written ahead of any reader) in its pages.
-        Cheap when no page filled up since the last call (the common decode step)."""
-        keys = self.digests[seq]
-        full = min(len(tokens), len(tokens) if upto is None else upto) // self.page_size
-        if full <= len(keys):
+        Cheap when no page filled up since the last call (the common decode step). `keys`: as
+        for `share_prefix`."""
+        done, table = self.digests[seq], self.tables[seq]
+        full = min(len(tokens), len(tokens) if upto is None else upto, len(table) * self.page_size
+                   ) // self.page_size
+        if full <= len(done):
             return
-        table = self.tables[seq]
-        parent = keys[-1] if keys else self.root
-        for i in range(len(keys), min(full, len(table))):
-            key = page_digest(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
-            page = table[i]
-            if key not in self.cache and page not in self.key_of:
-                self.cache[key], self.key_of[page] = page, key
-            keys.append(key)
-            parent = key
+        keys = chain_digests(list(done) if keys is None else keys, self.root, tokens,
+                             self.page_size, full)
+        cache, key_of = self.cache, self.key_of
+        for i in range(len(done), full):
+            key, page = keys[i], table[i]
+            if key not in cache and page not in key_of:
+                cache[key], key_of[page] = page, key
+            done.append(key)
 
     def free(self, seq):
         """Drop `seq`'s references. Unreferenced cached pages join the LRU tail-first, so a

@@ -63,9 +63,11 @@ class Sequence:
     # speculation's own state (speculative.SpecState).
     draft: list = dataclasses.field(default_factory=list)
     spec: object = None
+    # Digests of its tokens' first full pages (kv_pages.chain_digests): each page hashed once.
+    page_keys: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        self.prompt_ids = list(map(int, self.prompt_ids))
         if self.tokens is None:
             self.tokens = list(self.prompt_ids)
 
@@ -214,9 +216,9 @@ class Scheduler:
         cache, span = self.pages.cache_full_pages, self.pages.page_size
         for i in np.flatnonzero(rows.known % span == 0).tolist():
             seq = rows.seqs[i]
-            cache(seq.request_id, seq.tokens, int(rows.start[i] + rows.length[i]))
+            cache(seq.request_id, seq.tokens, int(rows.start[i] + rows.length[i]), seq.page_keys)
         for seq, start, length, _ in chunks:
-            cache(seq.request_id, seq.tokens, start + length)
+            cache(seq.request_id, seq.tokens, start + length, seq.page_keys)
         return rows + Step.from_chunks(chunks) if chunks else rows
 
     def _decode(self) -> tuple[Step, list[Sequence], bool]:
@@ -287,7 +289,7 @@ class Scheduler:
         if seq.num_pending:
             return False
         pages, tokens = self.pages, seq.tokens
-        hit = pages.share_prefix(seq.request_id, tokens[:-1])  # leave 1 token to compute
+        hit = pages.share_prefix(seq.request_id, tokens[:-1], seq.page_keys)  # leave 1 to compute
         # Keep a page per running sequence in reserve so admission does not force preemption.
         reserve = len(self.running) + 1 if self.running else 0
         need = pages.pages_for(len(tokens)) - len(pages.table(seq.request_id))

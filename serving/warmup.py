@@ -13,6 +13,11 @@ conditional's predicate back to the host, which stops the host from running a st
 The persistent compilation cache (`settings.enable_compilation_cache`) is on by default: a
 second start loads these programs instead of compiling them; the report says how many it found.
 
+The last thing warm-up does is take everything alive by then (modules, compiled programs,
+weights' Python objects: a couple of hundred thousand objects) out of the garbage collector's
+view (`settle_heap`). Otherwise each full collection walks all of them (on the order of 100 ms),
+and at high concurrency the objects a step makes and drops bring one every few hundred steps.
+
 A compilation's memory grows with the program (a 30-layer model's step, unrolled, takes about a
 gigabyte on XLA:CPU), so running one per thread on a small machine can exhaust it. Where memory
 is short the largest program is compiled first, alone, and the memory it took bounds how many of
@@ -21,6 +26,7 @@ the rest run at once; where it is plentiful (a GPU host) all start at once.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import sys
@@ -283,11 +289,19 @@ def warm_up(engine, workers: int | None = None):
         programs=engine.compilations - before, jax_compiles=counter.compiles,
         cache_hits=counter.hits, cache_dir=cache_dir,
         steps=len(keys), samplers=len(samplers), slowest=[(n, round(s, 2)) for n, s in slowest[:8]])
+    settle_heap()
     if len(jobs) > 1:
         print(f"pallasite: warm-up built {engine.compilations - before} programs in "
               f"{engine.warmup_report['seconds']:.1f} s ({counter.hits} from the compilation "
               f"cache{' ' + cache_dir if cache_dir else ', off'})", file=sys.stderr, flush=True)
     return engine
+
+
+def settle_heap():
+    """Collect what is garbage now, then freeze the rest: later collections walk only what is
+    made after warm-up (requests, their sequences and outputs)."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_once(engine, keys, samplers):

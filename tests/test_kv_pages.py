@@ -3,7 +3,7 @@
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pallasite.serving.kv_pages import KVPages
+from pallasite.serving.kv_pages import KVPages, chain_digests, page_digest
 
 
 def test_prefix_pages_are_shared_and_survive_their_sequence():
@@ -43,6 +43,50 @@ def test_eviction_takes_oldest_and_prefix_tails_first():
     assert kv.share_prefix("d", [1, 2, 3, 4]) == 2
     assert not kv.grow("e", 2 * 5)  # all or nothing
     kv.check()
+
+
+def test_page_digests_are_hashed_once_and_match_the_chain():
+    kv = KVPages(num_pages=16, page_size=4)
+    toks = list(range(100, 123))
+    parent, chain = kv.root, []
+    for i in range(5):
+        parent = page_digest(parent, toks[4 * i:4 * i + 4])
+        chain.append(parent)
+    keys = chain_digests([], kv.root, toks, 4, 2)
+    assert keys == chain[:2] and chain_digests(keys, kv.root, toks, 4, 5) is keys
+    assert keys == chain
+    # With a sequence's memo, admission and caching find the same pages as without one.
+    memo = []
+    assert kv.share_prefix("a", toks[:-1], memo) == 0 and memo == chain
+    kv.grow("a", len(toks))
+    kv.cache_full_pages("a", toks, 9, memo)
+    kv.cache_full_pages("a", toks, None, memo)
+    assert [kv.cache[k] for k in chain] == kv.table("a")[:5]
+    memo.append(b"not a digest")  # a memo longer than the prompt's pages is only read up to them
+    assert kv.share_prefix("b", toks[:10], memo) == 8 and kv.share_prefix("c", toks[:-1]) == 20
+    kv.check()
+
+
+def test_one_page_each_evicts_as_growing_one_by_one_does():
+    pools = []
+    for batched in (False, True):
+        kv = KVPages(num_pages=8, page_size=2)
+        for seq, toks in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
+            kv.grow(seq, 4)
+            kv.cache_full_pages(seq, toks)
+        kv.free("a")  # 4 free pages and a's 2 cached ones
+        for seq in "xyz":
+            kv.grow(seq, 1)
+        if batched:
+            assert kv.grow_each_by_one(list("xyz")) is not None
+            assert kv.grow_each_by_one(list("xyz")) is None  # short: nothing taken
+        else:
+            for seq in "xyz":
+                kv.grow(seq, 3)
+        kv.check()
+        pools.append((dict(kv.tables), dict(kv.cache), list(kv.lru)))
+    assert pools[0] == pools[1]
+    assert len(pools[1][1]) == 2  # the free page went first, then both of a's cached ones
 
 
 class PoolMachine(RuleBasedStateMachine):
