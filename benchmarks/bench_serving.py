@@ -119,19 +119,23 @@ def step_times(log):
 
 
 def run(engine, requests, deadline):
-    """Submit everything, step until done or the deadline; returns (outputs, wall seconds)."""
+    """Submit everything, step until done or the deadline; returns (each request's last output
+    with all its tokens, wall seconds). Outputs are folded in as `LLM.generate` does: keeping
+    every step's outputs would leave the collector a heap that grows by two objects a token."""
     from pallasite.serving.llm import SamplingParams
     for rid, prompt, n in requests:
         engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    t0, outs = time.perf_counter(), []
+    t0, last, tokens = time.perf_counter(), {}, {rid: [] for rid, _, _ in requests}
     while engine.has_unfinished() and time.perf_counter() < deadline:
-        outs += engine.step()
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            last[o.request_id] = o
     wall = time.perf_counter() - t0
     for rid in list(engine.seqs):  # out of time: stop the rest
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return outs, wall
+    return [o._replace(new_token_ids=tokens[rid]) for rid, o in last.items()], wall
 
 
 def batch1(engine, mix, cost, rng, overlap, deadline):

@@ -5,12 +5,15 @@ wall time includes waiting for a core. The engine drives a tiny model, but its c
 a token per row at once, so what is timed is the host's own work: scheduling, packing the batch,
 dispatch and accepting the sampled tokens. `--profile` prints the cProfile of the timed steps.
 
-Pure decode (default): every sequence decodes through the timed steps. `--mixed`: outputs are
-short (uniform in [8, 2 * --churn_output]) and finished requests are replaced by new prompts, so
-each step carries ~1024 decode rows plus the prefill chunks of the newly admitted ones (the
-churn of a ShareGPT run).
+Two cases, both by default: pure decode (`--decode`), where every sequence decodes through the
+timed steps, and `--mixed`, where outputs are short (uniform in [8, 2 * --churn_output]) and
+finished requests are replaced by new prompts, so each step carries ~1024 decode rows plus the
+prefill chunks of the newly admitted ones (the churn of a ShareGPT run). Each prints a line
+(`host_ms_per_step`: the engine's own mean host time a step, garbage collections included; then
+the CPU time's median and best step, and the median of each part), then its JSON record.
+The heap is frozen after the engine is built, as warm-up leaves it (`--no_freeze`: not).
 
-    python -m benchmarks.host_step --seqs 1024 [--mixed] [--profile] [--tokenizer]
+    python -m benchmarks.host_step --seqs 1024 [--decode | --mixed] [--profile] [--tokenizer]
 """
 
 from __future__ import annotations
@@ -188,18 +191,31 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--output", type=int, default=400)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--tokenizer", action="store_true", help="detokenize every output")
-    ap.add_argument("--mixed", action="store_true", help="requests finish and new ones arrive")
+    ap.add_argument("--decode", action="store_true", help="only the pure decode case")
+    ap.add_argument("--mixed", action="store_true", help="only the case where requests finish "
+                    "and new ones arrive")
     ap.add_argument("--churn_output", type=int, default=64,
                     help="--mixed: mean output tokens of a request")
+    ap.add_argument("--no_freeze", action="store_true", help="leave the heap unfrozen")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
-    engine = build(args.seqs, args.prompt, args.churn_output if args.mixed else args.output,
-                   args.tokenizer, args.mixed)
-    rec = measure(engine, args.steps, args.profile, args.mixed)
-    print(json.dumps(rec))
-    return rec
+    recs = []
+    for mixed in [False, True] if args.decode == args.mixed else [args.mixed]:
+        engine = build(args.seqs, args.prompt, args.churn_output if mixed else args.output,
+                       args.tokenizer, mixed, freeze=not args.no_freeze)
+        rec = measure(engine, args.steps, args.profile, mixed)
+        parts = " ".join(f"{k[:-len('_cpu_ms_median')]} {v:.2f}" for k, v in rec.items()
+                         if k.endswith("_cpu_ms_median"))
+        print(f"{rec['mode']:>6}: host {rec['host_ms_per_step']:.2f} ms/step at "
+              f"{rec['running']} running ({rec['tokens_per_step']:.0f} tokens a step); CPU "
+              f"median {rec['cpu_ms_median']:.2f}, best {rec['cpu_ms_best']:.2f}; parts "
+              f"(median ms): {parts}; python loop {rec['python_loop_ms']:.0f} ms", flush=True)
+        print(json.dumps(rec), flush=True)
+        recs.append(rec)
+        del engine
+    return recs
 
 
 if __name__ == "__main__":

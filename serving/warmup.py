@@ -13,10 +13,14 @@ conditional's predicate back to the host, which stops the host from running a st
 The persistent compilation cache (`settings.enable_compilation_cache`) is on by default: a
 second start loads these programs instead of compiling them; the report says how many it found.
 
-The last thing warm-up does is take everything alive by then (modules, compiled programs,
-weights' Python objects: a couple of hundred thousand objects) out of the garbage collector's
-view (`settle_heap`). Otherwise each full collection walks all of them (on the order of 100 ms),
-and at high concurrency the objects a step makes and drops bring one every few hundred steps.
+The last thing warm-up does is set the garbage collector for serving (`settle_heap`). It takes
+everything alive by then (modules, compiled programs, weights' Python objects: a couple of
+hundred thousand objects) out of the collector's view; otherwise each full collection walks all
+of them (on the order of 100 ms), and at high concurrency the objects a step makes and drops
+bring one every few hundred steps. And it lets more objects be made before a young collection:
+a step at 1024 sequences holds a few thousand (its outputs) until the caller drops them, and at
+Python's default (700) several collections a step walk them and push them towards the old
+generation, whose collections they then bring on sooner.
 
 A compilation's memory grows with the program (a 30-layer model's step, unrolled, takes about a
 gigabyte on XLA:CPU), so running one per thread on a small machine can exhaust it. Where memory
@@ -37,6 +41,7 @@ from functools import partial
 
 MEMORY_FRACTION = 0.5  # of the memory available at warm-up that compilations may take at once
 PLENTY = 64 << 30  # available bytes above which no compilation is measured alone first
+YOUNG_GC_THRESHOLD = 50_000  # new container objects (net) between young collections
 
 
 def default_page_buckets(max_pages: int, gpu: bool | None = None) -> list[int]:
@@ -297,11 +302,14 @@ def warm_up(engine, workers: int | None = None):
     return engine
 
 
-def settle_heap():
+def settle_heap(young: int = YOUNG_GC_THRESHOLD):
     """Collect what is garbage now, then freeze the rest: later collections walk only what is
-    made after warm-up (requests, their sequences and outputs)."""
+    made after warm-up (requests, their sequences and outputs). Raise (never lower) the count of
+    new objects that brings a young collection to `young`."""
     gc.collect()
     gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(max(threshold[0], young), *threshold[1:])
 
 
 def run_once(engine, keys, samplers):
