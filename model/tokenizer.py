@@ -82,7 +82,7 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, batch, skip_special_tokens: bool = True) -> list[str]:
-        return self.tok.decode_batch([list(ids) for ids in batch],
+        return self.tok.decode_batch([ids if type(ids) is list else list(ids) for ids in batch],
                                      skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -131,7 +131,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids)
+        self.ids = list(prompt_ids[-self.CONTEXT:])  # nothing before the window is read again
         self.read = len(self.ids)  # tokens already turned into text
         self.prefix = max(0, self.read - self.CONTEXT)  # start of the decoding window
 

@@ -26,7 +26,7 @@ import dataclasses
 import random
 import time
 from functools import partial
-from itertools import repeat
+from itertools import compress, repeat
 from typing import NamedTuple
 
 import jax
@@ -360,12 +360,12 @@ class Engine:
         lps = [None] * n
         for i in np.flatnonzero(batch.ints[LOGPROBS, slots] >= 0).tolist():
             lps[i] = self._logprobs(seqs[i], toks[i], out[i])
-        for i, reason in enumerate(reasons):
-            if reason is not None:
-                self._finish(seqs[i])
+        finished = [r is not None for r in reasons]
+        for seq in compress(seqs, finished):
+            self._finish(seq)
         return list(map(_new_output, repeat(RequestOutput), zip(
             batch.request_id[slots].tolist(), [[t] for t in toks], deltas, lps,
-            [r is not None for r in reasons], reasons, plen.tolist(),
+            finished, reasons, plen.tolist(),
             batch.cached[slots].tolist(), (n_tokens - plen).tolist(),
             batch.arrival[slots].tolist(), batch.first_token[slots].tolist(), repeat(0),
             repeat(0))))
@@ -378,20 +378,20 @@ class Engine:
 
     def _text(self, seqs, tokens, reasons, complete) -> list[str]:
         """Each sequence's text delta, its new tokens detokenized in one batched call (a stop
-        token adds no text); a stop string found in the text sets its reason to "stop"."""
+        token adds no text); a stop string found in the text sets its reason to "stop". Only a
+        sequence with stop strings keeps its text (`seq.text`): the others send all they get."""
         todo = [i for i, r in enumerate(reasons) if r != "stop"]
-        new = IncrementalDetokenizer.add_many([seqs[i].detok for i in todo],
-                                              [tokens[i] for i in todo])
-        texts, deltas = [""] * len(seqs), [""] * len(seqs)
-        for i, text in zip(todo, new):
-            texts[i] = text
+        if len(todo) == len(seqs):
+            deltas = IncrementalDetokenizer.add_many([s.detok for s in seqs], tokens)
+        else:
+            deltas = [""] * len(seqs)
+            for i, text in zip(todo, IncrementalDetokenizer.add_many(
+                    [seqs[i].detok for i in todo], [tokens[i] for i in todo])):
+                deltas[i] = text
         self._complete(reasons, complete)
-        for i, seq in enumerate(seqs):
-            seq.text += texts[i]
-            if not seq.sampling.stop:  # nothing to hold back
-                deltas[i], seq.sent = seq.text[seq.sent:], len(seq.text)
-                continue
-            deltas[i], hit_stop = self._text_delta(seq, final=reasons[i] is not None)
+        for i in [i for i, seq in enumerate(seqs) if seq.sampling.stop]:
+            seqs[i].text += deltas[i]
+            deltas[i], hit_stop = self._text_delta(seqs[i], final=reasons[i] is not None)
             reasons[i] = "stop" if hit_stop else reasons[i]
         return deltas
 

@@ -214,9 +214,10 @@ class Scheduler:
         # so their K/V are written before any later step reads them. A decode row's known
         # tokens grow by one a step, so it fills a page only when they reach a page boundary.
         cache, span = self.pages.cache_full_pages, self.pages.page_size
-        for i in np.flatnonzero(rows.known % span == 0).tolist():
+        filled = np.flatnonzero(rows.known % span == 0)
+        for i, upto in zip(filled.tolist(), (rows.start + rows.length)[filled].tolist()):
             seq = rows.seqs[i]
-            cache(seq.request_id, seq.tokens, int(rows.start[i] + rows.length[i]), seq.page_keys)
+            cache(seq.request_id, seq.tokens, upto, seq.page_keys)
         for seq, start, length, _ in chunks:
             cache(seq.request_id, seq.tokens, start + length, seq.page_keys)
         return rows + Step.from_chunks(chunks) if chunks else rows
