@@ -46,7 +46,7 @@ def main(argv=None):
         q, k, v = dense_inputs(jax.random.key(S + B), B, S, S, H, KV, D, jnp.bfloat16)
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         base = dict(batch=B, seq=S, causal=causal, auto_band=flash_mgpu.band_kv_heads(
-            B, S, KV, D, 2))
+            B, S, KV, D, 2, causal))
         times = {}
         if f is not None:
             times["fa3"] = try_time("fa3", lambda q, k, v: f.flash_mha(q, k, v, is_causal=causal),
