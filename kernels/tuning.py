@@ -71,6 +71,7 @@ TABLE = {
 QUANT_MATMUL = {
     "w8a16": {},  # FP8 (or INT8 QArray) weights, kernels/w8a16_matmul.py
     "w4a16": {},  # packed INT4 / INT8 weights, kernels/w4a16_matmul.py
+    "w8a8": {},  # FP8 weights x per-row FP8 activations, kernels/w8a8_matmul.py
 }
 
 

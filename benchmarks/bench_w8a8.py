@@ -1,0 +1,289 @@
+"""W8A8 (FP8 x FP8, per-token activation scales) at the Llama-3-8B layer shapes: XLA's FP8 dot
+with the weight stored [K, N] (as now) or [N, K] (both operands along K, as cuBLASLt's FP8 GEMM
+reads them), with and without fast accumulation and with and without the activations'
+quantization counted, and the Pallas Triton kernel (`kernels/w8a8_matmul.py`) in both layouts,
+all against the bf16 product timed in the same run.
+
+    python -m benchmarks.bench_w8a8 --out DIR          # H100: about 3 minutes
+    python -m benchmarks.bench_w8a8 --out DIR --tiny   # CPU, interpret mode: < 1 minute
+
+Shapes qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096 at M = 2048, 512,
+8192, 128 (in that order, so a --time-limit cut keeps the prefill size). Every variant is first
+run on fresh random inputs (rows of very different sizes) with freed device memory poisoned
+(NaN), and its relative error against `quant_reference.w8a8_reference` (the float32 product
+of the same FP8 inputs, rounded to bf16) recorded; over 1e-3 is marked failed (still timed: the
+fast-accumulation variants are expected to fail). Times: the median over --reps calls of the
+GPU time of the kernels one call launches, read from one profiler trace per case with the L2
+flushed before every call (`benchmarks/common.py`); the kernels' names are recorded, which
+shows whether XLA transposes the weight or scales the product in a separate kernel. A second
+tier times other Pallas tiles where time is left. Writes DIR/bench_w8a8.json and prints a
+table (us, TFLOP/s, ratio to bf16, error) per case and the best of XLA and Pallas per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from pallasite.kernels import quant_reference as qr
+from pallasite.kernels import w8a8_matmul as wm
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+          "down": (14336, 4096)}
+MS = (2048, 512, 8192, 128)
+TINY_SHAPES, TINY_MS = {"tiny": (256, 512)}, (64, 128)
+LIMIT = 1e-3
+# Pallas tiles (block_m, block_n, block_k, num_warps, num_stages); tier 1 runs the first.
+TILES = [(128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (128, 128, 128, 8, 4),
+         (64, 256, 128, 4, 4), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4)]
+TINY_TILES = [(64, 128, 128, 4, 1), (64, 256, 128, 4, 1)]
+
+
+def tile_kw(t):
+    return dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), t))
+
+
+# -- variants: name -> (fn, which inputs: "x" the bf16 activations, "xq" already quantized) ------
+def variants(tier, tiny):
+    tiles = TINY_TILES if tiny else TILES
+    hi = dict(interpret=tiny)
+    if tier == 1:
+        v = {"bf16": (lambda x, w: x @ w, "bf16"),
+             "quantize": (lambda x: qr.quantize_rows(x), "quantize")}
+        for layout in ("kn", "nk"):
+            for fast in (False, True):
+                tag = f"xla_{layout}" + ("_fast" if fast else "")
+                v[tag] = (lambda x, q, s, lo=layout, f=fast: qr.w8a8_matmul(
+                    x, q, s, layout=lo, fast=f), layout)
+                v[tag + "_dot"] = (lambda xq, xs, q, s, lo=layout, f=fast: qr.w8a8_dot(
+                    xq, xs, q, s, layout=lo, fast=f).astype(jnp.bfloat16), layout + "_xq")
+            kw = tile_kw(tiles[0])
+            v[f"pallas_{layout}"] = (lambda x, q, s, lo=layout, kw=kw: wm.w8a8_matmul(
+                x, q, s, layout=lo, **hi, **kw), layout)
+            v[f"pallas_{layout}_dot"] = (lambda xq, xs, q, s, lo=layout, kw=kw:
+                                         wm.w8a8_matmul_quantized(xq, xs, q, s, layout=lo,
+                                                                  **hi, **kw), layout + "_xq")
+        return v
+    v = {}
+    for t in tiles[1:]:
+        for layout in ("nk", "kn"):
+            name = f"pallas_{layout}_" + "x".join(map(str, t))
+            v[name] = (lambda xq, xs, q, s, lo=layout, kw=tile_kw(t): wm.w8a8_matmul_quantized(
+                xq, xs, q, s, layout=lo, **hi, **kw), layout + "_xq")
+    return v
+
+
+class Weights:
+    """One shape's FP8 weight in both layouts (per-channel scales) and its bf16 original."""
+
+    def __init__(self, key, k, n):
+        w = jax.random.normal(key, (k, n), jnp.float32)
+        self.scale = jnp.max(jnp.abs(w), axis=0, keepdims=True) / qr.FP8_MAX
+        self.kn = (w / self.scale).astype(jnp.float8_e4m3fn)
+        self.nk = jnp.asarray(self.kn.T, copy=True)  # stored transposed, not a view
+        self.bf16 = w.astype(jnp.bfloat16)
+        del w
+
+
+def inputs(kind, x, wts):
+    if kind == "bf16":
+        return (x, wts.bf16)
+    if kind == "quantize":
+        return (x,)
+    layout = kind.split("_")[0]
+    q = wts.nk if layout == "nk" else wts.kn
+    if kind.endswith("_xq"):
+        return (*qr.quantize_rows(x), q, wts.scale)
+    return (x, q, wts.scale)
+
+
+# -- timing ------------------------------------------------------------------------------------
+def device_times(calls, reps):
+    """[(median ms, kernel names of one call)] for each (fn, args), all in one profiler trace,
+    the L2 flushed before every call. On CPU: host wall clock, no names."""
+    if jax.default_backend() != "gpu":
+        return [(common.host_ms(fn, *args, reps=reps), []) for fn, args in calls]
+    from jax.profiler import ProfileData
+    flush = common.l2_flush()
+    for fn, args in calls:
+        jax.block_until_ready((fn(*args), flush()))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for fn, args in calls:
+            for _ in range(reps):
+                jax.block_until_ready(flush())
+                jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    events = sorted((e.start_ns, e.duration_ns, e.name) for p in data.planes for line in p.lines
+                    if p.name.startswith("/device:GPU") and line.name.startswith("Stream")
+                    for e in line.events)
+    per_call = []
+    for _, ns, name in events:
+        if common.FLUSH in name:
+            per_call.append([0.0, []])
+        elif per_call:
+            per_call[-1][0] += ns
+            per_call[-1][1].append(name)
+    if len(per_call) != reps * len(calls):
+        raise RuntimeError(f"{len(per_call)} flushes in the trace for {reps * len(calls)} calls")
+    return [(1e-6 * float(np.median([c[0] for c in per_call[i * reps:(i + 1) * reps]])),
+             per_call[(i + 1) * reps - 1][1]) for i in range(len(calls))]
+
+
+def poison():
+    if jax.default_backend() == "gpu":
+        common.poison()
+
+
+# -- one case ------------------------------------------------------------------------------------
+def run_case(name, k, n, m, wts, tier, args):
+    key = jax.random.key(m * 31 + k + n + tier)
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    xc = (jax.random.normal(jax.random.fold_in(key, 1), (m, k), jnp.float32)
+          * jax.random.uniform(jax.random.fold_in(key, 2), (m, 1), jnp.float32, 0.1, 10)
+          ).astype(jnp.bfloat16)
+    ref = qr.w8a8_reference(xc, wts.kn, wts.scale)
+    records, timed = [], []
+    for vname, (fn, kind) in variants(tier, args.tiny).items():
+        fn = jax.jit(fn)
+        rec = dict(shape=name, k=k, n=n, m=m, variant=vname, tier=tier, limit=LIMIT)
+        try:
+            poison()
+            out = jax.block_until_ready(fn(*inputs(kind, xc, wts)))
+            if kind == "quantize":  # the quantized rows against quantize_rows' own float32 math
+                xq, xs = out
+                rec["rel_err"] = common.rel_err(xq.astype(jnp.float32) * xs,
+                                                xc.astype(jnp.float32))
+            elif kind == "bf16":  # against the float32 product (bf16 output rounding only)
+                want = jnp.dot(xc.astype(jnp.float32), wts.bf16.astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)
+                rec["rel_err"] = common.rel_err(out, want)
+            else:
+                rec["rel_err"] = common.rel_err(out, ref)
+            del out
+            rec["passed"] = kind in ("quantize", "bf16") or rec["rel_err"] <= LIMIT
+            timed.append((rec, fn, inputs(kind, x, wts)))
+        except Exception as e:  # a variant that does not compile is a finding, not a stop
+            rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            print(f"  {name} M={m} {vname}: {rec['error']}", flush=True)
+        records.append(rec)
+    if tier > 1:  # the baseline again, in this trace
+        timed.append((dict(variant="bf16"), jax.jit(lambda x, w: x @ w), (x, wts.bf16)))
+    try:
+        times = device_times([(fn, a) for _, fn, a in timed], args.reps)
+    except Exception as e:
+        for rec, _, _ in timed:
+            rec["error"] = f"timing: {type(e).__name__}: {str(e)[:300]}"
+        print(f"  {name} M={m}: timing failed: {e}", flush=True)
+        return records
+    bf16_ms = next(t for (r, _, _), (t, _) in zip(timed, times) if r["variant"] == "bf16")
+    flops = 2 * m * k * n
+    for (rec, _, _), (ms, names) in zip(timed, times):
+        rec.update(us=1e3 * ms, bf16_us=1e3 * bf16_ms, tflops=flops / (ms * 1e-3) / 1e12,
+                   speedup_vs_bf16=bf16_ms / ms, kernels=names)
+    return records
+
+
+# -- report --------------------------------------------------------------------------------------
+def short(names):
+    return ", ".join(n[:40] for n in names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def report(records):
+    lines = ["| shape | M | variant | us | TFLOP/s | vs bf16 | rel err | kernels |",
+             "|---|---|---|---|---|---|---|---|"]
+    best = {}
+    for r in records:
+        if r.get("us") is None:
+            note = r.get("error", "not timed")[:80]
+            lines.append(f"| {r['shape']} | {r['m']} | {r['variant']} | | | | | {note} |")
+            continue
+        err = r.get("rel_err", float("nan"))
+        flag = "" if r.get("passed", True) else " FAIL"
+        lines.append(f"| {r['shape']} | {r['m']} | {r['variant']} | {r['us']:.1f} | "
+                     f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f} | {err:.1e}{flag} | "
+                     f"{short(r['kernels'])} |")
+        family = r["variant"].split("_")[0]
+        if family in ("xla", "pallas") and r.get("passed") and not r["variant"].endswith("_dot") \
+                and "x" not in r["variant"].split("_")[-1]:
+            key = (r["shape"], r["m"], family)
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    lines += ["", "Best checked W8A8 per case, activation quantization included:",
+              "| shape | M | bf16 us | best XLA | us | vs bf16 | best Pallas | us | vs bf16 |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for shape, m in dict.fromkeys((k[0], k[1]) for k in best):
+        x, p = best.get((shape, m, "xla")), best.get((shape, m, "pallas"))
+        cell = lambda r: (f"{r['variant']} | {r['us']:.1f} | {r['speedup_vs_bf16']:.2f}"
+                          if r else "- | | ")
+        bf16 = (x or p)["bf16_us"]
+        lines.append(f"| {shape} | {m} | {bf16:.1f} | {cell(x)} | {cell(p)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tiny", action="store_true", help="small shapes, interpret mode (CPU)")
+    p.add_argument("--reps", type=int, default=10, help="timed calls per variant (median)")
+    p.add_argument("--time-limit", type=float, default=170.0,
+                   help="seconds; cases past it are skipped and the results written")
+    p.add_argument("--tiers", default="1,2")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
+    p.add_argument("--ms", default=None, help="comma-separated M values")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else (TINY_MS if args.tiny else MS)
+    if args.tiny:
+        args.reps = min(args.reps, 2)
+    head = common.run_info() | dict(tiny=args.tiny, reps=args.reps)
+    print(f"{head['gpu']}, jax {jax.__version__}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records, weights = [], {}
+
+    def write():
+        (out / "bench_w8a8.json").write_text(json.dumps(
+            dict(head=head, elapsed_s=round(time.time() - t0, 1), records=records), indent=1,
+            default=str))
+
+    try:
+        for tier in [int(t) for t in args.tiers.split(",")]:
+            for m in ms:
+                for name, (k, n) in shapes.items():
+                    if time.time() - t0 > args.time_limit:
+                        break
+                    if name not in weights:
+                        weights[name] = Weights(jax.random.key(k + n), k, n)
+                    recs = run_case(name, k, n, m, weights[name], tier, args)
+                    records.extend(head | r for r in recs)
+                    for r in recs:
+                        if r.get("us") is not None:
+                            print(f"  {name:8s} M={m:5d} {r['variant']:24s} {r['us']:9.1f} us "
+                                  f"{r['tflops']:6.0f} TFLOP/s x{r['speedup_vs_bf16']:.2f} "
+                                  f"err {r.get('rel_err', float('nan')):.1e}", flush=True)
+                    write()
+    finally:
+        write()
+        table = report(records)
+        (out / "bench_w8a8.md").write_text(table + "\n")
+        print(table)
+        print(f"{time.time() - t0:.0f} s; wrote {out / 'bench_w8a8.json'}")
+
+
+if __name__ == "__main__":
+    main()
