@@ -37,6 +37,7 @@ import numpy as np
 from benchmarks import common
 from pallasite.kernels import quant_reference as qr
 from pallasite.kernels import w8a8_matmul as wm
+from pallasite.kernels import w8a8_mgpu as wmg
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
@@ -47,6 +48,10 @@ LIMIT = 1e-3
 TILES = [(128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (128, 128, 128, 8, 4),
          (64, 256, 128, 4, 4), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4)]
 TINY_TILES = [(64, 128, 128, 4, 1), (64, 256, 128, 4, 1)]
+# Mosaic GPU tiles (block_m, block_n, block_k, num_stages, promote), "nk" weights only.
+MOSAIC = [(64, 128, 128, 4, True), (128, 128, 128, 4, True), (128, 128, 128, 4, False),
+          (64, 256, 128, 4, False), (64, 128, 128, 6, False)]
+TINY_MOSAIC = [(64, 128, 128, 2, True)]
 
 
 def tile_kw(t):
@@ -57,7 +62,17 @@ def tile_kw(t):
 def variants(tier, tiny):
     tiles = TINY_TILES if tiny else TILES
     hi = dict(interpret=tiny)
-    if tier == 1:
+    if tier == "mosaic":  # its own tier: a kernel Mosaic does not lower stops nothing else
+        v = {}
+        for i, t in enumerate(TINY_MOSAIC if tiny else MOSAIC):
+            kw = dict(zip(("block_m", "block_n", "block_k", "num_stages", "promote"), t))
+            name = "mosaic_nk_" + "x".join(map(str, t[:4])) + ("" if t[4] else "_fast")
+            v[name] = (lambda x, q, s, kw=kw: wmg.w8a8_matmul(x, q, s, **hi, **kw), "nk")
+            if i == 0:
+                v[name + "_dot"] = (lambda xq, xs, q, s, kw=kw: wmg.w8a8_matmul_quantized(
+                    xq, xs, q, s, **hi, **kw), "nk_xq")
+        return v
+    if tier == "1":
         v = {"bf16": (lambda x, w: x @ w, "bf16"),
              "quantize": (lambda x: qr.quantize_rows(x), "quantize")}
         for layout in ("kn", "nk"):
@@ -78,8 +93,8 @@ def variants(tier, tiny):
     for t in tiles[1:]:
         for layout in ("nk", "kn"):
             name = f"pallas_{layout}_" + "x".join(map(str, t))
-            v[name] = (lambda xq, xs, q, s, lo=layout, kw=tile_kw(t): wm.w8a8_matmul_quantized(
-                xq, xs, q, s, layout=lo, **hi, **kw), layout + "_xq")
+            v[name] = (lambda x, q, s, lo=layout, kw=tile_kw(t): wm.w8a8_matmul(
+                x, q, s, layout=lo, **hi, **kw), layout)
     return v
 
 
@@ -148,7 +163,7 @@ def poison():
 
 # -- one case ------------------------------------------------------------------------------------
 def run_case(name, k, n, m, wts, tier, args):
-    key = jax.random.key(m * 31 + k + n + tier)
+    key = jax.random.key(m * 31 + k + n + len(tier))
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
     xc = (jax.random.normal(jax.random.fold_in(key, 1), (m, k), jnp.float32)
           * jax.random.uniform(jax.random.fold_in(key, 2), (m, 1), jnp.float32, 0.1, 10)
@@ -157,7 +172,8 @@ def run_case(name, k, n, m, wts, tier, args):
     records, timed = [], []
     for vname, (fn, kind) in variants(tier, args.tiny).items():
         fn = jax.jit(fn)
-        rec = dict(shape=name, k=k, n=n, m=m, variant=vname, tier=tier, limit=LIMIT)
+        rec = dict(shape=name, k=k, n=n, m=m, variant=vname, tier=tier, limit=LIMIT,
+                   quantize_counted=kind in ("kn", "nk"))
         try:
             poison()
             out = jax.block_until_ready(fn(*inputs(kind, xc, wts)))
@@ -178,7 +194,7 @@ def run_case(name, k, n, m, wts, tier, args):
             rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             print(f"  {name} M={m} {vname}: {rec['error']}", flush=True)
         records.append(rec)
-    if tier > 1:  # the baseline again, in this trace
+    if tier != "1":  # the baseline again, in this trace
         timed.append((dict(variant="bf16"), jax.jit(lambda x, w: x @ w), (x, wts.bf16)))
     try:
         times = device_times([(fn, a) for _, fn, a in timed], args.reps)
@@ -215,20 +231,19 @@ def report(records):
                      f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f} | {err:.1e}{flag} | "
                      f"{short(r['kernels'])} |")
         family = r["variant"].split("_")[0]
-        if family in ("xla", "pallas") and r.get("passed") and not r["variant"].endswith("_dot") \
-                and "x" not in r["variant"].split("_")[-1]:
+        if r.get("quantize_counted") and r.get("passed"):
             key = (r["shape"], r["m"], family)
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
     lines += ["", "Best checked W8A8 per case, activation quantization included:",
-              "| shape | M | bf16 us | best XLA | us | vs bf16 | best Pallas | us | vs bf16 |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| shape | M | bf16 us | best XLA | us | vs bf16 | best Triton | us | vs bf16 | "
+              "best Mosaic GPU | us | vs bf16 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, m in dict.fromkeys((k[0], k[1]) for k in best):
-        x, p = best.get((shape, m, "xla")), best.get((shape, m, "pallas"))
+        got = [best.get((shape, m, f)) for f in ("xla", "pallas", "mosaic")]
         cell = lambda r: (f"{r['variant']} | {r['us']:.1f} | {r['speedup_vs_bf16']:.2f}"
                           if r else "- | | ")
-        bf16 = (x or p)["bf16_us"]
-        lines.append(f"| {shape} | {m} | {bf16:.1f} | {cell(x)} | {cell(p)} |")
+        bf16 = next(r for r in got if r)["bf16_us"]
+        lines.append(f"| {shape} | {m} | {bf16:.1f} | " + " | ".join(map(cell, got)) + " |")
     return "\n".join(lines)
 
 
@@ -239,7 +254,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10, help="timed calls per variant (median)")
     p.add_argument("--time-limit", type=float, default=170.0,
                    help="seconds; cases past it are skipped and the results written")
-    p.add_argument("--tiers", default="1,2")
+    p.add_argument("--tiers", default="1,mosaic,2",
+                   help="1: XLA and the Triton kernel's first tiles; mosaic: the Mosaic GPU "
+                        "kernel; 2: more Triton tiles")
     p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     p.add_argument("--ms", default=None, help="comma-separated M values")
     args = p.parse_args(argv)
@@ -262,7 +279,7 @@ def main(argv=None):
             default=str))
 
     try:
-        for tier in [int(t) for t in args.tiers.split(",")]:
+        for tier in args.tiers.split(","):
             for m in ms:
                 for name, (k, n) in shapes.items():
                     if time.time() - t0 > args.time_limit:

@@ -9,6 +9,7 @@ import pytest
 from pallasite import kernels
 from pallasite.kernels import quant_reference as qr
 from pallasite.kernels import w8a8_matmul as wm
+from pallasite.kernels import w8a8_mgpu
 
 
 def rel_err(a, b):
@@ -48,6 +49,15 @@ def test_kernel_equals_reference(m, block, layout):
     assert rel_err(want, x.astype(jnp.float32) @ qr.dequantize_matrix(q, scale)) <= 0.05
 
 
+def test_mosaic_kernel_equals_reference():
+    x, q, scale = case(5, 96, 256, 256)  # two 64-row tiles, the second padded
+    got = w8a8_mgpu.w8a8_matmul(x, q.T, scale, block_m=64, block_n=128, block_k=128,
+                                num_stages=2, interpret=True)
+    assert got.shape == (96, 256) and got.dtype == jnp.bfloat16
+    assert rel_err(got, qr.w8a8_reference(x, q, scale)) <= 1e-3
+    assert "scale groups" in w8a8_mgpu.supported(96, 256, 256, 2)
+
+
 def test_kernel_refuses_what_it_cannot_tile():
     x, q, scale = case(0, 64, 256, 192)
     with pytest.raises(ValueError, match="block_n=128"):
@@ -58,6 +68,7 @@ def test_kernel_refuses_what_it_cannot_tile():
 
 
 def test_quant_matmul_routes_w8a8(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_SAID", set())  # every fallback message is said here
     x, q, scale = case(1, 64, 256, 256, (128, 128))
     want = qr.w8a8_reference(x, q, scale)
     for impl in ("xla", "pallas"):
@@ -73,8 +84,17 @@ def test_quant_matmul_routes_w8a8(monkeypatch, caplog):
     assert "XLA's FP8 dot runs it" in caplog.text
     got = kernels.quant_matmul(x2, q2, s2, mode="w8a8", interpret=True)
     assert rel_err(got, qr.w8a8_reference(x2, q2, s2)) <= 1e-3
+    # the Mosaic GPU kernel reads [N, K] weights only
+    assert kernels.w8a8_impl(x, q, scale, "mosaic") == "xla"
+    assert "it reads [N, K]" in caplog.text
+    assert kernels.w8a8_impl(x, q.T, scale, "mosaic", layout="nk") == "xla"  # block scales
+    x3, q3, s3 = case(3, 64, 256, 256)
+    assert kernels.w8a8_impl(x3, q3.T, s3, "mosaic", layout="nk") == "mosaic"
+    got = kernels.quant_matmul(x3, q3.T, s3, mode="w8a8", w8a8="mosaic", layout="nk",
+                               block_m=64, num_stages=2, interpret=True)
+    assert rel_err(got, qr.w8a8_reference(x3, q3, s3)) <= 1e-3
     monkeypatch.setenv("PALLASITE_W8A8_IMPL", "cublas")
-    with pytest.raises(ValueError, match="'xla', 'pallas'"):
+    with pytest.raises(ValueError, match="'xla', 'pallas', 'mosaic'"):
         kernels.quant_matmul(x, q, scale, mode="w8a8")
     with pytest.raises(ValueError, match="layout"):
         kernels.quant_matmul(x, q, scale, mode="w8a16", layout="nk")
