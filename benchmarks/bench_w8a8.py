@@ -237,7 +237,7 @@ def report(records):
                 best[key] = r
     lines += ["", "Best checked W8A8 per case, activation quantization included:",
               "| shape | M | bf16 us | best XLA | us | vs bf16 | best Triton | us | vs bf16 | "
-              "best Mosaic GPU | us | vs bf16 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "best Mosaic GPU | us | vs bf16 |", "|---" * 12 + "|"]
     for shape, m in dict.fromkeys((k[0], k[1]) for k in best):
         got = [best.get((shape, m, f)) for f in ("xla", "pallas", "mosaic")]
         cell = lambda r: (f"{r['variant']} | {r['us']:.1f} | {r['speedup_vs_bf16']:.2f}"

@@ -362,7 +362,7 @@ def quant_mode(x, q, zero=None, mode=None) -> str:
 W8A8_IMPLS = ("xla", "pallas", "mosaic")
 
 
-def w8a8_impl(x, q, scale, impl=None, *, layout: str = "kn", **blocks) -> str:
+def w8a8_impl(x, q, scale, impl=None, *, layout: str = "kn", interpret=False, **blocks) -> str:
     """"xla" (cuBLASLt's FP8 GEMM through XLA's dot, `quant_reference.w8a8_matmul`), "pallas"
     (the Triton kernel, `w8a8_matmul.py`) or "mosaic" (the Mosaic GPU kernel, Hopper, weights
     stored [N, K] only, `w8a8_mgpu.py`) for a W8A8 call. None: "xla" (the default until the GPU
@@ -375,14 +375,16 @@ def w8a8_impl(x, q, scale, impl=None, *, layout: str = "kn", **blocks) -> str:
         return impl
     from . import w8a8_matmul as wt, w8a8_mgpu as wmg
     k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
-    if impl == "mosaic":
+    if jax.default_backend() != "gpu" and not interpret:
+        why = f"{jax.default_backend()} backend, not interpret mode"
+    elif impl == "mosaic":
         why = ("weights stored [K, N] (it reads [N, K])" if layout != "nk" else
                "not a Hopper GPU" if jax.default_backend() == "gpu" and not _is_hopper() else
                wmg.supported(x.shape[0], k, n, scale.shape[0], **blocks))
     else:
         why = wt.supported(x.shape[0], k, n, scale.shape[0],
                            **(wt.blocks_for(x.shape[0], k, n) | blocks))
-    if why:
+    if why:  # a call's shape or this backend
         _say_once(f"the {impl} W8A8 kernel cannot take a {k}x{n} weight with "
                   f"{scale.shape[0]} scale rows ({why}): XLA's FP8 dot runs it")
         return "xla"
@@ -398,7 +400,7 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     picks (`w8a8_impl`). `layout="nk"` (W8A8 only): q is stored transposed, [N, K]."""
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
-        impl = w8a8_impl(x, q, scale, w8a8, layout=layout, **blocks)
+        impl = w8a8_impl(x, q, scale, w8a8, layout=layout, interpret=interpret, **blocks)
         if impl == "pallas":
             from . import w8a8_matmul as wm
             return wm.w8a8_matmul(x, q, scale, layout=layout, interpret=interpret, **blocks)

@@ -76,20 +76,23 @@ def test_quant_matmul_routes_w8a8(monkeypatch, caplog):
                                    interpret=True)
         assert rel_err(got, want) <= 1e-3
     monkeypatch.setenv("PALLASITE_W8A8_IMPL", "pallas")
-    assert kernels.w8a8_impl(x, q, scale) == "pallas"
-    assert kernels.w8a8_impl(x, q, scale, "xla") == "xla"  # a call's choice beats the variable
+    assert kernels.w8a8_impl(x, q, scale, interpret=True) == "pallas"
+    # a call's choice beats the variable
+    assert kernels.w8a8_impl(x, q, scale, "xla", interpret=True) == "xla"
     # groups of 64 rows are not whole 128-row steps: XLA takes the call, and says so
     x2, q2, s2 = case(2, 64, 256, 256, (64, 128))
-    assert kernels.w8a8_impl(x2, q2, s2) == "xla"
+    assert kernels.w8a8_impl(x2, q2, s2, interpret=True) == "xla"
     assert "XLA's FP8 dot runs it" in caplog.text
     got = kernels.quant_matmul(x2, q2, s2, mode="w8a8", interpret=True)
     assert rel_err(got, qr.w8a8_reference(x2, q2, s2)) <= 1e-3
     # the Mosaic GPU kernel reads [N, K] weights only
-    assert kernels.w8a8_impl(x, q, scale, "mosaic") == "xla"
+    assert kernels.w8a8_impl(x, q, scale, "mosaic", interpret=True) == "xla"
     assert "it reads [N, K]" in caplog.text
-    assert kernels.w8a8_impl(x, q.T, scale, "mosaic", layout="nk") == "xla"  # block scales
+    blockwise = kernels.w8a8_impl(x, q.T, scale, "mosaic", layout="nk", interpret=True)
+    assert blockwise == "xla"
     x3, q3, s3 = case(3, 64, 256, 256)
-    assert kernels.w8a8_impl(x3, q3.T, s3, "mosaic", layout="nk") == "mosaic"
+    assert kernels.w8a8_impl(x3, q3.T, s3, "mosaic", layout="nk", interpret=True) == "mosaic"
+    assert kernels.w8a8_impl(x3, q3.T, s3, "mosaic", layout="nk") == "xla"  # CPU, compiled
     got = kernels.quant_matmul(x3, q3.T, s3, mode="w8a8", w8a8="mosaic", layout="nk",
                                block_m=64, num_stages=2, interpret=True)
     assert rel_err(got, qr.w8a8_reference(x3, q3, s3)) <= 1e-3
