@@ -11,11 +11,18 @@ expand to this form along N).
 
 A program computes one [block_m, block_n] output tile over all of K in block_k steps. Per
 channel, the row and column scales multiply the float32 sum once, in registers, before the
-bf16 store (XLA writes the float32 product to memory and scales it in a second kernel). With
+bf16 store (XLA's dot at least writes a float32 product and scales it in a fusion after it,
+unless it folds the scales into the GEMM; `benchmarks/bench_w8a8.py` records the kernels). With
 groups, each step's partial product is scaled by its group's row before it is added (block_k
-divides the group), which also promotes the MMA's partial sums to float32 every group. Programs
-run in `group_m`-row bands so that a wave re-reads weight tiles from L2 (the Triton tutorial's
-ordering). The jnp reference is `quant_reference.w8a8_reference`.
+divides the group). Programs run in `group_m`-row bands so that a wave re-reads weight tiles
+from L2 (the Triton tutorial's ordering).
+
+Precision: Pallas emits Triton's dot without `max_num_imprecise_acc`, and for FP8 operands with
+a float32 result Triton then keeps a second, partial accumulator and adds it into the float32
+one after every warpgroup MMA (32 of K): the sum is float32 throughout, as XLA's dot at
+HIGHEST gives, at the cost of the partial accumulator's registers (a thread of an 8-warp
+128x128 tile holds 64 + 64 floats) and its adds. There is no fast-accumulation form.
+The jnp reference is `quant_reference.w8a8_reference`.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ def _banded(p, *, rows: int, cols: int, group_m: int):
     return first + (p % band) % size, (p % band) // size
 
 
-def supported(m: int, k: int, n: int, groups: int, *, block_n: int = 256, block_k: int = 128,
+def supported(m: int, k: int, n: int, groups: int, *, block_n: int = 128, block_k: int = 128,
               **_) -> str | None:
     """Why this kernel cannot take an [m, k] x [k, n] call with `groups` scale rows, or None."""
     block_n, block_k = min(block_n, n), min(block_k, k)
@@ -77,8 +84,8 @@ def supported(m: int, k: int, n: int, groups: int, *, block_n: int = 256, block_
 @functools.partial(jax.jit, static_argnames=("layout", "block_m", "block_n", "block_k",
                                              "group_m", "num_warps", "num_stages", "interpret"))
 def w8a8_matmul_quantized(xq, xs, q, scale, *, layout: str = "kn", block_m: int = 128,
-                          block_n: int = 256, block_k: int = 128, group_m: int = 8,
-                          num_warps: int = 8, num_stages: int = 3, interpret: bool = False):
+                          block_n: int = 128, block_k: int = 128, group_m: int = 8,
+                          num_warps: int = 8, num_stages: int = 4, interpret: bool = False):
     """xq [M, K] float8_e4m3fn with row scales xs [M, 1] float32, times q ([K, N] for layout
     "kn", [N, K] for "nk") float8_e4m3fn with scale [G, N] float32 -> [M, N] bfloat16."""
     if layout not in LAYOUTS:
