@@ -1,23 +1,30 @@
 """W8A8 (FP8 x FP8, per-token activation scales) at the Llama-3-8B layer shapes: XLA's FP8 dot
 with the weight stored [K, N] (as now) or [N, K] (both operands along K, as cuBLASLt's FP8 GEMM
 reads them), with and without fast accumulation and with and without the activations'
-quantization counted, and the Pallas Triton kernel (`kernels/w8a8_matmul.py`) in both layouts,
-all against the bf16 product timed in the same run.
+quantization counted; the Pallas Triton kernel (`kernels/w8a8_matmul.py`) in both layouts; and
+the Mosaic GPU kernel (`kernels/w8a8_mgpu.py`, [N, K] only); all against the bf16 product timed
+in the same trace.
 
     python -m benchmarks.bench_w8a8 --out DIR          # H100: about 3 minutes
-    python -m benchmarks.bench_w8a8 --out DIR --tiny   # CPU, interpret mode: < 1 minute
+    python -m benchmarks.bench_w8a8 --out DIR --tiny   # CPU, interpret mode: about a minute
 
 Shapes qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096 at M = 2048, 512,
-8192, 128 (in that order, so a --time-limit cut keeps the prefill size). Every variant is first
-run on fresh random inputs (rows of very different sizes) with freed device memory poisoned
-(NaN), and its relative error against `quant_reference.w8a8_reference` (the float32 product
-of the same FP8 inputs, rounded to bf16) recorded; over 1e-3 is marked failed (still timed: the
-fast-accumulation variants are expected to fail). Times: the median over --reps calls of the
-GPU time of the kernels one call launches, read from one profiler trace per case with the L2
-flushed before every call (`benchmarks/common.py`); the kernels' names are recorded, which
-shows whether XLA transposes the weight or scales the product in a separate kernel. A second
-tier times other Pallas tiles where time is left. Writes DIR/bench_w8a8.json and prints a
-table (us, TFLOP/s, ratio to bf16, error) per case and the best of XLA and Pallas per case.
+8192, 128, case by case in that order (a --time-limit cut keeps the prefill sizes), tiers 1
+(bf16, the quantization pass, XLA, the Triton kernel) and "mosaic" (the Mosaic GPU kernel, its
+own tier so that a kernel Mosaic does not lower stops nothing else); then tier 2, more Triton
+tiles, over the cases again while time is left. `--shapes` also takes the model's unfused
+projections: wq 4096x4096, kv 4096x1024, gate 4096x14336.
+
+Every variant is first run on fresh random inputs (rows of very different sizes) with freed
+device memory poisoned (NaN), and its relative error against `quant_reference.w8a8_reference`
+(the float32 product of the same FP8 inputs, rounded to bf16) recorded; over 1e-3 is marked
+failed (still timed: the fast-accumulation variants are expected to fail). Times: the median
+over --reps calls of the GPU time of the kernels one call launches, read from one profiler
+trace per case and tier with the L2 flushed before every call (`benchmarks/common.py`); the
+kernels' names are recorded, which shows whether XLA transposes the weight or scales the
+product in a kernel of its own. Writes DIR/bench_w8a8.json and DIR/bench_w8a8.md and prints a
+table (us, TFLOP/s, ratio to bf16, error, kernels) per case and the best XLA, Triton and Mosaic
+GPU variant per case (activation quantization included).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from pallasite.kernels import w8a8_mgpu as wmg
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
+EXTRA_SHAPES = {"wq": (4096, 4096), "kv": (4096, 1024), "gate": (4096, 14336)}
 MS = (2048, 512, 8192, 128)
 TINY_SHAPES, TINY_MS = {"tiny": (256, 512)}, (64, 128)
 LIMIT = 1e-3
@@ -82,14 +90,15 @@ def variants(tier, tiny):
                 tag = f"xla_{layout}" + ("_fast" if fast else "")
                 v[tag] = (lambda x, q, s, lo=layout, f=fast: qr.w8a8_matmul(
                     x, q, s, layout=lo, fast=f), layout)
-                v[tag + "_dot"] = (lambda xq, xs, q, s, lo=layout, f=fast: qr.w8a8_dot(
-                    xq, xs, q, s, layout=lo, fast=f).astype(jnp.bfloat16), layout + "_xq")
+                if not fast:  # the dot alone (its activations quantized beforehand)
+                    v[tag + "_dot"] = (lambda xq, xs, q, s, lo=layout: qr.w8a8_dot(
+                        xq, xs, q, s, layout=lo).astype(jnp.bfloat16), layout + "_xq")
             kw = tile_kw(tiles[0])
             v[f"pallas_{layout}"] = (lambda x, q, s, lo=layout, kw=kw: wm.w8a8_matmul(
                 x, q, s, layout=lo, **hi, **kw), layout)
-            v[f"pallas_{layout}_dot"] = (lambda xq, xs, q, s, lo=layout, kw=kw:
-                                         wm.w8a8_matmul_quantized(xq, xs, q, s, layout=lo,
-                                                                  **hi, **kw), layout + "_xq")
+            if layout == "nk":
+                v["pallas_nk_dot"] = (lambda xq, xs, q, s, kw=kw: wm.w8a8_matmul_quantized(
+                    xq, xs, q, s, layout="nk", **hi, **kw), "nk_xq")
         return v
     v = {}
     for t in tiles[1:]:
@@ -254,7 +263,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="small shapes, interpret mode (CPU)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per variant (median)")
-    p.add_argument("--time-limit", type=float, default=170.0,
+    p.add_argument("--time-limit", type=float, default=165.0,
                    help="seconds; cases past it are skipped and the results written")
     p.add_argument("--tiers", default="1,mosaic,2",
                    help="1: XLA and the Triton kernel's first tiles; mosaic: the Mosaic GPU "
@@ -265,7 +274,7 @@ def main(argv=None):
     t0 = time.time()
     shapes = TINY_SHAPES if args.tiny else SHAPES
     if args.shapes:
-        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+        shapes = {s: (SHAPES | EXTRA_SHAPES | TINY_SHAPES)[s] for s in args.shapes.split(",")}
     ms = [int(m) for m in args.ms.split(",")] if args.ms else (TINY_MS if args.tiny else MS)
     if args.tiny:
         args.reps = min(args.reps, 2)
@@ -281,21 +290,26 @@ def main(argv=None):
             default=str))
 
     try:
-        for tier in args.tiers.split(","):
-            for m in ms:
-                for name, (k, n) in shapes.items():
-                    if time.time() - t0 > args.time_limit:
-                        break
-                    if name not in weights:
-                        weights[name] = Weights(jax.random.key(k + n), k, n)
-                    recs = run_case(name, k, n, m, weights[name], tier, args)
-                    records.extend(head | r for r in recs)
-                    for r in recs:
-                        if r.get("us") is not None:
-                            print(f"  {name:8s} M={m:5d} {r['variant']:24s} {r['us']:9.1f} us "
-                                  f"{r['tflops']:6.0f} TFLOP/s x{r['speedup_vs_bf16']:.2f} "
-                                  f"err {r.get('rel_err', float('nan')):.1e}", flush=True)
-                    write()
+        tiers = args.tiers.split(",")
+        # case by case for the first tiers (all of them for the prefill sizes first), then
+        # the tile sweep over the cases again
+        order = [(m, name, t) for m in ms for name in shapes for t in tiers if t != "2"]
+        order += [(m, name, "2") for m in ms for name in shapes if "2" in tiers]
+        for m, name, tier in order:
+            if time.time() - t0 > args.time_limit:
+                print(f"  time limit: {name} M={m} tier {tier} and later not run", flush=True)
+                break
+            k, n = shapes[name]
+            if name not in weights:
+                weights[name] = Weights(jax.random.key(k + n), k, n)
+            recs = run_case(name, k, n, m, weights[name], tier, args)
+            records.extend(head | r for r in recs)
+            for r in recs:
+                if r.get("us") is not None:
+                    print(f"  {name:8s} M={m:5d} {r['variant']:26s} {r['us']:9.1f} us "
+                          f"{r['tflops']:6.0f} TFLOP/s x{r['speedup_vs_bf16']:.2f} "
+                          f"err {r.get('rel_err', float('nan')):.1e}", flush=True)
+            write()
     finally:
         write()
         table = report(records)

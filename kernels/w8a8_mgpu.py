@@ -11,9 +11,9 @@ of the weight into a ring of `num_stages` swizzled shared-memory slots (`plgpu.e
 and the warpgroup's MMA multiplies each pair. With `promote` (the default) every step's product
 lands on a fresh accumulator and is added to a float32 total in registers, since Hopper's FP8
 MMA keeps a long running sum at reduced precision; the epilogue multiplies the row and column
-scales in registers and leaves through shared memory as bf16 with one TMA store. The MMA is
-waited for at each step before its slots are released; the copies of the next steps are in
-flight meanwhile. The jnp reference is `quant_reference.w8a8_reference` (layout "nk").
+scales in registers (TMA brings them in while the product runs) and leaves through shared
+memory as bf16 with one TMA store. The MMA is waited for at each step before its slots are
+released; the copies of the next steps are in flight meanwhile. The jnp reference is `quant_reference.w8a8_reference` (layout "nk").
 
 In Pallas interpret mode (the CPU tests) the product runs as a plain float32 dot of the shared
 memory tiles (the interpreter has no transposed wgmma); the pipeline, scales and stores run as
@@ -86,45 +86,54 @@ def w8a8_matmul_quantized(xq, xs, q, scale, *, block_m: int = 64, block_n: int =
         def pipeline(step, **kw):
             return plgpu.emit_pipeline(
                 step, grid=(k // block_k,),
-                in_specs=[plgpu.BlockSpec((block_m, block_k), lambda s: (mi, s), transforms=in_t),
-                          plgpu.BlockSpec((block_n, block_k), lambda s: (ni, s),
+                in_specs=[plgpu.BlockSpec((block_m, block_k), lambda s: (0, s), transforms=in_t),
+                          plgpu.BlockSpec((block_n, block_k), lambda s: (0, s),
                                           transforms=in_t)],
-                max_concurrent_steps=num_stages, **kw)(x_gmem, w_gmem)
+                max_concurrent_steps=num_stages, **kw)(x_gmem.at[rows], w_gmem.at[cols])
 
         def mma(acc_ref, x_smem, w_smem):
             plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
             plgpu.wgmma_wait(0)  # the slots are released when the step returns
 
-        if interpret or promote:  # each step's product on a fresh accumulator, summed in f32
-            def step(_, x_smem, w_smem, total):
-                if interpret:
-                    return total + jnp.dot(x_smem[...].astype(jnp.float32),
-                                           w_smem[...].astype(jnp.float32).T)
-                return total + pl.run_scoped(
-                    lambda a: (mma(a, x_smem, w_smem), a[...])[1],
-                    plgpu.ACC(shape, jnp.float32))
-            zeros = jnp.zeros(shape, jnp.float32)
-            acc = pipeline(step, init_carry=zeros if interpret else
-                           plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
-        else:  # one accumulator over all of K
-            def whole(acc_ref):
+        def product():
+            if interpret or promote:  # each step's product on a fresh accumulator, summed
+                def step(_, x_smem, w_smem, total):
+                    if interpret:
+                        return total + jnp.dot(x_smem[...].astype(jnp.float32),
+                                               w_smem[...].astype(jnp.float32).T)
+                    return total + pl.run_scoped(
+                        lambda a: (mma(a, x_smem, w_smem), a[...])[1],
+                        plgpu.ACC(shape, jnp.float32))
+                zeros = jnp.zeros(shape, jnp.float32)
+                return pipeline(step, init_carry=zeros if interpret else
+                                plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+
+            def whole(acc_ref):  # one accumulator over all of K
                 pipeline(lambda _, x_smem, w_smem: mma(acc_ref, x_smem, w_smem))
                 return acc_ref[...]
-            acc = pl.run_scoped(whole, plgpu.ACC(shape, jnp.float32))
+            return pl.run_scoped(whole, plgpu.ACC(shape, jnp.float32))
 
-        def store(o_smem):
+        def scoped(o_smem, r_smem, c_smem, ready):
+            # the tile's scales come in while the product runs
+            plgpu.copy_gmem_to_smem(xs_gmem.at[rows], r_smem, ready.at[0])
+            plgpu.copy_gmem_to_smem(s_gmem.at[cols], c_smem, ready.at[1])
+            acc = product()
+            plgpu.barrier_wait(ready.at[0])
+            plgpu.barrier_wait(ready.at[1])
             if interpret:
-                r, c = xs_gmem[rows, 0], s_gmem[0, cols]
-            else:  # once per tile: the plain (unoptimized) loads are fine
-                r = plgpu.load(xs_gmem.at[rows, 0], (), layout=plgpu.Layout.WGMMA.reduce(1),
-                               optimized=False)
-                c = plgpu.load(s_gmem.at[0, cols], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                               optimized=False)
-            o_smem[...] = (acc * r[:, None] * c[None, :]).astype(jnp.bfloat16)
+                r, c = r_smem[...], c_smem[...]
+            else:
+                r = plgpu.load(r_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+                c = plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+            acc = (acc * lax.broadcast_in_dim(r, shape, [0])
+                   * lax.broadcast_in_dim(c, shape, [1]))
+            o_smem[...] = acc.astype(jnp.bfloat16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
             plgpu.wait_smem_to_gmem(0)
-        pl.run_scoped(store, plgpu.SMEM(shape, jnp.bfloat16, transforms=out_t))
+        pl.run_scoped(scoped, plgpu.SMEM(shape, jnp.bfloat16, transforms=out_t),
+                      plgpu.SMEM((block_m,), jnp.float32), plgpu.SMEM((block_n,), jnp.float32),
+                      plgpu.Barrier(num_barriers=2))
 
     interp = None
     if interpret:
@@ -136,7 +145,7 @@ def w8a8_matmul_quantized(xq, xs, q, scale, *, block_m: int = 64, block_n: int =
         grid=(mp // block_m, n // block_n),
         grid_names=("m", "n"),
         interpret=interp,
-    )(xq, xs, q, scale)
+    )(xq, xs.reshape(mp), q, scale.reshape(n))  # the scales as vectors: TMA copies them
     return out[:m]
 
 
