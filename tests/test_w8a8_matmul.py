@@ -2,6 +2,7 @@
 dequantized jnp reference (relative error <= 1e-3): per-channel and block-wise [128, 128]
 scales, padded rows; and how `quant_matmul` routes W8A8 calls between them."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,3 +102,25 @@ def test_quant_matmul_routes_w8a8(monkeypatch, caplog):
         kernels.quant_matmul(x, q, scale, mode="w8a8")
     with pytest.raises(ValueError, match="layout"):
         kernels.quant_matmul(x, q, scale, mode="w8a16", layout="nk")
+
+
+@pytest.mark.parametrize("kernel,layout,groups,kw", [
+    ("triton", "kn", 1, {}),
+    ("triton", "nk", 4, dict(block_n=256, num_warps=4)),  # block-wise scales
+    ("mosaic", "nk", 1, {}),                              # promoted per step
+    ("mosaic", "nk", 1, dict(block_m=128, promote=False)),
+])
+def test_kernels_lower_for_the_gpu(kernel, layout, groups, kw):
+    """Both kernels' lowering for CUDA without a GPU (Triton IR; Mosaic GPU's TMA, tiling and
+    the FP8 wgmma that interpret mode replaces), though not the final compile."""
+    m, k, n = 192, 512, 512
+    f8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    q = f8(n, k) if layout == "nk" else f8(k, n)
+    if kernel == "triton":
+        traced = wm.w8a8_matmul_quantized.trace(f8(m, k), f32(m, 1), q, f32(groups, n),
+                                                layout=layout, **kw)
+    else:
+        traced = w8a8_mgpu.w8a8_matmul_quantized.trace(f8(m, k), f32(m, 1), q, f32(1, n), **kw)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert ("triton" if kernel == "triton" else "mosaic_gpu") in text
