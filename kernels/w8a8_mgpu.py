@@ -13,7 +13,9 @@ lands on a fresh accumulator and is added to a float32 total in registers, since
 MMA keeps a long running sum at reduced precision; the epilogue multiplies the row and column
 scales in registers (TMA brings them in while the product runs) and leaves through shared
 memory as bf16 with one TMA store. The MMA is waited for at each step before its slots are
-released; the copies of the next steps are in flight meanwhile. The jnp reference is `quant_reference.w8a8_reference` (layout "nk").
+released; the copies of the next steps are in flight meanwhile. Three stages of 64x128 tiles
+take ~90 KB of shared memory, so two CTAs share an SM and one's float32 adds run under the
+other's MMAs. The jnp reference is `quant_reference.w8a8_reference` (layout "nk").
 
 In Pallas interpret mode (the CPU tests) the product runs as a plain float32 dot of the shared
 memory tiles (the interpreter has no transposed wgmma); the pipeline, scales and stores run as
@@ -52,7 +54,7 @@ def _swizzled(cols: int, dtype):
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_stages",
                                              "promote", "interpret"))
 def w8a8_matmul_quantized(xq, xs, q, scale, *, block_m: int = 64, block_n: int = 128,
-                          block_k: int = 128, num_stages: int = 4, promote: bool = True,
+                          block_k: int = 128, num_stages: int = 3, promote: bool = True,
                           interpret: bool = False):
     """xq [M, K] float8_e4m3fn, xs [M, 1] float32, q [N, K] float8_e4m3fn, scale [1, N]
     float32 -> [M, N] bfloat16.
