@@ -8,8 +8,8 @@ in the same trace.
     python -m benchmarks.bench_w8a8 --out DIR          # H100: about 3 minutes
     python -m benchmarks.bench_w8a8 --out DIR --tiny   # CPU, interpret mode: about a minute
 
-Shapes qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096 at M = 2048, 512,
-8192, 128, case by case in that order (a --time-limit cut keeps the prefill sizes), tiers 1
+Shapes qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096 at M = 2048, 8192,
+512, 128, case by case in that order (a --time-limit cut keeps the prefill sizes), tiers 1
 (bf16, the quantization pass, XLA, the Triton kernel) and "mosaic" (the Mosaic GPU kernel, its
 own tier so that a kernel Mosaic does not lower stops nothing else); then tier 2, more Triton
 tiles, over the cases again while time is left. `--shapes` also takes the model's unfused
@@ -49,7 +49,7 @@ from pallasite.kernels import w8a8_mgpu as wmg
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
 EXTRA_SHAPES = {"wq": (4096, 4096), "kv": (4096, 1024), "gate": (4096, 14336)}
-MS = (2048, 512, 8192, 128)
+MS = (2048, 8192, 512, 128)
 TINY_SHAPES, TINY_MS = {"tiny": (256, 512)}, (64, 128)
 LIMIT = 1e-3
 # Pallas tiles (block_m, block_n, block_k, num_warps, num_stages); tier 1 runs the first.

@@ -124,3 +124,12 @@ def test_kernels_lower_for_the_gpu(kernel, layout, groups, kw):
         traced = w8a8_mgpu.w8a8_matmul_quantized.trace(f8(m, k), f32(m, 1), q, f32(1, n), **kw)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert ("triton" if kernel == "triton" else "mosaic_gpu") in text
+
+
+def test_banded_program_order_covers_every_tile_once():
+    for rows, cols, group_m in [(3, 2, 2), (5, 7, 3), (16, 48, 8), (1, 4, 8)]:
+        tiles = [tuple(int(v) for v in wm._banded(jnp.int32(p), rows=rows, cols=cols,
+                                                    group_m=group_m))
+                 for p in range(rows * cols)]
+        assert sorted(tiles) == [(i, j) for i in range(rows) for j in range(cols)]
+        assert tiles[1] == (min(1, rows - 1), 0 if rows > 1 else 1)  # down the band first
