@@ -33,6 +33,7 @@ import argparse
 import glob
 import json
 import os
+import pprint
 import tempfile
 import time
 from pathlib import Path
@@ -69,7 +70,12 @@ def tile_kw(t):
 
 
 # -- variants: name -> (fn, which inputs: "x" the bf16 activations, "xq" already quantized) ------
+PARAMS = {}  # variant name -> the kernel tiles it runs
+
+
 def variants(tier, tiny):
+    """name -> (fn, which inputs it takes: "bf16", "quantize", a layout, or a layout + "_xq"
+    for already quantized activations)."""
     tiles = TINY_TILES if tiny else TILES
     hi = dict(interpret=tiny)
     if tier == "mosaic":  # its own tier: a kernel Mosaic does not lower stops nothing else
@@ -77,6 +83,7 @@ def variants(tier, tiny):
         for i, t in enumerate(TINY_MOSAIC if tiny else MOSAIC):
             kw = dict(zip(("block_m", "block_n", "block_k", "num_stages", "promote"), t))
             name = "mosaic_nk_" + "x".join(map(str, t[:4])) + ("" if t[4] else "_fast")
+            PARAMS[name] = PARAMS[name + "_dot"] = kw
             v[name] = (lambda x, q, s, kw=kw: wmg.w8a8_matmul(x, q, s, **hi, **kw), "nk")
             if i == 0:
                 v[name + "_dot"] = (lambda xq, xs, q, s, kw=kw: wmg.w8a8_matmul_quantized(
@@ -93,7 +100,7 @@ def variants(tier, tiny):
                 if not fast:  # the dot alone (its activations quantized beforehand)
                     v[tag + "_dot"] = (lambda xq, xs, q, s, lo=layout: qr.w8a8_dot(
                         xq, xs, q, s, layout=lo).astype(jnp.bfloat16), layout + "_xq")
-            kw = tile_kw(tiles[0])
+            kw = PARAMS[f"pallas_{layout}"] = PARAMS[f"pallas_{layout}_dot"] = tile_kw(tiles[0])
             v[f"pallas_{layout}"] = (lambda x, q, s, lo=layout, kw=kw: wm.w8a8_matmul(
                 x, q, s, layout=lo, **hi, **kw), layout)
             if layout == "nk":
@@ -104,6 +111,7 @@ def variants(tier, tiny):
     for t in tiles[1:]:
         for layout in ("nk", "kn"):
             name = f"pallas_{layout}_" + "x".join(map(str, t))
+            PARAMS[name] = tile_kw(t)
             v[name] = (lambda x, q, s, lo=layout, kw=tile_kw(t): wm.w8a8_matmul(
                 x, q, s, layout=lo, **hi, **kw), layout)
     return v
@@ -184,7 +192,8 @@ def run_case(name, k, n, m, wts, tier, args):
     for vname, (fn, kind) in variants(tier, args.tiny).items():
         fn = jax.jit(fn)
         rec = dict(shape=name, k=k, n=n, m=m, variant=vname, tier=tier, limit=LIMIT,
-                   quantize_counted=kind in ("kn", "nk"))
+                   quantize_counted=kind in ("kn", "nk"), layout=kind.split("_")[0],
+                   params=PARAMS.get(vname))
         try:
             poison()
             out = jax.block_until_ready(fn(*inputs(kind, xc, wts)))
@@ -255,7 +264,25 @@ def report(records):
                           if r else "- | | ")
         bf16 = next(r for r in got if r)["bf16_us"]
         lines.append(f"| {shape} | {m} | {bf16:.1f} | " + " | ".join(map(cell, got)) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + tuning_entries(records)
+
+
+def tuning_entries(records):
+    """The fastest checked Triton tiles on [K, N] weights (the model's layout) per shape and M,
+    as `kernels/tuning.py` QUANT_MATMUL["w8a8"] entries."""
+    best = {}
+    for r in records:
+        if (r.get("us") is None or not r.get("passed") or r["layout"] != "kn"
+                or not r["variant"].startswith("pallas_")):
+            continue
+        key = (r["k"], r["n"], r["m"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    entries = {}
+    for (k, n, m), r in sorted(best.items()):
+        entries.setdefault((k, n), []).append((m, r["params"]))
+    return ('kernels/tuning.py QUANT_MATMUL["w8a8"] (the first M that covers a call wins):\n'
+            + pprint.pformat(entries, width=100, sort_dicts=False))
 
 
 def main(argv=None):
