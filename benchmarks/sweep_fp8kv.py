@@ -47,9 +47,9 @@ def _v(dot, rows, block_k, stages, warps=4):
 # The library's float8 default ("decode_fp8" in kernels/tuning.py) runs too, as "fp8 default".
 VARIANTS = [
     _v("q", 16, 128, 3),  # the old path at the best of its earlier tiles
-    _v("f16", 16, 128, 3), _v("f16", 16, 256, 3), _v("f16", 64, 64, 3),
-    _v("fma", 1, 32, 3), _v("fma", 1, 64, 3), _v("fma", 1, 64, 4), _v("fma", 1, 64, 3, 8),
-    _v("fma", 1, 128, 3, 8),
+    _v("f16", 16, 128, 3), _v("f16", 16, 256, 3),
+    _v("fma", 1, 64, 3), _v("fma", 1, 64, 4), _v("fma", 1, 64, 3, 8),
+    _v("fma_rows", 1, 128, 3), _v("fma_rows", 1, 64, 4), _v("fma_rows", 1, 128, 3, 8),
 ]
 
 

@@ -40,6 +40,9 @@ scaled. `fp8_dot` says how float8 tiles meet q:
   live rows (4 for Llama-3-8B), which the MMAs pad to 16 or 64; here `block_rows` may be as
   small as G, so no padded row is computed. Keep tiles small (product [rows, keys, D] lives in
   registers): rows * block_k * D / (32 * num_warps) values a thread.
+- "fma_rows": the same products one row at a time, as 2-D [keys, D] operations on the tiles
+  as loaded (q's row broadcast over the keys, P's row over D), so the big tiles keep the layout
+  of their loads and only [rows, keys] and [rows, D] values change layout; rows passes a tile.
 Bfloat16 pages ignore `fp8_dot`.
 
 Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
@@ -95,26 +98,40 @@ def _gather(*idx):
     return tuple(jnp.broadcast_to(i, shape) for i in idx)
 
 
-FP8_DOTS = ("q", "f16", "fma")
+FP8_DOTS = ("q", "f16", "fma", "fma_rows")
 
 
 def rows_per_block(block_rows, group, fp8_dot="q", float8=False):
     """The query rows of a program: MMAs take 16 at least; the float8 "fma" path G at least."""
-    least = 1 if float8 and fp8_dot == "fma" else 16
+    least = 1 if float8 and fp8_dot.startswith("fma") else 16
     return max(block_rows, least, pl.next_power_of_2(group))
 
 
-def _fma_scores(q, k, scale, softcap):
+def _fma_scores(q, k, scale, softcap, by_row=False):
     """`flash.scores` on the CUDA cores: q [R, D], k [BK, D] float32."""
-    s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)
+    if by_row:
+        r = jnp.arange(q.shape[0])[:, None]
+        s = jnp.zeros((q.shape[0], k.shape[0]), jnp.float32)
+        for g in range(q.shape[0]):
+            q_g = jnp.sum(jnp.where(r == g, q, 0.0), axis=0)
+            s = jnp.where(r == g, jnp.sum(k * q_g[None, :], axis=1)[None, :], s)
+    else:
+        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)
     if softcap is None:
         return s * (scale * LOG2E)
     return (softcap * LOG2E) * jnp.tanh(s * (scale / softcap))
 
 
-def _fma_pv(p, v):
+def _fma_pv(p, v, by_row=False):
     """P V on the CUDA cores: p [R, BK], v [BK, D] float32."""
-    return jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+    if not by_row:
+        return jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+    r = jnp.arange(p.shape[0])[:, None]
+    o = jnp.zeros((p.shape[0], v.shape[1]), jnp.float32)
+    for g in range(p.shape[0]):
+        p_g = jnp.sum(jnp.where(r == g, p, 0.0), axis=0)
+        o = jnp.where(r == g, jnp.sum(p_g[:, None] * v, axis=0)[None, :], o)
+    return o
 
 
 def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, pages_per_seq,
@@ -164,8 +181,11 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     tile_dtype, score, pv = q.dtype, scores, None
     if float8 and fp8_dot == "f16":
         tile_dtype, q = jnp.float16, q.astype(jnp.float16)
-    elif float8 and fp8_dot == "fma":
-        tile_dtype, q, score, pv = jnp.float32, q.astype(jnp.float32), _fma_scores, _fma_pv
+    elif float8 and fp8_dot.startswith("fma"):
+        by_row = fp8_dot == "fma_rows"
+        tile_dtype, q = jnp.float32, q.astype(jnp.float32)
+        score = functools.partial(_fma_scores, by_row=by_row)
+        pv = functools.partial(_fma_pv, by_row=by_row)
     # Keys are counted from `base`, the first key of the page that holds the first visible key.
     first_page = 0
     if window is not None:

@@ -18,10 +18,11 @@ _DEFAULT = {
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     # Decode over float8 pages (paged.py `fp8_dot`): CUDA-core products over the G live rows
-    # of a program, no MMA padding and no converted tile through shared memory. Groups wider
-    # than FP8_FMA_MAX_GROUP rows take "decode_fp8_mma" (f16 MMAs).
+    # of a program, a row at a time on the tiles as loaded: no MMA padding and no converted
+    # tile through shared memory (the MMA paths ran at 36-49% of copy on the H100, 2026-11-25).
+    # Groups wider than FP8_FMA_MAX_GROUP rows take "decode_fp8_mma" (f16 MMAs).
     "decode_fp8": dict(block_rows=1, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
-                       fp8_dot="fma"),
+                       fp8_dot="fma_rows"),
     "decode_fp8_mma": dict(block_rows=16, block_k=128, num_warps=4, num_stages=3,
                            prefetch_pages=True, fp8_dot="f16"),
     # Mosaic GPU decode (Hopper; "decode_backend" says where it is the default). H100 and H200
