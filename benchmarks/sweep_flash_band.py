@@ -1,9 +1,9 @@
 """The Mosaic GPU flash kernel's head bands (`kernels/flash_mgpu.py`, `band_kv`) at long
 prefill, beside FlashAttention-3 and cuDNN in the same run:
 
-    python -m benchmarks.sweep_flash_band --out DIR    # H100: about 3 minutes
+    python -m benchmarks.sweep_flash_band --out DIR    # H100: about 4 minutes
 
-At 16k tokens a batch (B=1 S=16k, B=2 S=8k; 32 query heads, 8 KV heads, head dim 128) each
+At 16k tokens a batch (B=1 S=16k, B=2 S=8k, B=4 S=4k; 32 query heads, 8 KV heads, head dim 128) each
 band size runs: 8 KV heads a band is every head at once (the order before bands), fewer keep
 the K/V that the CTAs read at one time within L2. Each output is checked first (memory
 poisoned) against the jnp reference on the first KV head's query heads, then timed: the median
@@ -26,7 +26,7 @@ from pallasite.kernels import flash_mgpu, reference
 
 H, KV, D = 32, 8, 128
 CASES = [(1, 16384, True, (8, 4, 2, 1)), (1, 16384, False, (8, 4, 2)),
-         (2, 8192, True, (8, 4, 2))]
+         (2, 8192, True, (8, 4, 2)), (2, 8192, False, (8, 2)), (4, 4096, False, (8, 2))]
 
 
 def check(out, q, k, v, causal):
@@ -46,7 +46,7 @@ def main(argv=None):
         q, k, v = dense_inputs(jax.random.key(S + B), B, S, S, H, KV, D, jnp.bfloat16)
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         base = dict(batch=B, seq=S, causal=causal, auto_band=flash_mgpu.band_kv_heads(
-            B, S, KV, D, 2))
+            B, S, KV, D, 2, causal))
         times = {}
         if f is not None:
             times["fa3"] = try_time("fa3", lambda q, k, v: f.flash_mha(q, k, v, is_causal=causal),

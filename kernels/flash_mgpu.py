@@ -98,12 +98,19 @@ def _tiles(T, H, B, block_q, causal, num_ctas, band):
     return locate, pl.cdiv(total, num_ctas)
 
 
-L2_KV_BYTES = 32 << 20  # K/V a band may read at once: most of Hopper's 50 MB L2
+# K/V a band of full (non-causal) attention may read at once. Measured on the H100 at 16k
+# tokens (benchmarks/sweep_flash_band.py): full attention runs 690 TFLOP/s in bands of 16 MB
+# against 672 with every head at once; causal runs best with every head at once (691 against
+# 679 in 32 MB bands and 585 in 8 MB), its CTAs spread over key ranges of every length anyway.
+L2_KV_BYTES = 16 << 20
 
 
-def band_kv_heads(B, S, KV, D, itemsize, budget=L2_KV_BYTES) -> int:
-    """The most KV heads (a divisor of KV) whose K/V over the batch fits `budget`."""
+def band_kv_heads(B, S, KV, D, itemsize, causal=False, budget=L2_KV_BYTES) -> int:
+    """The most KV heads (a divisor of KV) whose K/V over the batch fits `budget`; every head
+    for causal attention."""
     per_head = 2 * B * S * D * itemsize
+    if causal:
+        return KV
     return max([n for n in range(1, KV + 1) if KV % n == 0 and n * per_head <= budget] or [1])
 
 
@@ -461,7 +468,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     each warpgroup's named phases there (`profiling/profile_flash.py` reads it). `overlap`
     software-pipelines each consumer (`_overlapped_loop`); measured no faster on the H100, off.
     `late_sum` (staggered loop) takes P's row sums while P V runs: 1.6% faster causal.
-    `band_kv`: KV heads whose work runs together (None: as many as `band_kv_heads` fits in L2)."""
+    `band_kv`: KV heads whose work runs together (None: `band_kv_heads`)."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
@@ -471,7 +478,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     num_stages = max(1, min(num_stages, S // block_kv))
     tiles = B * H * T // (CONSUMERS * block_q)
     num_ctas = min(num_ctas or sm_count(), tiles)
-    band_kv = band_kv or band_kv_heads(B, S, KV, D, q.dtype.itemsize)
+    band_kv = band_kv or band_kv_heads(B, S, KV, D, q.dtype.itemsize, causal)
     if KV % band_kv:
         raise ValueError(f"band_kv={band_kv} must divide the {KV} KV heads")
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
@@ -487,8 +494,8 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             num_ctas=num_ctas, band=band_kv * (H // KV), overlap=overlap, late_sum=late_sum,
-                             interpret=interpret)
+                             num_ctas=num_ctas, band=band_kv * (H // KV), overlap=overlap,
+                             late_sum=late_sum, interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,

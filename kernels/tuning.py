@@ -137,6 +137,7 @@ QUANT_MATMUL = {
                      reduce='dot', swap=False)),
         ],
     },
+    "w8a8": {},  # FP8 weights x per-row FP8 activations, kernels/w8a8_matmul.py
 }
 
 
