@@ -32,12 +32,16 @@ from pallasite.kernels import mla_decode as M
 
 SHAPE = dict(batch=64, context=4096, heads=128, kv_lora_rank=512, rope=64, page_size=64)
 SMOKE_SHAPE = dict(batch=2, context=40, heads=16, kv_lora_rank=32, rope=16, page_size=8)
-# (block_h, block_k tokens, num_warps, num_stages) per run; the first is the library default
-# (`kernels.mla_decode_blocks`), the second the previous one. With the page-table read taking
-# stages of its own, tiles overlap the MMAs only from 5 stages on (3 buffers); 64-token tiles
-# then exceed shared memory, so the sweep is mostly over 32- and 16-token tiles.
-SWEEP = [(64, 32, 8, 5), (32, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 3),
-         (64, 32, 8, 4), (64, 32, 8, 6), (64, 16, 8, 5), (64, 16, 8, 7)]
+# (block_h, block_k tokens, num_warps, num_stages, v_parts) per run; the first is the library
+# default (`kernels.mla_decode_blocks`), the second the previous one. With the page-table read
+# taking stages of its own, tiles overlap the MMAs only from 5 stages on (3 buffers); 64-token
+# tiles then exceed shared memory, so the sweep is mostly over 32- and 16-token tiles. With 8
+# warps both warpgroups compute the same scores (Triton puts a chained dot's warps on its
+# rows); v_parts 2 instead gives each of two 4-warp programs half the output columns.
+SWEEP = [(64, 32, 8, 5, 1), (32, 64, 4, 2, 1), (64, 64, 8, 2, 1), (64, 32, 8, 3, 1),
+         (64, 32, 8, 4, 1), (64, 32, 8, 6, 1), (64, 16, 8, 5, 1), (64, 16, 8, 7, 1),
+         (64, 32, 4, 5, 2), (64, 16, 4, 5, 2), (64, 64, 4, 2, 2)]
+TILE = ("block_h", "block_k", "num_warps", "num_stages", "v_parts")
 SMEM_LIMIT = 232448  # bytes a Hopper block may opt into
 
 
@@ -74,20 +78,19 @@ def main():
           f"them {copy_ms:.3f} ms = {copy_tbps:.2f} TB/s (read + written); jnp reference "
           f"{ref_ms:.3f} ms", flush=True)
     runs = []
-    assert kernels.mla_decode_blocks(SHAPE["heads"]) == dict(zip(
-        ("block_h", "block_k", "num_warps", "num_stages"), SWEEP[0])), "SWEEP[0] is the default"
+    assert kernels.mla_decode_blocks(SHAPE["heads"]) == dict(zip(TILE, SWEEP[0])), \
+        "SWEEP[0] is the library default"
     runs = []
-    for block_h, block_k, warps, stages in SWEEP[:2] if args.smoke else SWEEP:
-        row = dict(block_h=block_h, block_k=block_k, num_warps=warps, num_stages=stages,
-                   smem=M.smem_bytes(block_h, block_k, shape["kv_lora_rank"], shape["rope"],
-                                     stages))
+    for tile in SWEEP[:2] + SWEEP[-1:] if args.smoke else SWEEP:
+        row = dict(zip(TILE, tile))
+        row["smem"] = M.smem_bytes(row["block_h"], row["block_k"], shape["kv_lora_rank"],
+                                   shape["rope"], row["num_stages"])
         if row["smem"] > SMEM_LIMIT:
             row.update(ok=None, error=f"skipped: ~{row['smem']} bytes of shared memory")
             runs.append(row)
             print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             continue
-        kw = dict(sm_scale=sm_scale, block_h=block_h, block_k=block_k, num_warps=warps,
-                  num_stages=stages, interpret=args.smoke)
+        kw = dict(sm_scale=sm_scale, interpret=args.smoke, **dict(zip(TILE, tile)))
         fn = jax.jit(lambda *a, kw=kw: M.mla_decode(*a, **kw))
         try:
             if not args.smoke:
@@ -120,7 +123,7 @@ def main():
     print("|---|---|---|---|---|---|")
     for r in runs:
         name = f"block_h {r['block_h']}, {r['block_k']} keys, {r['num_warps']}w/" \
-               f"{r['num_stages']}s"
+               f"{r['num_stages']}s" + (f", {r['v_parts']} parts" if r["v_parts"] > 1 else "")
         if "ms" in r:
             print(f"| {name} | {r['smem'] // 1024} | {r['ms']:.3f} | {r['tbps']:.2f} | "
                   f"{100 * r['frac_of_copy_bw']:.0f}% | {r['rel_err']:.1e} |")
@@ -130,8 +133,7 @@ def main():
     print(f"| copy of the latent bytes | | {copy_ms:.3f} | {copy_tbps:.2f} | 100% | |")
     print(f"| jnp reference | | {ref_ms:.3f} | {lat_bytes / max(ref_ms, 1e-9) / 1e9:.2f} | | |")
     if best:
-        blocks = ", ".join(f"{k}={best[k]}"
-                           for k in ("block_h", "block_k", "num_warps", "num_stages"))
+        blocks = ", ".join(f"{k}={best[k]}" for k in TILE)
         print(f"best: {best['ms']:.3f} ms, {100 * best['frac_of_copy_bw']:.0f}% of copy -> "
               f"kernels.mla_decode_blocks(>= 64 heads) = dict({blocks})"
               f"{'' if best is runs[0] else ' (not the current default)'}")

@@ -259,9 +259,9 @@ def mla_decode_blocks(num_heads: int) -> dict:
     """The MLA decode kernel's tiles for `num_heads` query heads (H100, `benchmarks/bench_mla`):
     64-head blocks over two warpgroups when there are that many, 32-token key tiles, 5 stages."""
     if num_heads >= 64:
-        return dict(block_h=64, block_k=32, num_warps=8, num_stages=5)
+        return dict(block_h=64, block_k=32, num_warps=8, num_stages=5, v_parts=1)
     return dict(block_h=max(16, pl_next_power_of_2(num_heads)), block_k=32, num_warps=4,
-                num_stages=5)
+                num_stages=5, v_parts=1)
 
 
 def pl_next_power_of_2(n: int) -> int:
