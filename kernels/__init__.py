@@ -374,13 +374,57 @@ def quant_mode(x, q, zero=None, mode=None) -> str:
     return "w8a8"
 
 
-def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, interpret=False, **blocks):
+W8A8_IMPLS = ("xla", "pallas", "mosaic")
+
+
+def w8a8_impl(x, q, scale, impl=None, *, layout: str = "kn", interpret=False, **blocks) -> str:
+    """"xla" (cuBLASLt's FP8 GEMM through XLA's dot, `quant_reference.w8a8_matmul`), "pallas"
+    (the Triton kernel, `w8a8_matmul.py`) or "mosaic" (the Mosaic GPU kernel, Hopper, weights
+    stored [N, K] only, `w8a8_mgpu.py`) for a W8A8 call. None: "xla" (the default until the GPU
+    comparison, `benchmarks/bench_w8a8.py`, says otherwise); `PALLASITE_W8A8_IMPL` overrides.
+    A call the chosen kernel cannot take runs on XLA (said once, with the reason)."""
+    impl = impl or os.environ.get("PALLASITE_W8A8_IMPL") or "xla"
+    if impl not in W8A8_IMPLS:
+        raise ValueError(f"W8A8 impl {impl!r} is not one of {W8A8_IMPLS}")
+    if impl == "xla":
+        return impl
+    from . import w8a8_matmul as wt, w8a8_mgpu as wmg
+    k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
+    if jax.default_backend() != "gpu" and not interpret:
+        why = f"{jax.default_backend()} backend, not interpret mode"
+    elif impl == "mosaic":
+        why = ("weights stored [K, N] (it reads [N, K])" if layout != "nk" else
+               "not a Hopper GPU" if jax.default_backend() == "gpu" and not _is_hopper() else
+               wmg.supported(x.shape[0], k, n, scale.shape[0], **blocks))
+    else:
+        why = wt.supported(x.shape[0], k, n, scale.shape[0],
+                           **(wt.blocks_for(x.shape[0], k, n) | blocks))
+    if why:  # a call's shape or this backend
+        _say_once(f"the {impl} W8A8 kernel cannot take a {k}x{n} weight with "
+                  f"{scale.shape[0]} scale rows ({why}): XLA's FP8 dot runs it")
+        return "xla"
+    return impl
+
+
+def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
+                 layout: str = "kn", interpret=False, **blocks):
     """x [M, K] times quantized weights q [K, N] with float32 scale [G, N] (and zero) ->
     [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
-    reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`)."""
+    reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`) or the
+    Pallas kernels (`w8a8_matmul.py`, `w8a8_mgpu.py`), as `w8a8` (or `PALLASITE_W8A8_IMPL`)
+    picks (`w8a8_impl`). `layout="nk"` (W8A8 only): q is stored transposed, [N, K]."""
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
-        return qr.w8a8_matmul(x, q, scale)
+        impl = w8a8_impl(x, q, scale, w8a8, layout=layout, interpret=interpret, **blocks)
+        if impl == "pallas":
+            from . import w8a8_matmul as wm
+            return wm.w8a8_matmul(x, q, scale, layout=layout, interpret=interpret, **blocks)
+        if impl == "mosaic":
+            from . import w8a8_mgpu
+            return w8a8_mgpu.w8a8_matmul(x, q, scale, interpret=interpret, **blocks)
+        return qr.w8a8_matmul(x, q, scale, layout=layout)
+    if layout != "kn":
+        raise ValueError(f"W8A16 takes weights stored [K, N] (layout 'kn'), not {layout!r}")
     # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
     old_gpu = q.dtype == jax.numpy.float8_e4m3fn and not interpret and not has_fp8_tensor_cores()
     if not _use_pallas(impl, interpret) or old_gpu:
