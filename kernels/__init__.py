@@ -249,14 +249,29 @@ def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_le
         return mla_decode.ragged_mla_reference(q_lat, q_pe, latent_pages, rope_pages,
                                                query_start, context_lens, page_table,
                                                sm_scale=sm_scale)
-    T, H = q_lat.shape[:2]
+    T, H, L = q_lat.shape
     lens, table = mla_decode.token_rows(query_start, context_lens, page_table, T)
-    kw = dict(block_h=min(32, max(16, pl_next_power_of_2(H)))) | blocks
+    kw = mla_decode_blocks(H) | blocks
     if "num_splits" not in kw:
-        tiles = -(-table.shape[1] // kw.get("pages_per_block", 1))
-        kw["num_splits"] = tuning.num_splits(T * -(-H // kw["block_h"]), tiles)
+        # A split's partial ([H, L] float32, written and read back) must stay small against the
+        # keys it reads (<= 1/8 of them: >= ~3600 keys a split at DeepSeek-V3's 128 heads).
+        page_size = latent_pages.shape[2]
+        keys = table.shape[1] * page_size
+        key_bytes = (L + q_pe.shape[-1]) * latent_pages.dtype.itemsize
+        by_bytes = max(1, keys * key_bytes // (8 * 8 * H * L))
+        tiles = -(-keys // (kw.get("block_k") or page_size))
+        kw["num_splits"] = min(by_bytes, tuning.num_splits(T * -(-H // kw["block_h"]), tiles))
     return mla_decode.mla_decode(q_lat, q_pe, latent_pages, rope_pages, lens, table,
                                  sm_scale=sm_scale, interpret=interpret, **kw)
+
+
+def mla_decode_blocks(num_heads: int) -> dict:
+    """The MLA decode kernel's tiles for `num_heads` query heads (H100, `benchmarks/bench_mla`):
+    64-head blocks over two warpgroups when there are that many, 32-token key tiles, 5 stages."""
+    if num_heads >= 64:
+        return dict(block_h=64, block_k=32, num_warps=8, num_stages=5, v_parts=1)
+    return dict(block_h=max(16, pl_next_power_of_2(num_heads)), block_k=32, num_warps=4,
+                num_stages=5, v_parts=1)
 
 
 def pl_next_power_of_2(n: int) -> int:
