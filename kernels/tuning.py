@@ -17,6 +17,14 @@ _DEFAULT = {
     "flash_mosaic": dict(block_q=64, block_kv=128, num_stages=2),
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
+    # Decode over float8 pages (paged.py `fp8_dot`): CUDA-core products over the G live rows
+    # of a program, a row at a time on the tiles as loaded: no MMA padding and no converted
+    # tile through shared memory (the MMA paths ran at 36-49% of copy on the H100, 2026-11-25).
+    # Groups wider than FP8_FMA_MAX_GROUP rows take "decode_fp8_mma" (f16 MMAs).
+    "decode_fp8": dict(block_rows=1, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
+                       fp8_dot="fma_rows"),
+    "decode_fp8_mma": dict(block_rows=16, block_k=128, num_warps=4, num_stages=3,
+                           prefetch_pages=True, fp8_dot="f16"),
     # Mosaic GPU decode (Hopper; "decode_backend" says where it is the default). H100 and H200
     # sweeps of 2026-11-23 (benchmarks/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
@@ -68,10 +76,73 @@ TABLE = {
 # `python -m benchmarks.sweep_quant --out DIR`, which prints them in this form; an entry whose
 # tiles do not divide a call's shape is skipped. Llama-3-8B layers: qkv (4096, 6144),
 # o (4096, 4096), gate_up (4096, 28672), down (14336, 4096).
+# H100 80GB HBM3, JAX 0.11.2, 2026-11-25 (docs/benchmarks/quant.json)
 QUANT_MATMUL = {
-    "w8a16": {},  # FP8 (or INT8 QArray) weights, kernels/w8a16_matmul.py
-    "w4a16": {},  # packed INT4 / INT8 weights, kernels/w4a16_matmul.py
+    "w8a16": {  # FP8 (or INT8 QArray) weights, kernels/w8a16_matmul.py
+        (4096, 4096): [
+            (1, dict(block_m=1, block_n=64, block_k=128, split_k=16, num_warps=4, num_stages=2,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=128, block_k=512, split_k=8, num_warps=4, num_stages=3,
+                     swap=True)),
+            (16, dict(block_m=16, block_n=128, block_k=512, split_k=8, num_warps=4, num_stages=3,
+                     swap=True)),
+        ],
+        (4096, 6144): [
+            (1, dict(block_m=1, block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=2,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=128, block_k=256, split_k=4, num_warps=4, num_stages=4)),
+            (16, dict(block_m=16, block_n=128, block_k=256, split_k=4, num_warps=4, num_stages=4)),
+        ],
+        (4096, 28672): [
+            (1, dict(block_m=1, block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=2,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4)),
+            (16, dict(block_m=16, block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4)),
+        ],
+        (14336, 4096): [
+            (1, dict(block_m=1, block_n=64, block_k=128, split_k=16, num_warps=4, num_stages=2,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=128, block_k=256, split_k=8, num_warps=4, num_stages=4)),
+        ],
+    },
+    "w4a16": {  # packed INT4 / INT8 weights, kernels/w4a16_matmul.py
+        (4096, 4096): [
+            (1, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='sum', swap=False)),
+            (4, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='convert',
+                     reduce='dot', swap=False)),
+            (16, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='convert',
+                     reduce='dot', swap=False)),
+        ],
+        (4096, 6144): [
+            (1, dict(block_n=64, num_splits=11, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='sum', swap=False)),
+            (4, dict(block_n=128, num_splits=5, num_warps=4, num_stages=3, unpack='convert',
+                     reduce='dot', swap=False)),
+            (16, dict(block_n=128, num_splits=5, num_warps=4, num_stages=3, unpack='convert',
+                     reduce='dot', swap=False)),
+        ],
+        (4096, 28672): [
+            (1, dict(block_n=64, num_splits=2, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='sum', swap=False)),
+            (4, dict(block_n=128, num_splits=1, num_warps=4, num_stages=3, unpack='convert',
+                     reduce='dot', swap=False)),
+            (16, dict(block_n=128, num_splits=1, num_warps=4, num_stages=3, unpack='convert',
+                     reduce='dot', swap=False)),
+        ],
+        (14336, 4096): [
+            (1, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='sum', swap=False)),
+            (4, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='dot', swap=False)),
+        ],
+    },
+    "w8a8": {},  # FP8 weights x per-row FP8 activations, kernels/w8a8_matmul.py
 }
+
+
+# The widest kv-head group (H / KV) whose float8 decode takes the CUDA-core products.
+FP8_FMA_MAX_GROUP = 8
 
 
 def quant_params(kernel: str, m: int, k: int, n: int) -> dict | None:
