@@ -5,8 +5,8 @@ incremental detokenization for streaming.
 
 from __future__ import annotations
 
-import itertools
 import json
+import weakref
 from datetime import datetime
 from pathlib import Path
 
@@ -125,15 +125,21 @@ class IncrementalDetokenizer:
     Each new token is decoded together with a few tokens before it and only the difference is
     emitted: this keeps the spaces that depend on the previous token, and a delta is held back
     while it ends in an incomplete UTF-8 character (U+FFFD) until the bytes that finish it come.
+
+    The text of the window before the new token is kept until a delta moves the window; after
+    one, the window is mostly the single token just emitted, whose text comes from a table kept
+    per tokenizer. So a token costs about one decode, not two.
     """
 
     CONTEXT = 5  # prompt tokens decoded along with the first output token
+    _singles = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text decoded alone}
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-self.CONTEXT:])  # nothing before the window is read again
         self.read = len(self.ids)  # tokens already turned into text
         self.prefix = max(0, self.read - self.CONTEXT)  # start of the decoding window
+        self.before = None  # the text of ids[prefix:read], once decoded
 
     def add(self, token_id: int) -> str:
         return self.add_many([self], [token_id])[0]
@@ -142,23 +148,40 @@ class IncrementalDetokenizer:
     def add_many(detoks: list["IncrementalDetokenizer"], token_ids: list[int]) -> list[str]:
         """One new token for each detokenizer; their deltas, decoded in one batched call where
         every detokenizer shares a tokenizer that has `decode_batch`."""
-        windows = []
-        for d, token in zip(detoks, token_ids):
-            d.ids.append(token)
-            windows += [d.ids[d.prefix:d.read], d.ids[d.prefix:]]
         if not detoks:
             return []
         tok = detoks[0].tokenizer
-        if hasattr(tok, "decode_batch") and all(d.tokenizer is tok for d in detoks):
-            texts = tok.decode_batch(windows)
-        else:
-            texts = [d.tokenizer.decode(w) for d, w in zip(
-                itertools.chain.from_iterable(zip(detoks, detoks)), windows)]
+        shared = hasattr(tok, "decode_batch") and all(d.tokenizer is tok for d in detoks)
+        singles = IncrementalDetokenizer._singles_of(tok) if shared else {}
+        windows, owners = [], []  # what to decode, and for which detokenizer
+        for d, token in zip(detoks, token_ids):
+            d.ids.append(token)
+            if d.before is None and d.read - d.prefix == 1:
+                d.before = singles.get(d.ids[d.prefix])
+            if d.before is None:
+                windows.append(d.ids[d.prefix:d.read])
+                owners.append(d)
+            windows.append(d.ids[d.prefix:])
+            owners.append(d)
+        texts = iter(tok.decode_batch(windows) if shared else
+                     [d.tokenizer.decode(w) for d, w in zip(owners, windows)])
         out = []
-        for d, before, text in zip(detoks, texts[::2], texts[1::2]):
+        for d in detoks:
+            if d.before is None:
+                d.before = next(texts)
+                if d.read - d.prefix == 1:
+                    singles[d.ids[d.prefix]] = d.before
+            text, before = next(texts), d.before
             if len(text) <= len(before) or text.endswith("\ufffd"):
                 out.append("")
                 continue
-            d.prefix, d.read = d.read, len(d.ids)
+            d.prefix, d.read, d.before = d.read, len(d.ids), None
             out.append(text[len(before):])
         return out
+
+    @staticmethod
+    def _singles_of(tok) -> dict:
+        try:
+            return IncrementalDetokenizer._singles.setdefault(tok, {})
+        except TypeError:  # a tokenizer that takes no weak reference: no table
+            return {}

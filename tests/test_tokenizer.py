@@ -74,3 +74,32 @@ def test_errors(tmp_path):
     tok_fixtures.save(tok_fixtures.byte_level(), tmp_path, template=None)
     with pytest.raises(TokenizerError, match="no chat_template"):
         Tokenizer.from_pretrained(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_batched_deltas_match_the_two_window_rule_with_about_one_decode_a_token(tokenizer):
+    """Each delta is what decoding the window before and after the new token gives; the window
+    before is remembered, or looked up for a single token, so most tokens take one decode (this text has many multi-token characters)."""
+    calls = []
+    decode_batch = tokenizer.decode_batch
+    tokenizer.decode_batch = lambda windows: calls.append(len(windows)) or decode_batch(windows)
+    outs = [tokenizer.encode(t, add_special_tokens=False) for t in TRICKY * 3]
+    prompt = tokenizer.encode("Python says:")
+    detoks = [IncrementalDetokenizer(tokenizer, prompt) for _ in outs]
+    want, got = [[] for _ in outs], [[] for _ in outs]
+    state = [(prompt[-5:], 0, len(prompt[-5:])) for _ in outs]  # ids, prefix, read
+    for k in range(max(map(len, outs))):
+        live = [i for i, o in enumerate(outs) if k < len(o)]
+        for i, delta in zip(live, IncrementalDetokenizer.add_many(
+                [detoks[i] for i in live], [outs[i][k] for i in live])):
+            got[i].append(delta)
+            ids, prefix, read = state[i]
+            ids = ids + [outs[i][k]]
+            before, text = decode_batch([ids[prefix:read]])[0], decode_batch([ids[prefix:]])[0]
+            if len(text) <= len(before) or text.endswith("\ufffd"):
+                want[i].append("")
+            else:
+                want[i].append(text[len(before):])
+                prefix, read = read, len(ids)
+            state[i] = ids, prefix, read
+    assert got == want
+    assert sum(calls) < 1.5 * sum(map(len, outs))  # two a token without the table
