@@ -11,7 +11,7 @@ finished requests are replaced by new prompts, so each step carries ~1024 decode
 prefill chunks of the newly admitted ones (the churn of a ShareGPT run). Each prints a line
 (`host_ms_per_step`: the engine's own mean host time a step, garbage collections included; then
 the CPU time's median and best step, and the median of each part), then its JSON record.
-The heap is frozen after the engine is built, as warm-up leaves it (`--no_freeze`: not).
+The garbage collector is set as warm-up leaves it (`--default_gc`: Python's defaults).
 
     python -m benchmarks.host_step --seqs 1024 [--decode | --mixed] [--profile] [--tokenizer]
 """
@@ -78,7 +78,7 @@ class _Tok:
 
 
 def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
-          freeze: bool = True):
+          settle: bool = True):
     import jax
     from pallasite.model import config_from_dict, init_params
     from pallasite.serving.engine import Engine
@@ -95,8 +95,8 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
                     max_num_seqs=seqs, max_num_batched_tokens=max(8192, seqs),
                     max_model_len=2048, page_buckets=[128])
     fake_device(engine, 1000)
-    if freeze:
-        settle_heap()  # as warm-up leaves the heap
+    if settle:
+        settle_heap()  # as warm-up leaves the collector
     rng = np.random.default_rng(0)
     engine.arrivals = iter(range(1 << 30))
 
@@ -198,13 +198,14 @@ def main(argv=None):
                     "and new ones arrive")
     ap.add_argument("--churn_output", type=int, default=64,
                     help="--mixed: mean output tokens of a request")
-    ap.add_argument("--no_freeze", action="store_true", help="leave the heap unfrozen")
+    ap.add_argument("--default_gc", action="store_true",
+                    help="Python's collector thresholds, not those warm-up sets")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     recs = []
     for mixed in [False, True] if args.decode == args.mixed else [args.mixed]:
         engine = build(args.seqs, args.prompt, args.churn_output if mixed else args.output,
-                       args.tokenizer, mixed, freeze=not args.no_freeze)
+                       args.tokenizer, mixed, settle=not args.default_gc)
         rec = measure(engine, args.steps, args.profile, mixed)
         parts = " ".join(f"{k[:-len('_cpu_ms_median')]} {v:.2f}" for k, v in rec.items()
                          if k.endswith("_cpu_ms_median"))

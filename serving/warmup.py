@@ -13,14 +13,14 @@ conditional's predicate back to the host, which stops the host from running a st
 The persistent compilation cache (`settings.enable_compilation_cache`) is on by default: a
 second start loads these programs instead of compiling them; the report says how many it found.
 
-The last thing warm-up does is set the garbage collector for serving (`settle_heap`). It takes
-everything alive by then (modules, compiled programs, weights' Python objects: a couple of
-hundred thousand objects) out of the collector's view; otherwise each full collection walks all
-of them (on the order of 100 ms), and at high concurrency the objects a step makes and drops
-bring one every few hundred steps. And it lets more objects be made before a young collection:
-a step at 1024 sequences holds a few thousand (its outputs) until the caller drops them, and at
-Python's default (700) several collections a step walk them and push them towards the old
-generation, whose collections they then bring on sooner.
+The last thing warm-up does is set the garbage collector for serving (`settle_heap`): it
+collects what warm-up left, then lets more objects be made before a young collection. A step at
+1024 sequences holds a few thousand objects (its outputs) until the caller drops them; at
+Python's default (700) several young collections a step walk them and push them towards the old
+generation, whose full collections (which walk every object of the process: modules, compiled
+programs, a couple of hundred thousand objects, on the order of 100 ms) they then bring on every
+few hundred steps. The heap is not frozen (`gc.freeze`): an engine dropped later could then never
+be collected, nor the device memory it holds.
 
 A compilation's memory grows with the program (a 30-layer model's step, unrolled, takes about a
 gigabyte on XLA:CPU), so running one per thread on a small machine can exhaust it. Where memory
@@ -303,11 +303,9 @@ def warm_up(engine, workers: int | None = None):
 
 
 def settle_heap(young: int = YOUNG_GC_THRESHOLD):
-    """Collect what is garbage now, then freeze the rest: later collections walk only what is
-    made after warm-up (requests, their sequences and outputs). Raise (never lower) the count of
-    new objects that brings a young collection to `young`."""
+    """Collect what is garbage now, and raise (never lower) the count of new objects that
+    brings a young collection to `young`."""
     gc.collect()
-    gc.freeze()
     threshold = gc.get_threshold()
     gc.set_threshold(max(threshold[0], young), *threshold[1:])
 

@@ -111,18 +111,17 @@ def test_compile_all_counts_cache_hits(cache):
     assert float(out[2][0](np.ones(3, np.float32))[0]) == 3.0
 
 
-def test_settled_heap_is_out_of_the_collectors_view():
+def test_settled_heap_collects_less_often():
     import gc
     from pallasite.serving.warmup import settle_heap
     before = gc.get_threshold()
     try:
         gc.set_threshold(700, *before[1:])
         settle_heap(young=5000)
-        assert gc.get_freeze_count() > 1000 and gc.get_threshold()[0] == 5000
+        assert gc.get_threshold()[0] == 5000
         settle_heap(young=100)  # a higher threshold is kept
         assert gc.get_threshold()[0] == 5000
         made = [[i] for i in range(3000)]  # net new objects below the threshold: no collection
         assert gc.get_count()[0] >= 3000 and made
     finally:
-        gc.unfreeze()
         gc.set_threshold(*before)
