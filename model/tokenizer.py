@@ -151,7 +151,7 @@ class IncrementalDetokenizer:
         if not detoks:
             return []
         tok = detoks[0].tokenizer
-        shared = hasattr(tok, "decode_batch") and all(d.tokenizer is tok for d in detoks)
+        shared = all(d.tokenizer is tok for d in detoks)
         singles = IncrementalDetokenizer._singles_of(tok) if shared else {}
         windows, owners = [], []  # what to decode, and for which detokenizer
         for d, token in zip(detoks, token_ids):
@@ -163,7 +163,7 @@ class IncrementalDetokenizer:
                 owners.append(d)
             windows.append(d.ids[d.prefix:])
             owners.append(d)
-        texts = iter(tok.decode_batch(windows) if shared else
+        texts = iter(tok.decode_batch(windows) if shared and hasattr(tok, "decode_batch") else
                      [d.tokenizer.decode(w) for d, w in zip(owners, windows)])
         out = []
         for d in detoks:
