@@ -121,10 +121,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
 
 def _paged_params(name, q, k_pages):
     """The tuning entry of a paged call: float8 pages have their own decode tiles."""
-    if k_pages.dtype != jax.numpy.float8_e4m3fn or name != "decode":
-        return name
-    wide = q.shape[1] // k_pages.shape[0] > tuning.FP8_FMA_MAX_GROUP
-    return "decode_fp8_mma" if wide else "decode_fp8"
+    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn and name == "decode"
+    return "decode_fp8" if fp8 else name
 
 
 def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
