@@ -68,6 +68,8 @@ def parse(argv):
     ap.add_argument("--draft", default="default-draft", help="draft of the default model")
     ap.add_argument("--trace", action=argparse.BooleanOptionalAction, default=None,
                     help="profile each step of part 1 (default: on GPU)")
+    ap.add_argument("--verify-only", action="store_true",
+                    help="part 1 alone: what a verify step costs, and where")
     return ap.parse_args(argv)
 
 
@@ -302,6 +304,10 @@ def main(argv=None):
     record["verify"] = verify_cost(args, out)
     if not record["verify"]["first_row_match"]:
         print("the verify step's first row differs from the plain step's", file=sys.stderr)
+    if args.verify_only:
+        (out / "speculative_verify.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(parts_table(record["verify"]["steps"]))
+        return 0
     record["acceptance"] = acceptance(args)
     if "mean_accepted" in record["acceptance"]:
         record["projected_speedup"] = (record["acceptance"]["mean_accepted"]

@@ -36,8 +36,8 @@ import subprocess
 import sys
 import time
 
-from .step_engine import (cases, compile_all, decode_inputs, engine_loop, make_engine, make_step,
-                          random_params, step_bytes, time_steps, trace_steps, workload)
+from .step_engine import (cases, compile_all, engine_loop, make_engine, make_step, random_params,
+                          step_bytes, step_inputs, time_steps, trace_steps, workload)
 from .step_trace import breakdown, device_ops, parse_hlo
 
 # Flag names and values checked against XLA's debug_options_flags.cc and xla.proto of the JAX
@@ -72,6 +72,9 @@ def parse(argv):
     ap.add_argument("--variants", default=None,
                     help="comma-separated names from VARIANTS (default: all, in order)")
     ap.add_argument("--trace-steps", type=int, default=5)
+    ap.add_argument("--cases", default="b1,b64",
+                    help="steps to profile, of b1, b64, b768 (768 decode rows at context 320) "
+                         "and mixed (8192 tokens: 30 prefill chunks of 256 + 512 decode rows)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one variant here
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -111,7 +114,8 @@ def run_child(args, name, flags, deadline):
     if args.tiny:
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "profiling.profile_step", "--child", name, "--out", args.out,
-           "--deadline", str(deadline), "--trace-steps", str(args.trace_steps)]
+           "--deadline", str(deadline), "--trace-steps", str(args.trace_steps),
+           "--cases", args.cases]
     cmd += ["--tiny"] if args.tiny else []
     log = os.path.join(args.out, f"{name}.log")
     result_file = os.path.join(args.out, f"{name}.json")
@@ -168,11 +172,12 @@ def child(args):
         res.update(copy_tbps=bw / 1e12, copy_how=how)
     config = config_from_dict(dict(model_type="llama", **model))
     params = random_params(config, jnp.dtype(w["dtype"]))
-    engine = make_engine(config, params, w)
-    specs = cases(w)
+    specs = cases(w, args.cases.split(","))
+    engine = make_engine(config, params, w, specs)
     t = time.time()
-    prefill_key = (w["b1"][1], specs["b1"][2][1]) if full else None  # for Engine.step()
-    graph_exes = compile_all(engine, [s[2] for s in specs.values()], prefill_key, keep_graphs=full)
+    b1 = full and "b1" in specs
+    prefill_key = (w["b1"][1], specs["b1"][1][1]) if b1 else None  # for Engine.step()
+    graph_exes = compile_all(engine, [s[1] for s in specs.values()], prefill_key, keep_graphs=full)
     res["compile_s"] = time.time() - t
     print(f"compiled in {res['compile_s']:.0f} s", flush=True)
     res["cases"] = {}
@@ -196,15 +201,21 @@ def write_json(out, name, res):
 
 
 def profile_case(engine, config, name, spec, graph_exes, args, w, copy_tbps, deadline):
-    """Time one decode batch; in the default variant also trace it, with graphs off (as XLA
-    runs under a profiler) and, where that compiled, with command buffers kept."""
-    batch, ctx, key, first_page = spec
-    inputs = decode_inputs(engine, batch, ctx, key, first_page)
+    """Time one step; in the default variant also trace it, with graphs off (as XLA runs under
+    a profiler) and, where that compiled, with command buffers kept."""
+    import jax
+    from benchmarks.step_budget import peak_bf16
+    seqs, key, first_page = spec
+    inputs = step_inputs(engine, seqs, key, first_page)
     step = make_step(engine, key, inputs)
-    case = dict(batch=batch, context=ctx, bucket=list(key), **time_steps(step, *w["steps"]))
-    case["bytes"] = step_bytes(engine.params, config, batch, ctx)
-    if copy_tbps:
-        case["roofline_ms"] = case["bytes"]["total"] / copy_tbps / 1e9
+    tokens = sum(q for q, _ in seqs)
+    case = dict(batch=len(seqs), tokens=tokens, context=max(c for _, c in seqs), bucket=list(key),
+                **time_steps(step, *w["steps"]))
+    case["bytes"] = step_bytes(engine.params, config, sum(c for _, c in seqs))
+    peak = peak_bf16(jax.devices()[0].device_kind)
+    if copy_tbps and peak:  # the larger of reading the bytes and the weights' FLOPs at peak
+        flops = 2 * tokens * case["bytes"]["layer_weights"] / engine.params["embed"].itemsize
+        case["roofline_ms"] = 1e3 * max(case["bytes"]["total"] / copy_tbps / 1e12, flops / peak)
     if args.child != "default" or time.time() > deadline - (10 if args.tiny else 25):
         return case
     case["trace"] = trace_case(engine, key, step, engine._exe[key], case, args, name, "trace")
@@ -276,7 +287,8 @@ def report(results) -> str:
 
 def case_report(name, case, res) -> list[str]:
     env = res["env"]
-    head = (f"== {name}: batch {case['batch']}, context {case['context']}, bucket T,P = "
+    head = (f"== {name}: {case['batch']} sequences, {case.get('tokens', case['batch'])} tokens, "
+            f"context up to {case['context']}, bucket T,P = "
             f"{tuple(case['bucket'])}; {env['device']}, JAX {env['jax_version']}, "
             f"attention {env['attention']} ==")
     times = [f"synced {case['synced_ms']:.3f}", f"pipelined {case['pipelined_ms']:.3f}"]

@@ -17,15 +17,20 @@ PAGE = 16  # tokens per KV page, as the engine and the benchmarks use
 
 
 def workload(tiny: bool):
-    """Model shape and the two decode batches (batch, context)."""
+    """Model shape and the steps profiled, by name: decode batches (batch, context) and a mixed
+    step (prefill chunks of `chunk` tokens each, plus decode rows at a context)."""
     if tiny:
         model = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        return model, dict(b1=(1, 32), b64=(4, 64), gen=16, steps=(10, 20), dtype="float32")
+        return model, dict(b1=(1, 32), b64=(4, 64), b768=(8, 40), mixed=(2, 16, 6, 40),
+                           gen=16, steps=(10, 20), dtype="float32")
     model = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  max_position_embeddings=8192, rope_theta=500000.0)
-    return model, dict(b1=(1, 512), b64=(64, 1024), gen=256, steps=(30, 60), dtype="bfloat16")
+    # b768 and mixed: ShareGPT-like rows at high concurrency (mean context ~320), the mixed
+    # step as the offline run's: 8192 tokens of prefill chunks plus 512 decode rows.
+    return model, dict(b1=(1, 512), b64=(64, 1024), b768=(768, 320), mixed=(30, 256, 512, 320),
+                       gen=256, steps=(30, 60), dtype="bfloat16")
 
 
 def random_params(config, dtype, seed=0):
@@ -48,24 +53,45 @@ def random_params(config, dtype, seed=0):
     return jax.tree.unflatten(tree, out)
 
 
-def cases(w):
-    """name -> (batch, context, (T, P) bucket, first page of its page runs). Page tables are as
-    wide as the context plus `gen` tokens (the batch-1 one as in benchmarks/bench_serving.py)."""
+def cases(w, names=("b1", "b64")):
+    """name -> (seqs [(query tokens, context)], (T, P) bucket, first page of its page runs).
+    Page tables are as wide as the context plus `gen` tokens for b1/b64 (the batch-1 one as in
+    benchmarks/bench_serving.py) and plus 16 for the big steps (their pages must fit)."""
     from pallasite.serving.engine import MIN_TOKEN_BUCKET
-    (b1, ctx1), (b2, ctx2), ps = w["b1"], w["b64"], PAGE
-    p1, p2 = -(-(ctx1 + w["gen"]) // ps), -(-(ctx2 + w["gen"]) // ps)
-    t1 = max(b1, MIN_TOKEN_BUCKET)  # the engine pads a lone token to its smallest bucket
-    return {"b1": (b1, ctx1, (t1, p1), 1), "b64": (b2, ctx2, (b2, p2), 1 + p1)}
+    ps, out, first = PAGE, {}, 1
+    for name in names:
+        if name == "mixed":
+            n, chunk, rows, ctx = w["mixed"]
+            seqs = [(chunk, chunk)] * n + [(1, ctx)] * rows
+        else:
+            batch, ctx = w[name]
+            seqs = [(1, ctx)] * batch
+        pages = -(-(max(c for _, c in seqs) + (16 if name in ("b768", "mixed") else w["gen"]))
+                  // ps)
+        T = sum(q for q, _ in seqs)
+        T = max(T, MIN_TOKEN_BUCKET)  # the engine pads a lone token
+        if name == "mixed" and "b768" in out:  # its rows reuse b768's pages: the memory fits
+            out[name] = (seqs, (T, out["b768"][1][1]), out["b768"][2])
+            continue
+        out[name] = (seqs, (T, pages), first)
+        first += len(seqs) * pages
+    return out
 
 
-def make_engine(config, params, w):
-    """An engine whose buckets hold both decode batches and a one-step prefill of the batch-1
-    prompt (for the `Engine.step()` run)."""
+def make_engine(config, params, w, specs):
+    """An engine whose buckets hold every case and a one-step prefill of the batch-1 prompt
+    (for the `Engine.step()` run)."""
     from pallasite.serving.engine import Engine
-    (b1, ctx1, (_, p1), _), (b2, ctx2, (_, p2), _) = cases(w).values()
-    return Engine(config, params, num_pages=1 + p1 + b2 * p2 + 8, page_size=PAGE,
-                  max_num_seqs=b2, max_num_batched_tokens=ctx1, max_model_len=ctx2 + w["gen"],
-                  token_buckets=[b1, b2, ctx1], page_buckets=[p1, p2])
+    keys = [k for _, k, _ in specs.values()]
+    pages = max(f + len(s) * k[1] for s, k, f in specs.values())
+    ctx1 = w["b1"][1]
+    rows = max(len(s) for s, _, _ in specs.values())
+    ctx = max(c for s, _, _ in specs.values() for _, c in s)
+    return Engine(config, params, num_pages=pages + 8, page_size=PAGE, max_num_seqs=rows,
+                  max_num_batched_tokens=max([ctx1] + [T for T, _ in keys]),
+                  max_model_len=max(ctx + w["gen"], w["b64"][1] + w["gen"]),
+                  token_buckets=sorted({T for T, _ in keys} | {ctx1}),
+                  page_buckets=sorted({P for _, P in keys}))
 
 
 def compile_all(engine, keys, prefill_key, keep_graphs: bool):
@@ -100,29 +126,41 @@ def compile_all(engine, keys, prefill_key, keep_graphs: bool):
 
 
 def decode_inputs(engine, batch: int, ctx: int, key, first_page: int, seed=0):
-    """The packed int32 inputs of one decode step, laid out by the engine's `int_layout`: `batch`
-    sequences at context `ctx`, each on its own run of pages, its newest token read from the
-    device's `last_tokens` (as when the previous step's sample is not on the host yet)."""
+    """`batch` sequences decoding one token each at context `ctx` (`step_inputs`)."""
+    return step_inputs(engine, [(1, ctx)] * batch, key, first_page, seed)
+
+
+def step_inputs(engine, seqs, key, first_page: int, seed=0):
+    """The packed int32 inputs of one step, laid out by the engine's `int_layout`: sequence i of
+    `seqs` = [(query tokens, context)] on its own run of pages from `first_page`. A one-token
+    row decodes, its token read from the device's `last_tokens` (as when the previous step's
+    sample is not on the host yet); a longer one is a prefill chunk ending at its context."""
     from pallasite.serving import sampling
     from pallasite.serving.engine import int_layout
     T, P = key
-    S, ps, i = min(T, engine.max_num_seqs), engine.page_size, np.arange(batch)
+    S, ps, n = min(T, engine.max_num_seqs), engine.page_size, len(seqs)
+    q = np.array([a for a, _ in seqs])
+    ctx = np.array([c for _, c in seqs])
+    row = np.repeat(np.arange(n), q)  # the sequence of each token
+    pos = np.concatenate([np.arange(c - a, c) for a, c in seqs])
     table = np.zeros((S, P), np.int32)
-    table[:batch, :-(-ctx // ps)] = first_page + i[:, None] * P + np.arange(-(-ctx // ps))
-    pad = lambda n, v, fill: np.concatenate([v, np.full(n - len(v), fill)])
-    pos = ctx - 1
-    parts = dict(tokens=pad(T, np.random.default_rng(seed).integers(0, 100, batch), 0),
-                 positions=pad(T, np.full(batch, pos), 0),
-                 kv_slots=pad(T, table[:batch, pos // ps] * ps + pos % ps, -1),
-                 sources=pad(T, i, -1),
-                 query_start=pad(S + 1, np.arange(batch + 1), batch),
-                 context_lens=pad(S, np.full(batch, ctx), 0),
-                 logits_indices=pad(S, i, 0), page_table=table.ravel())
+    for i, c in enumerate(ctx):
+        table[i, :-(-c // ps)] = first_page + i * P + np.arange(-(-c // ps))
+    pad = lambda m, v, fill: np.concatenate([v, np.full(m - len(v), fill)])
+    decode = q[row] == 1
+    starts = np.concatenate([[0], np.cumsum(q)])
+    parts = dict(tokens=pad(T, np.random.default_rng(seed).integers(0, 100, len(row)), 0),
+                 positions=pad(T, pos, 0),
+                 kv_slots=pad(T, table[row, pos // ps] * ps + pos % ps, -1),
+                 sources=pad(T, np.where(decode, row, -1), -1),
+                 query_start=pad(S + 1, starts, starts[-1]),
+                 context_lens=pad(S, ctx, 0),
+                 logits_indices=pad(S, starts[1:] - 1, 0), page_table=table.ravel())
     layout = int_layout(T, S, P)
     assert list(parts) == list(layout), f"the engine's int layout changed: {list(layout)}"
     ints = np.concatenate([parts[k] for k in layout]).astype(np.int32)
-    floats, rows = sampling.pack_rows([dict(temperature=0.0)] * batch, S)
-    sample_ints = np.concatenate([pad(S, i, -1), rows.ravel()]).astype(np.int32)
+    floats, rows = sampling.pack_rows([dict(temperature=0.0)] * n, S)
+    sample_ints = np.concatenate([pad(S, np.arange(n), -1), rows.ravel()]).astype(np.int32)
     return ints, sample_ints, floats.ravel()
 
 
@@ -189,13 +227,13 @@ def engine_loop(engine, prompt_len: int, tokens: int) -> dict:
                 host_ms_per_step=engine.stats()["host_ms_per_step"])
 
 
-def step_bytes(params, config, batch, ctx) -> dict:
-    """What a decode step must read: the weights (the embedding table only through its
-    gathered rows, unless it is also the output projection) and the K/V of its contexts."""
+def step_bytes(params, config, tokens) -> dict:
+    """What a step must read: the weights (the embedding table only through its gathered rows,
+    unless it is also the output projection) and the K/V of its contexts (`tokens` in all)."""
     import jax
     layers = sum(x.nbytes for k, v in params.items() if k.startswith("layers_")
                  for x in jax.tree.leaves(v))
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
-        params["embed"].dtype.itemsize * batch * ctx
+        params["embed"].dtype.itemsize * tokens
     return dict(layer_weights=layers, lm_head=head.nbytes, kv=kv, total=layers + head.nbytes + kv)
