@@ -1,9 +1,10 @@
 """Giving back the KV pages a sliding window has left behind.
 
 A query at position p of a sliding layer with window W sees the keys at positions p - W < j <= p.
-The attention kernels start each block of queries at the page holding its first query's first
-visible key (`kernels/paged.py`, `kernels/ragged_jnp.py`), so a page wholly before
-`q - W + 1`, q the smallest query position of a sequence in a step, is never read in that step.
+The Pallas kernel starts each block of queries at the page holding its first query's first
+visible key (`kernels/paged.py`; tests/test_attention_features.py fills the pages before it with
+NaN), so a page wholly before `q - W + 1`, q the smallest query position of a sequence in a
+step, is never read in that step.
 A sequence's queries only move forward: a step's first query is its `num_computed` when the
 step is scheduled (a prefill chunk's first token, a decode token, or the newest token before
 the speculative proposals), and no later step starts earlier (speculation rolls back only the
@@ -22,9 +23,11 @@ that layer reads every page, so nothing is given back. A draft model shares the 
 tables, so it must slide on every layer too; its first query may trail the target's by one
 token (after a step that accepted every proposal), so the window grows by one.
 
-A sequence is admitted with pages for all its known tokens, as without a window, and gives the
-dead ones back as its chunks advance: the window bounds what a long generation holds, not what a
-long prompt needs at admission.
+Pages are taken as late as they are given back early: a sequence is admitted with pages for its
+first chunk only, and each later prefill chunk takes its own (`grow_for_chunk`), so a prompt
+holds about a window and a chunk of pages at any time, as a generation holds about a window.
+The pool must still hold `max_model_len` tokens (the scheduler checks), so a sequence alone
+always fits.
 """
 
 from __future__ import annotations
@@ -67,3 +70,21 @@ def drop_dead_pages(sched, seqs, slots: np.ndarray, computed: np.ndarray):
                                                      int(sched.dropped[slot]), end)
         sched.page_table[slot, sched.dropped[slot]:end] = 0
         sched.dropped[slot] = end
+
+
+def grow_for_chunk(sched, seq, want: int) -> int:
+    """Pages for the next `want` tokens of the prefilling `seq`, or for as many as the pool has
+    pages for; returns how many tokens its chunk takes (0: none this step). A chunk never
+    preempts. The oldest prefill takes all the budget left, and a sequence is admitted behind
+    it only when it reaches its prompt's end or leaves pages over, so at most one sequence is
+    ever short in mid-prompt: the newest, the first that a decode row short of pages preempts.
+    The pages it waits for come back as the others move on or end."""
+    pages, start = sched.pages, seq.num_computed
+    table = pages.tables[seq.request_id]
+    held = len(table)
+    want = min(want, (held + pages.num_available()) * pages.page_size - start)
+    if want <= 0 or not pages.grow(seq.request_id, start + want):
+        return 0
+    sched.page_table[seq.slot, held:len(table)] = table[held:]
+    sched.capacity[seq.slot] = len(table) * pages.page_size
+    return want

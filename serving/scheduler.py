@@ -213,10 +213,13 @@ class Scheduler:
         chunks, budget = [], self.budget - len(rows) - self.drafted
         for seq in prefilling:  # prefills under way, oldest first
             if budget > 0 and seq.status == RUNNING:
-                chunks.append(self._chunk(seq, budget))
-                budget -= chunks[-1].length
+                n = budget if self.window is None else kv_window.grow_for_chunk(
+                    self, seq, min(budget, seq.total_len - seq.num_computed))
+                if n:
+                    chunks.append(self._chunk(seq, n))
+                    budget -= n
         while (not preempted and budget > 0 and self.waiting
-               and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0])):
+               and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0], budget)):
             chunks.append(self._chunk(self.waiting.popleft(), budget))
             budget -= chunks[-1].length
         # Later steps may share the pages these chunks fill: the device runs steps in order,
@@ -292,9 +295,10 @@ class Scheduler:
         seq.num_pending += chunk.samples  # its sample reaches the host a step later
         return chunk
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, budget: int) -> bool:
         """Running state with cached prefix pages and pages for every known token, or nothing.
-        A sequence whose last sampled token is still on its way waits for it."""
+        A sequence whose last sampled token is still on its way waits for it. Under a window
+        on every layer, pages only for its first chunk: the next ones come as it advances."""
         if seq.num_pending:
             return False
         pages, tokens = self.pages, seq.tokens
@@ -304,8 +308,9 @@ class Scheduler:
         pages.drop(seq.request_id, 0, dead)  # shared pages its window has passed already
         # Keep a page per running sequence in reserve so admission does not force preemption.
         reserve = len(self.running) + 1 if self.running else 0
-        need = pages.pages_for(len(tokens)) - len(pages.table(seq.request_id))
-        if need + reserve > pages.num_available() or not pages.grow(seq.request_id, len(tokens)):
+        upto = len(tokens) if self.window is None else min(len(tokens), hit + budget)
+        need = pages.pages_for(upto) - len(pages.table(seq.request_id))
+        if need + reserve > pages.num_available() or not pages.grow(seq.request_id, upto):
             pages.free(seq.request_id)
             return False
         if not seq.ever_admitted:

@@ -18,10 +18,13 @@ from pallasite.serving.kv_window import first_live_page, freeable_window
 from pallasite.serving.llm import SamplingParams
 from pallasite.serving.scheduler import FINISHED, Scheduler, Sequence
 from pallasite.serving.speculative import SpeculativeConfig, Speculator, SpecState
+from test_scheduler import run_step
 from test_speculative import FakeEngine, RandomProposer, check_no_page_is_doubly_owned
 
 WINDOW, PAGE = 16, 4
 BOUND = -(-WINDOW // PAGE) + 1  # pages a decoding sequence needs: its window's, plus one it enters
+CHUNK = 16  # max_num_batched_tokens
+PREFILL_BOUND = -(-(WINDOW - 1 + CHUNK) // PAGE) + 1  # a chunk's tokens and its first's window
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -40,7 +43,7 @@ def mistral(tmp_path_factory):
     model.save_pretrained(path)
     config, params = load_hf(path, dtype=jnp.float32)
     engine = Engine(config, params, num_pages=40, page_size=PAGE, max_num_seqs=4,
-                    max_num_batched_tokens=16, max_model_len=128, token_buckets=[4, 16],
+                    max_num_batched_tokens=CHUNK, max_model_len=128, token_buckets=[4, 16],
                     page_buckets=[32])
     return model, engine
 
@@ -48,8 +51,10 @@ def mistral(tmp_path_factory):
 def run(engine, requests, abort=None):
     """requests: (id, prompt, max_tokens, arrival step). Checks the pool and the pages each
     decoding sequence holds after every step; `abort` = (id, step). Returns id -> outputs and
-    the most pages any decoding sequence held."""
+    the most pages any decoding sequence held; `run.most` holds the most pages any sequence held
+    and the most sequences running at once."""
     out, pending, step, most = {}, sorted(requests, key=lambda r: r[3]), 0, 0
+    run.most = (0, 0)
     while pending or engine.has_unfinished():
         while pending and pending[0][3] <= step:
             rid, prompt, n, _ = pending.pop(0)
@@ -62,6 +67,8 @@ def run(engine, requests, abort=None):
         for seq in engine.scheduler.running:
             if seq.num_computed > len(seq.prompt_ids):  # decoding, its prompt done
                 most = max(most, held(engine.pages, seq.request_id))
+            run.most = (max(run.most[0], held(engine.pages, seq.request_id)),
+                        max(run.most[1], len(engine.scheduler.running)))
         step += 1
         assert step < 1000
     return out, most
@@ -109,13 +116,15 @@ def test_freeing_changes_no_output_and_bounds_the_pages_held(mistral):
     assert got["long"] == ref[0, len(long):].tolist()
 
 
-def test_a_pool_too_small_for_the_full_lengths_serves_everyone_without_preempting(mistral):
+def test_a_pool_too_small_for_the_full_lengths_serves_everyone_at_once(mistral):
     _, engine = mistral
-    reqs = [(f"r{i}", p, 100, 0) for i, p in enumerate(prompts(4, 18, 26, seed=1))]
-    # 4 x (20 + 100) tokens = 120+ pages of 4 without freeing; the pool has 40.
+    reqs = [(f"r{i}", p, 60, 0) for i, p in enumerate(prompts(4, 60, 68, seed=1))]
+    # Each prompt alone needs 15+ pages of 4 at admission without freeing, each sequence 30 by
+    # its end; the pool has 40. Freeing, prompts take their pages chunk by chunk.
     before = engine.stats()["preemptions"]
     got, most = run(engine, reqs)
     assert engine.stats()["preemptions"] == before and most <= BOUND
+    assert run.most == (PREFILL_BOUND, 4)
     engine.scheduler.window = None
     try:
         want, _ = run(engine, reqs)
@@ -123,7 +132,7 @@ def test_a_pool_too_small_for_the_full_lengths_serves_everyone_without_preemptin
         engine.scheduler.window = WINDOW
     assert engine.stats()["preemptions"] > before  # without freeing the pool runs out
     got, want = tokens(got), tokens(want)
-    assert got == want and all(len(t) == 100 for t in got.values())
+    assert got == want and all(len(t) == 60 for t in got.values())
 
 
 def family_config(family, **overrides):
@@ -194,8 +203,8 @@ def test_speculative_rollback_preemption_and_aborts_never_lose_a_live_page(seed)
         spec.propose(chunks)
         for c in chunks:  # what the kernels read this step is still there
             table = pages.tables[c.seq.request_id]
-            first = int(first_live_page(c.start, 10, PAGE))
-            assert DROPPED not in table[first:pages.pages_for(c.start + c.length)]
+            first, end = int(first_live_page(c.start, 10, PAGE)), pages.pages_for(c.start + c.length)
+            assert len(table) >= end and DROPPED not in table[first:end]
             if c.samples and c.seq.status != FINISHED:
                 a = rng.randint(0, len(c.seq.draft))
                 rows = [[t] for t in c.seq.draft[:a]] + [[8]] * 5
@@ -208,3 +217,30 @@ def test_speculative_rollback_preemption_and_aborts_never_lose_a_live_page(seed)
         sched.finish(seq)
     pages.check()
     assert pages.stats()["pages_used"] == 0 and not pages.tables
+
+
+def test_prompts_take_pages_chunk_by_chunk_and_a_tight_pool_still_finishes_everyone():
+    """Six prompts of 20 to 40 tokens generating to 48 in a pool of 12 pages (48 tokens): as
+    many run at once as the window lets, each chunk finds its pages, and every sequence ends."""
+    pages = KVPages(12, PAGE)
+    sched = Scheduler(pages, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=48,
+                      window=8)
+    rng = random.Random(0)
+    seqs = []
+    for i in range(6):
+        n = rng.randint(20, 40)
+        seqs.append(Sequence(f"s{i}", list(range(n)), None))
+        seqs[-1].max_output = 48 - n
+        sched.add(seqs[-1])
+    chunks, steps, most = [], 0, 0
+    while any(s.status != FINISHED for s in seqs):
+        chunks = run_step(sched, chunks)
+        most = max(most, len(sched.running))
+        for c in chunks:
+            table = pages.tables[c.seq.request_id]
+            first, end = int(first_live_page(c.start, 8, PAGE)), pages.pages_for(c.start + c.length)
+            assert len(table) >= end and DROPPED not in table[first:end]
+            assert sum(p != DROPPED for p in table) <= -(-(8 - 1 + 8) // PAGE) + 1
+        steps += 1
+        assert steps < 1000
+    assert most >= 3 and pages.stats()["pages_used"] == 0
