@@ -244,3 +244,23 @@ def test_prompts_take_pages_chunk_by_chunk_and_a_tight_pool_still_finishes_every
         steps += 1
         assert steps < 1000
     assert most >= 3 and pages.stats()["pages_used"] == 0
+
+
+def test_a_draft_model_on_the_same_pages_speculates_past_the_window(mistral):
+    """The model as its own draft: every proposal is accepted, so the draft trails the target
+    by a token after each step, and the pages stay those its window (plus that token) needs."""
+    model, plain = mistral
+    reqs = [(f"d{i}", p, 50, 0) for i, p in enumerate(prompts(2, 20, 30, seed=2))]
+    want, _ = run(plain, reqs)
+    engine = Engine(plain.config, plain.params, num_pages=40, page_size=PAGE, max_num_seqs=4,
+                    max_num_batched_tokens=CHUNK, max_model_len=128, token_buckets=[4, 16],
+                    page_buckets=[32], draft=(plain.config, plain.params),
+                    speculative_config={"method": "draft_model", "model": "self",
+                                        "num_speculative_tokens": 3})
+    assert engine.scheduler.window == WINDOW + 1
+    got, most = run(engine, reqs)
+    assert tokens(got) == tokens(want)
+    stats = engine.stats()  # the draft computes what the target does: it is never wrong
+    assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 50
+    assert stats["window_pages_freed"] > 10
+    assert most <= -(-(WINDOW + 3) // PAGE) + 1
