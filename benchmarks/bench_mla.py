@@ -1,17 +1,19 @@
 """GPU benchmark of the MLA decode kernel (`kernels/mla_decode.py`) at DeepSeek-V3's shapes.
 
-  python -m benchmarks.bench_mla --out DIR          (~1-2 minutes on an H100)
+  python -m benchmarks.bench_mla --out DIR          (~2 minutes on an H100)
   python -m benchmarks.bench_mla --out DIR --smoke  (tiny shapes in the interpreter, any machine)
 
 Batch 64, context 4096, 128 query heads, kv_lora_rank 512, RoPE 64, bf16 pages of 64 tokens
-shuffled over the page tables. Each tile shape in a small sweep is first checked against the
+shuffled over the page tables. Each tile shape in a small sweep whose estimated shared memory
+fits (`mla_decode.smem_bytes`; the others are listed as skipped) is first checked against the
 jnp reference on fresh random inputs (device memory filled with NaN before each call), then
 timed: the median GPU time of its kernels (profiler trace, L2 flushed before each call;
 `benchmarks/common.device_ms`) after warm-up. Bandwidth counts the latent bytes read once
 (latent + RoPE key per token); the baseline is a device copy of those same bytes timed the same
 way in the same run (bytes read + written), and the jnp absorbed decode (the reference) is
 timed too. Writes DIR/mla_decode.json (`kernel: "mla_decode"`, the best shape) and prints a
-table. Target: >= 80% of the copy's bandwidth.
+table with the best shape and the `kernels.mla_decode_blocks` default it implies. Target:
+>= 80% of the copy's bandwidth.
 """
 
 from __future__ import annotations
@@ -25,13 +27,22 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common
+from pallasite import kernels
 from pallasite.kernels import mla_decode as M
 
 SHAPE = dict(batch=64, context=4096, heads=128, kv_lora_rank=512, rope=64, page_size=64)
 SMOKE_SHAPE = dict(batch=2, context=40, heads=16, kv_lora_rank=32, rope=16, page_size=8)
-# (block_h, pages_per_block, num_warps, num_stages) per run; the first is the library default.
-SWEEP = [(32, 1, 4, 2), (16, 1, 4, 2), (32, 1, 8, 2), (64, 1, 8, 2), (32, 1, 4, 3),
-         (16, 2, 4, 2)]
+# (block_h, block_k tokens, num_warps, num_stages, v_parts) per run; the first is the library
+# default (`kernels.mla_decode_blocks`), the second the previous one. With the page-table read
+# taking stages of its own, tiles overlap the MMAs only from 5 stages on (3 buffers); 64-token
+# tiles then exceed shared memory, so the sweep is mostly over 32- and 16-token tiles. With 8
+# warps both warpgroups compute the same scores (Triton puts a chained dot's warps on its
+# rows); v_parts 2 instead gives each of two 4-warp programs half the output columns.
+SWEEP = [(64, 32, 8, 5, 1), (32, 64, 4, 2, 1), (64, 64, 8, 2, 1), (64, 32, 8, 3, 1),
+         (64, 32, 8, 4, 1), (64, 32, 8, 6, 1), (64, 16, 8, 5, 1), (64, 16, 8, 7, 1),
+         (64, 32, 4, 5, 2), (64, 16, 4, 5, 2), (64, 64, 4, 2, 2)]
+TILE = ("block_h", "block_k", "num_warps", "num_stages", "v_parts")
+SMEM_LIMIT = 232448  # bytes a Hopper block may opt into
 
 
 def inputs(key, batch, context, heads, kv_lora_rank, rope, page_size, dtype=jnp.bfloat16):
@@ -67,11 +78,20 @@ def main():
           f"them {copy_ms:.3f} ms = {copy_tbps:.2f} TB/s (read + written); jnp reference "
           f"{ref_ms:.3f} ms", flush=True)
     runs = []
-    for block_h, ppb, warps, stages in SWEEP[:2] if args.smoke else SWEEP:
-        kw = dict(sm_scale=sm_scale, block_h=block_h, pages_per_block=ppb, num_warps=warps,
-                  num_stages=stages, interpret=args.smoke)
+    assert kernels.mla_decode_blocks(SHAPE["heads"]) == dict(zip(TILE, SWEEP[0])), \
+        "SWEEP[0] is the library default"
+    runs = []
+    for tile in SWEEP[:2] + SWEEP[-1:] if args.smoke else SWEEP:
+        row = dict(zip(TILE, tile))
+        row["smem"] = M.smem_bytes(row["block_h"], row["block_k"], shape["kv_lora_rank"],
+                                   shape["rope"], row["num_stages"])
+        if row["smem"] > SMEM_LIMIT:
+            row.update(ok=None, error=f"skipped: ~{row['smem']} bytes of shared memory")
+            runs.append(row)
+            print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            continue
+        kw = dict(sm_scale=sm_scale, interpret=args.smoke, **dict(zip(TILE, tile)))
         fn = jax.jit(lambda *a, kw=kw: M.mla_decode(*a, **kw))
-        row = dict(block_h=block_h, pages_per_block=ppb, num_warps=warps, num_stages=stages)
         try:
             if not args.smoke:
                 common.poison()
@@ -98,18 +118,25 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "mla_decode.json").write_text(json.dumps(record, indent=1))
     print()
-    print("| mla_decode B=64 ctx 4k, 128 heads, 512+64 | ms | TB/s | of copy | rel err |")
-    print("|---|---|---|---|---|")
+    print("| mla_decode B=64 ctx 4k, 128 heads, 512+64 | smem KiB | ms | TB/s | of copy "
+          "| rel err |")
+    print("|---|---|---|---|---|---|")
     for r in runs:
-        name = f"block_h {r['block_h']}, {r['pages_per_block']} page(s), {r['num_warps']}w/" \
-               f"{r['num_stages']}s"
+        name = f"block_h {r['block_h']}, {r['block_k']} keys, {r['num_warps']}w/" \
+               f"{r['num_stages']}s" + (f", {r['v_parts']} parts" if r["v_parts"] > 1 else "")
         if "ms" in r:
-            print(f"| {name} | {r['ms']:.3f} | {r['tbps']:.2f} | "
+            print(f"| {name} | {r['smem'] // 1024} | {r['ms']:.3f} | {r['tbps']:.2f} | "
                   f"{100 * r['frac_of_copy_bw']:.0f}% | {r['rel_err']:.1e} |")
         else:
-            print(f"| {name} | failed: {r.get('error', r.get('rel_err'))} | | | |")
-    print(f"| copy of the latent bytes | {copy_ms:.3f} | {copy_tbps:.2f} | 100% | |")
-    print(f"| jnp reference | {ref_ms:.3f} | {lat_bytes / max(ref_ms, 1e-9) / 1e9:.2f} | | |")
+            print(f"| {name} | {r['smem'] // 1024} | {r.get('error', r.get('rel_err'))} "
+                  f"| | | |")
+    print(f"| copy of the latent bytes | | {copy_ms:.3f} | {copy_tbps:.2f} | 100% | |")
+    print(f"| jnp reference | | {ref_ms:.3f} | {lat_bytes / max(ref_ms, 1e-9) / 1e9:.2f} | | |")
+    if best:
+        blocks = ", ".join(f"{k}={best[k]}" for k in TILE)
+        print(f"best: {best['ms']:.3f} ms, {100 * best['frac_of_copy_bw']:.0f}% of copy -> "
+              f"kernels.mla_decode_blocks(>= 64 heads) = dict({blocks})"
+              f"{'' if best is runs[0] else ' (not the current default)'}")
     print(f"{record['seconds']:.0f} s")
     if best is None or any(r.get("ok") is False and "error" not in r for r in runs):
         raise SystemExit("the kernel disagreed with the reference (or no shape ran)")

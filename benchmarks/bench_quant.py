@@ -2,13 +2,14 @@
 
     python -m benchmarks.bench_quant --out DIR          # H100: about 4 minutes
     python -m benchmarks.bench_quant --out DIR --tiny   # CPU dry run of every part
+    python -m benchmarks.bench_quant --out DIR --parts prefill_matmul,prefill --w8a8 xla,pallas
 
 1. `matmul`: the W8A16 Pallas kernel vs the bf16 product (jnp) at the 8B layer shapes for
    M = 1..16 rows, each checked first against its jnp reference on fresh inputs (freed memory
    poisoned); kernel time from a profiler trace with the L2 flushed (benchmarks/common.py), and
    the fraction of the copy bandwidth in FP8 bytes; XLA's dequantize-then-dot beside it.
-2. `prefill_matmul`: W8A8 (XLA's FP8 dot, per-token activation scales included) vs the bf16
-   product and W8A16 at M = 2048.
+2. `prefill_matmul`: W8A8 (XLA's FP8 dot or, with --w8a8, each kernel named; per-token
+   activation scales included) vs the bf16 product and W8A16 at M = 2048.
 3. `prefill`: a 2048-token prompt through the whole model (`forward_logits`), FP8 weights
    (the W8A8 path) vs bf16, tokens/s.
 4. `batch1`: batch-1 decode through `LLM.stream`, FP8 weights vs bf16: median time per token,
@@ -145,6 +146,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU dry run)")
     p.add_argument("--parts", default="matmul,prefill_matmul,prefill,batch1")
+    p.add_argument("--w8a8", default=None,
+                   help="comma-separated W8A8 kernels (kernels.W8A8_IMPLS: xla, pallas) to run "
+                        "the prefill parts with, one after another; default: the routing's own")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
     tiny = args.tiny
@@ -158,15 +162,25 @@ def main(argv=None):
     t0 = time.time()
     if "matmul" in parts:
         records += bench_matmuls([1, 2, 4, 8, 16], bw, tiny, "decode")
-    if "prefill_matmul" in parts:
-        records += bench_matmuls([64 if tiny else 2048], bw, tiny, "prefill")
+    impls = args.w8a8.split(",") if args.w8a8 else [None]
     config = config_from_dict(TINY if tiny else LLAMA3_8B)
     if parts & {"prefill", "batch1"}:
         params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()  # made on the device
         qparams = quant.quantize_params(params)
-    if "prefill" in parts:
-        records.append(bench_prefill(config, params, qparams, 64 if tiny else 2048))
-        print(f"  prefill: {records[-1]}", flush=True)
+    before = os.environ.get("PALLASITE_W8A8_IMPL")
+    for impl in impls:  # each traced anew, so the variable reaches quant_matmul
+        if impl is not None:
+            os.environ["PALLASITE_W8A8_IMPL"] = impl
+        tag = lambda recs: [r | dict(w8a8_impl=impl or before or "xla") for r in recs]
+        if "prefill_matmul" in parts:
+            records += tag(bench_matmuls([64 if tiny else 2048], bw, tiny, "prefill"))
+        if "prefill" in parts:
+            records += tag([bench_prefill(config, params, qparams, 64 if tiny else 2048)])
+            print(f"  prefill: {records[-1]}", flush=True)
+    if before is None:
+        os.environ.pop("PALLASITE_W8A8_IMPL", None)
+    else:
+        os.environ["PALLASITE_W8A8_IMPL"] = before
     if "batch1" in parts:
         prompt_len, new = (16, 16) if tiny else (128, 128)
         context = prompt_len + new // 2
@@ -192,13 +206,14 @@ def main(argv=None):
         if r["mode"] in ("matmul", "prefill_matmul"):
             note = (f"{r['frac_of_copy_bw']:.0%} of copy bw; XLA W8A16 {r['xla_w8a16_us']:.1f} us"
                     if r["mode"] == "matmul" else
-                    f"{r['fp8_tflops']:.0f} vs {r['bf16_tflops']:.0f} TFLOP/s; "
-                    f"W8A16 {r['w8a16_us']:.0f} us")
+                    f"{r['w8a8_impl']}: {r['fp8_tflops']:.0f} vs {r['bf16_tflops']:.0f} "
+                    f"TFLOP/s; W8A16 {r['w8a16_us']:.0f} us")
             lines.append(f"| {r['mode']} | {r['shape']} | {r['m']} | {r['fp8_us']:.1f} us | "
                          f"{r['bf16_us']:.1f} us | {r['speedup_vs_bf16']:.2f} | {note} |")
         elif r["mode"] == "prefill":
             lines.append(f"| prefill | 8B model | {r['tokens']} | {r['fp8_tok_per_s']:.0f} tok/s | "
-                         f"{r['bf16_tok_per_s']:.0f} tok/s | {r['speedup_vs_bf16']:.2f} | |")
+                         f"{r['bf16_tok_per_s']:.0f} tok/s | {r['speedup_vs_bf16']:.2f} | "
+                         f"W8A8 {r['w8a8_impl']} |")
         else:
             lines.append(f"| batch1 | 8B model | 1 | {r['fp8_ms']:.2f} ms | {r['bf16_ms']:.2f} ms | "
                          f"{r['speedup_vs_bf16']:.2f} | {r['frac_of_fp8_roofline']:.0%} of the "

@@ -119,6 +119,14 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
                                  interpret=interpret, **{k: opts[k] for k in used}, **kw)
 
 
+def _paged_params(name, q, k_pages):
+    """The tuning entry of a paged call: float8 pages have their own decode tiles."""
+    if k_pages.dtype != jax.numpy.float8_e4m3fn or name != "decode":
+        return name
+    wide = q.shape[1] // k_pages.shape[0] > tuning.FP8_FMA_MAX_GROUP
+    return "decode_fp8_mma" if wide else "decode_fp8"
+
+
 def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
     """Key tiles a query block of `span` tokens reads at most: the page table's, or with a
     sliding window the pages that window (and the block) can reach."""
@@ -176,7 +184,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
             q, k_pages, v_pages, context_lens, page_table, sm_scale=sm_scale,
             interpret=interpret, **opts, **_mosaic_decode_params(q, k_pages, page_table, blocks))
     from . import paged
-    kw = tuning.params("decode", k_pages.shape[2]) | blocks
+    kw = tuning.params(_paged_params("decode", q, k_pages), k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window)
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -215,10 +223,12 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
     mixed = T > 2 * S
-    kw = tuning.params("ragged" if mixed else "decode", k_pages.shape[2]) | blocks
+    kw = tuning.params(_paged_params("ragged" if mixed else "decode", q, k_pages),
+                       k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         group = q.shape[1] // k_pages.shape[0]
-        rows = max(kw["block_rows"], 16, group)
+        rows = paged.rows_per_block(kw["block_rows"], group, kw.get("fp8_dot", "q"),
+                                    k_pages.dtype == jax.numpy.float8_e4m3fn)
         blocks_needed = max(-(-T * group // rows), S)
         tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
                            T if mixed else 1)
@@ -239,14 +249,29 @@ def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_le
         return mla_decode.ragged_mla_reference(q_lat, q_pe, latent_pages, rope_pages,
                                                query_start, context_lens, page_table,
                                                sm_scale=sm_scale)
-    T, H = q_lat.shape[:2]
+    T, H, L = q_lat.shape
     lens, table = mla_decode.token_rows(query_start, context_lens, page_table, T)
-    kw = dict(block_h=min(32, max(16, pl_next_power_of_2(H)))) | blocks
+    kw = mla_decode_blocks(H) | blocks
     if "num_splits" not in kw:
-        tiles = -(-table.shape[1] // kw.get("pages_per_block", 1))
-        kw["num_splits"] = tuning.num_splits(T * -(-H // kw["block_h"]), tiles)
+        # A split's partial ([H, L] float32, written and read back) must stay small against the
+        # keys it reads (<= 1/8 of them: >= ~3600 keys a split at DeepSeek-V3's 128 heads).
+        page_size = latent_pages.shape[2]
+        keys = table.shape[1] * page_size
+        key_bytes = (L + q_pe.shape[-1]) * latent_pages.dtype.itemsize
+        by_bytes = max(1, keys * key_bytes // (8 * 8 * H * L))
+        tiles = -(-keys // (kw.get("block_k") or page_size))
+        kw["num_splits"] = min(by_bytes, tuning.num_splits(T * -(-H // kw["block_h"]), tiles))
     return mla_decode.mla_decode(q_lat, q_pe, latent_pages, rope_pages, lens, table,
                                  sm_scale=sm_scale, interpret=interpret, **kw)
+
+
+def mla_decode_blocks(num_heads: int) -> dict:
+    """The MLA decode kernel's tiles for `num_heads` query heads (H100, `benchmarks/bench_mla`):
+    64-head blocks over two warpgroups when there are that many, 32-token key tiles, 5 stages."""
+    if num_heads >= 64:
+        return dict(block_h=64, block_k=32, num_warps=8, num_stages=5, v_parts=1)
+    return dict(block_h=max(16, pl_next_power_of_2(num_heads)), block_k=32, num_warps=4,
+                num_stages=5, v_parts=1)
 
 
 def pl_next_power_of_2(n: int) -> int:
@@ -359,13 +384,57 @@ def quant_mode(x, q, zero=None, mode=None) -> str:
     return "w8a8"
 
 
-def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, interpret=False, **blocks):
+W8A8_IMPLS = ("xla", "pallas", "mosaic")
+
+
+def w8a8_impl(x, q, scale, impl=None, *, layout: str = "kn", interpret=False, **blocks) -> str:
+    """"xla" (cuBLASLt's FP8 GEMM through XLA's dot, `quant_reference.w8a8_matmul`), "pallas"
+    (the Triton kernel, `w8a8_matmul.py`) or "mosaic" (the Mosaic GPU kernel, Hopper, weights
+    stored [N, K] only, `w8a8_mgpu.py`) for a W8A8 call. None: "xla" (the default until the GPU
+    comparison, `benchmarks/bench_w8a8.py`, says otherwise); `PALLASITE_W8A8_IMPL` overrides.
+    A call the chosen kernel cannot take runs on XLA (said once, with the reason)."""
+    impl = impl or os.environ.get("PALLASITE_W8A8_IMPL") or "xla"
+    if impl not in W8A8_IMPLS:
+        raise ValueError(f"W8A8 impl {impl!r} is not one of {W8A8_IMPLS}")
+    if impl == "xla":
+        return impl
+    from . import w8a8_matmul as wt, w8a8_mgpu as wmg
+    k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
+    if jax.default_backend() != "gpu" and not interpret:
+        why = f"{jax.default_backend()} backend, not interpret mode"
+    elif impl == "mosaic":
+        why = ("weights stored [K, N] (it reads [N, K])" if layout != "nk" else
+               "not a Hopper GPU" if jax.default_backend() == "gpu" and not _is_hopper() else
+               wmg.supported(x.shape[0], k, n, scale.shape[0], **blocks))
+    else:
+        why = wt.supported(x.shape[0], k, n, scale.shape[0],
+                           **(wt.blocks_for(x.shape[0], k, n) | blocks))
+    if why:  # a call's shape or this backend
+        _say_once(f"the {impl} W8A8 kernel cannot take a {k}x{n} weight with "
+                  f"{scale.shape[0]} scale rows ({why}): XLA's FP8 dot runs it")
+        return "xla"
+    return impl
+
+
+def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
+                 layout: str = "kn", interpret=False, **blocks):
     """x [M, K] times quantized weights q [K, N] with float32 scale [G, N] (and zero) ->
     [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
-    reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`)."""
+    reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`) or the
+    Pallas kernels (`w8a8_matmul.py`, `w8a8_mgpu.py`), as `w8a8` (or `PALLASITE_W8A8_IMPL`)
+    picks (`w8a8_impl`). `layout="nk"` (W8A8 only): q is stored transposed, [N, K]."""
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
-        return qr.w8a8_matmul(x, q, scale)
+        impl = w8a8_impl(x, q, scale, w8a8, layout=layout, interpret=interpret, **blocks)
+        if impl == "pallas":
+            from . import w8a8_matmul as wm
+            return wm.w8a8_matmul(x, q, scale, layout=layout, interpret=interpret, **blocks)
+        if impl == "mosaic":
+            from . import w8a8_mgpu
+            return w8a8_mgpu.w8a8_matmul(x, q, scale, interpret=interpret, **blocks)
+        return qr.w8a8_matmul(x, q, scale, layout=layout)
+    if layout != "kn":
+        raise ValueError(f"W8A16 takes weights stored [K, N] (layout 'kn'), not {layout!r}")
     # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
     old_gpu = q.dtype == jax.numpy.float8_e4m3fn and not interpret and not has_fp8_tensor_cores()
     if not _use_pallas(impl, interpret) or old_gpu:

@@ -39,9 +39,10 @@ from .reference import NEG_INF
 LOG2E = math.log2(math.e)
 
 
-def online_softmax_step(s, mask, v, carry):
+def online_softmax_step(s, mask, v, carry, pv=None):
     """One K/V tile of flash attention. s [R, BK] base-2 logits, mask [R, BK] or None,
-    v [BK, D]; carry (o [R, D], m [R], l [R]) float32, o unnormalized."""
+    v [BK, D]; carry (o [R, D], m [R], l [R]) float32, o unnormalized. `pv(p, v)` -> [R, D]
+    float32 replaces the tensor-core P V (p float32)."""
     o, m, l = carry
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
@@ -51,7 +52,8 @@ def online_softmax_step(s, mask, v, carry):
     if mask is not None:  # a row with no key yet has m_new == NEG_INF: keep its p at zero
         p = jnp.where(mask, p, 0.0)
     l = alpha * l + jnp.sum(p, axis=1)
-    o = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+    pv = pv or (lambda p, v: plgpu.dot(p.astype(v.dtype), v))
+    o = alpha[:, None] * o + pv(p, v)
     return o, m_new, l
 
 

@@ -79,31 +79,50 @@ def supported(q, k, *, causal, segment_ids=None, block_q=64, block_kv=128) -> st
     return None
 
 
-def _tiles(T, H, B, block_q, causal, num_ctas):
+def _tiles(T, H, B, block_q, causal, num_ctas, band):
     """Work list of one CTA: its i-th tile, in snake order over rounds of `num_ctas` tiles so
-    that the heaviest causal tiles go first and the load evens out. Returns `locate(cta, i)`
-    -> (valid, b, h, q tile) and the number of rounds."""
+    that the heaviest causal tiles go first and the load evens out. The heads run in bands of
+    `band` query heads (whole GQA groups), one band after the other, so that the K/V the CTAs
+    read at one time stays within L2. Returns `locate(cta, i)` -> (valid, b, h, q tile) and the
+    number of rounds."""
     q_tiles = T // (CONSUMERS * block_q)
-    total = q_tiles * H * B
+    total, per_band = q_tiles * H * B, q_tiles * band * B
 
     def locate(cta, i):
         w = i * num_ctas + jnp.where(lax.rem(i, 2) == 0, cta, num_ctas - 1 - cta)
-        level, r = lax.div(w, H * B), lax.rem(w, H * B)
+        first, w_in = lax.div(w, per_band) * band, lax.rem(w, per_band)
+        level, r = lax.div(w_in, band * B), lax.rem(w_in, band * B)
         tile = q_tiles - 1 - level if causal else level
-        return w < total, lax.div(r, H), lax.rem(r, H), tile
+        return w < total, lax.div(r, band), first + lax.rem(r, band), tile
 
     return locate, pl.cdiv(total, num_ctas)
 
 
+# K/V a band of full (non-causal) attention may read at once. Measured on the H100 at 16k
+# tokens (benchmarks/sweep_flash_band.py): full attention runs 690 TFLOP/s in bands of 16 MB
+# against 672 with every head at once; causal runs best with every head at once (691 against
+# 679 in 32 MB bands and 585 in 8 MB), its CTAs spread over key ranges of every length anyway.
+L2_KV_BYTES = 16 << 20
+
+
+def band_kv_heads(B, S, KV, D, itemsize, causal=False, budget=L2_KV_BYTES) -> int:
+    """The most KV heads (a divisor of KV) whose K/V over the batch fits `budget`; every head
+    for causal attention."""
+    per_head = 2 * B * S * D * itemsize
+    if causal:
+        return KV
+    return max([n for n in range(1, KV + 1) if KV % n == 0 and n * per_head <= budget] or [1])
+
+
 def _kernel(q_ref, k_ref, v_ref, o_ref, scratch, *, causal, scale, block_q, block_kv,
-            num_stages, group, num_ctas, overlap, late_sum, interpret):
+            num_stages, group, num_ctas, band, overlap, late_sum, interpret):
     (q_smem, o_smem, k_smem, v_smem), (k_full, v_full, q_full), (k_free, v_free), \
         (sched, turn) = scratch
     B, T, H, _ = q_ref.shape
     S = k_ref.shape[1]
     offset = S - T  # query row r sees keys <= r + offset
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-    locate, rounds = _tiles(T, H, B, block_q, causal, num_ctas)
+    locate, rounds = _tiles(T, H, B, block_q, causal, num_ctas, band)
 
     def cta_steps(tile):  # key tiles the CTA's 2 * block_q rows need
         if causal:
@@ -439,16 +458,17 @@ def wgmma_qk_pv(acc, p, q_smem, k_tile, v_tile, before, after_issue, then, like,
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_kv",
-                                             "num_stages", "num_ctas", "overlap", "late_sum",
-                                             "profile_dir", "interpret"))
+                                             "num_stages", "num_ctas", "band_kv", "overlap",
+                                             "late_sum", "profile_dir", "interpret"))
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv=128,
-                    num_stages=2, num_ctas=None, overlap=False, late_sum=True,
+                    num_stages=2, num_ctas=None, band_kv=None, overlap=False, late_sum=True,
                     profile_dir=None, interpret=False):
     """`num_ctas` persistent CTAs (None: one per SM) loop over the query tiles; with as many
     CTAs as tiles each runs one, as a plain grid would. `profile_dir` (GPU) writes a trace of
     each warpgroup's named phases there (`profiling/profile_flash.py` reads it). `overlap`
     software-pipelines each consumer (`_overlapped_loop`); measured no faster on the H100, off.
-    `late_sum` (staggered loop) takes P's row sums while P V runs: 1.6% faster causal."""
+    `late_sum` (staggered loop) takes P's row sums while P V runs: 1.6% faster causal.
+    `band_kv`: KV heads whose work runs together (None: `band_kv_heads`)."""
     why = supported(q, k, causal=causal, block_q=block_q, block_kv=block_kv)
     if why:
         raise ValueError(f"flash_mgpu cannot take this call: {why}")
@@ -458,6 +478,9 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     num_stages = max(1, min(num_stages, S // block_kv))
     tiles = B * H * T // (CONSUMERS * block_q)
     num_ctas = min(num_ctas or sm_count(), tiles)
+    band_kv = band_kv or band_kv_heads(B, S, KV, D, q.dtype.itemsize, causal)
+    if KV % band_kv:
+        raise ValueError(f"band_kv={band_kv} must divide the {KV} KV heads")
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=(
         plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -471,8 +494,8 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=64, block_kv
     ]
     body = functools.partial(_kernel, causal=causal, scale=scale, block_q=block_q,
                              block_kv=block_kv, num_stages=num_stages, group=H // KV,
-                             num_ctas=num_ctas, overlap=overlap, late_sum=late_sum,
-                             interpret=interpret)
+                             num_ctas=num_ctas, band=band_kv * (H // KV), overlap=overlap,
+                             late_sum=late_sum, interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, o_ref, s), *scratch,

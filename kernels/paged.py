@@ -26,8 +26,24 @@ in a split's share, so they are never read and hold anything. The tiles that the
 crosses run masked (and no V rows are zeroed there: those keys are real, if old).
 `logit_softcap` and `sinks` as in `flash.py`; with splits, split 0 carries the sink.
 Quantized pages (float8_e4m3fn) come with per-KV-head float32 `k_scale`/`v_scale`: a program
-owns one kv head, so K's scale joins the score scale and V's multiplies the output once;
-the tiles are converted to q's dtype on load.
+owns one kv head, so K's scale joins the score scale (one multiply of the score tile, which
+the softmax scale needs anyway) and V's multiplies the output once; no K or V tile is ever
+scaled. `fp8_dot` says how float8 tiles meet q:
+- "q": converted to q's dtype (bf16) for the tensor cores. e4m3 -> bf16 has no instruction of
+  its own on sm_90 (it goes through f16 and f32 there), and the converted tile goes back through
+  shared memory for the MMA.
+- "f16": converted to f16 (one `cvt.rn.f16x2.e4m3x2` per two values on sm_89+), q and P in
+  f16 too, so the MMAs run in f16 with float32 accumulation. f16 holds q (|q| < 65504) and P
+  (in [0, 1]) with more mantissa than bf16.
+- "fma": no MMA: q K^T and P V as float32 products and sums on the CUDA cores, the tiles
+  converted e4m3 -> f16 -> f32 in registers as loaded. A decode program has only G = H / KV
+  live rows (4 for Llama-3-8B), which the MMAs pad to 16 or 64; here `block_rows` may be as
+  small as G, so no padded row is computed. Keep tiles small (product [rows, keys, D] lives in
+  registers): rows * block_k * D / (32 * num_warps) values a thread.
+- "fma_rows": the same products one row at a time, as 2-D [keys, D] operations on the tiles
+  as loaded (q's row broadcast over the keys, P's row over D), so the big tiles keep the layout
+  of their loads and only [rows, keys] and [rows, D] values change layout; rows passes a tile.
+Bfloat16 pages ignore `fp8_dot`.
 
 Limits: page_size, block_rows and pages_per_block are powers of two, head_dim too; element
 offsets must fit int32 (KV * num_pages * page_size * D and T * H * D < 2**31).
@@ -82,8 +98,44 @@ def _gather(*idx):
     return tuple(jnp.broadcast_to(i, shape) for i in idx)
 
 
+FP8_DOTS = ("q", "f16", "fma", "fma_rows")
+
+
+def rows_per_block(block_rows, group, fp8_dot="q", float8=False):
+    """The query rows of a program: MMAs take 16 at least; the float8 "fma" path G at least."""
+    least = 1 if float8 and fp8_dot.startswith("fma") else 16
+    return max(block_rows, least, pl.next_power_of_2(group))
+
+
+def _fma_scores(q, k, scale, softcap, by_row=False):
+    """`flash.scores` on the CUDA cores: q [R, D], k [BK, D] float32."""
+    if by_row:
+        r = jnp.arange(q.shape[0])[:, None]
+        s = jnp.zeros((q.shape[0], k.shape[0]), jnp.float32)
+        for g in range(q.shape[0]):
+            q_g = jnp.sum(jnp.where(r == g, q, 0.0), axis=0)
+            s = jnp.where(r == g, jnp.sum(k * q_g[None, :], axis=1)[None, :], s)
+    else:
+        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)
+    if softcap is None:
+        return s * (scale * LOG2E)
+    return (softcap * LOG2E) * jnp.tanh(s * (scale / softcap))
+
+
+def _fma_pv(p, v, by_row=False):
+    """P V on the CUDA cores: p [R, BK], v [BK, D] float32."""
+    if not by_row:
+        return jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+    r = jnp.arange(p.shape[0])[:, None]
+    o = jnp.zeros((p.shape[0], v.shape[1]), jnp.float32)
+    for g in range(p.shape[0]):
+        p_g = jnp.sum(jnp.where(r == g, p, 0.0), axis=0)
+        o = jnp.where(r == g, jnp.sum(p_g[:, None] * v, axis=0)[None, :], o)
+    return o
+
+
 def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, pages_per_seq,
-            num_splits, prefetch_pages, decode, window, softcap):
+            num_splits, prefetch_pages, decode, window, softcap, fp8_dot):
     if decode:  # block b is sequence b's one token: no metadata to read
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = pl.program_id(0)
@@ -125,6 +177,15 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     scale, v_scale = sm_scale, None
     if scale_ref is not None:  # float8 pages: per-kv-head scales
         scale, v_scale = sm_scale * scale_ref[h], scale_ref[pl.num_programs(1) + h]
+    float8 = k_ref.dtype == jnp.float8_e4m3fn
+    tile_dtype, score, pv = q.dtype, scores, None
+    if float8 and fp8_dot == "f16":
+        tile_dtype, q = jnp.float16, q.astype(jnp.float16)
+    elif float8 and fp8_dot.startswith("fma"):
+        by_row = fp8_dot == "fma_rows"
+        tile_dtype, q = jnp.float32, q.astype(jnp.float32)
+        score = functools.partial(_fma_scores, by_row=by_row)
+        pv = functools.partial(_fma_pv, by_row=by_row)
     # Keys are counted from `base`, the first key of the page that holds the first visible key.
     first_page = 0
     if window is not None:
@@ -137,15 +198,19 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
         return plgpu.load(pt_ref.at[pl.ds(s * pages_per_seq + p0, pages_per_block)],
                           mask=pidx * page_size < kv_len, other=0)
 
+    def convert(x):
+        if float8 and tile_dtype == jnp.float32:  # e4m3 -> f16 is one instruction, f16 -> f32 too
+            x = x.astype(jnp.float16)
+        return x.astype(tile_dtype)
+
     def tile(j, carry, masked):
         pages, *carry = carry
         if prefetch_pages:  # next tile's page ids now, so its K/V loads need no index wait
             pages, next_pages = pages, load_pages(j + 1)
         else:
             pages = next_pages = load_pages(j)
-        k = k_ref[pages].reshape(block_k, D).astype(q.dtype)
-        v = v_ref[pages].reshape(block_k, D).astype(q.dtype)
-        sc = scores(q, k, scale, softcap)
+        k, v = (convert(x_ref[pages].reshape(block_k, D)) for x_ref in (k_ref, v_ref))
+        sc = score(q, k, scale, softcap)
         mask = None
         if masked:
             cols = base + j * block_k + jnp.arange(block_k)
@@ -153,7 +218,7 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
             if window is not None:
                 mask = mask & (cols[None, :] > pos[:, None] - window)
             v = jnp.where((cols < kv_len)[:, None], v, jnp.zeros_like(v))  # stale slots
-        return (next_pages, *online_softmax_step(sc, mask, v, carry))
+        return (next_pages, *online_softmax_step(sc, mask, v, carry, pv))
 
     # This split's share of the key tiles. Tiles [lo, edge) cross the window's edge and
     # [mid, hi) the diagonal: they need a mask; [edge, mid) do not.
@@ -248,7 +313,7 @@ def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block
 def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
            block_rows=64, pages_per_block=4, num_splits=1, num_warps=4, num_stages=2,
-           prefetch_pages=True, interpret=False):
+           prefetch_pages=True, fp8_dot="q", interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start),
     or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
     per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32)."""
@@ -256,7 +321,7 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
     KV, P, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
     G = H // KV
-    block_rows = max(block_rows, 16, pl.next_power_of_2(G))
+    block_rows = rows_per_block(block_rows, G, fp8_dot, k_pages.dtype == jnp.float8_e4m3fn)
     num_blocks = S if meta is None else meta[0].shape[0]
     grid = (num_blocks, KV, num_splits)
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, sp: (0,) * len(shape))
@@ -284,7 +349,7 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         num_splits=num_splits, prefetch_pages=prefetch_pages, decode=meta is None,
-        window=sliding_window, softcap=logit_softcap)
+        window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot)
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -299,12 +364,12 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
-    "num_blocks", "one_token_per_seq", "prefetch_pages", "interpret"))
+    "num_blocks", "one_token_per_seq", "prefetch_pages", "fp8_dot", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
                            num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
-                           prefetch_pages=True, interpret=False):
+                           prefetch_pages=True, fp8_dot="q", interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
 
     A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and
@@ -322,10 +387,12 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         raise ValueError(f"sliding_window {sliding_window} must be >= 1")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("quantized pages need both k_scale and v_scale")
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot {fp8_dot!r} is not one of {FP8_DOTS}")
     if one_token_per_seq and T != S:
         raise ValueError(f"decode takes one token per sequence: {T=} tokens, {S=} sequences")
     G = H // KV
-    tpb = max(block_rows, 16, pl.next_power_of_2(G)) // G
+    tpb = rows_per_block(block_rows, G, fp8_dot, k_pages.dtype == jnp.float8_e4m3fn) // G
     meta = None
     if not one_token_per_seq:
         if num_blocks is None:  # enough for any split of T tokens into S sequences
@@ -336,7 +403,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                   sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
                   num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                  prefetch_pages=prefetch_pages, interpret=interpret)
+                  prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, interpret=interpret)
     if num_splits > 1:
         live = T * H if one_token_per_seq else query_start[-1] * H
         o = merge_splits(*outs, live, q.dtype, interpret=interpret)
@@ -348,7 +415,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
                     sliding_window=None, logit_softcap=None, sinks=None, k_scale=None,
                     v_scale=None, block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
-                    prefetch_pages=True, interpret=False):
+                    prefetch_pages=True, fp8_dot="q", interpret=False):
     """Decode: q [S, H, D], one token per sequence -> [S, H, D]."""
     S = q.shape[0]
     query_start = jnp.arange(S + 1, dtype=jnp.int32)
@@ -357,4 +424,4 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
         sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
-        prefetch_pages=prefetch_pages, interpret=interpret)
+        prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, interpret=interpret)

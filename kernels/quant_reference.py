@@ -53,28 +53,39 @@ def quantize_rows(x):
 # promoting them to float32 every few MMAs, and a K=4096 product drifts by ~2e-3 of its norm from
 # the float32 product of the same FP8 inputs (H100, M=2048). HIGHEST turns it off; exact inputs
 # then leave only float32 accumulation error. `fast=True` keeps it (timing the difference).
-def w8a8_matmul(x, q, scale, *, fast: bool = False):
-    """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
-    accumulating in float32, both scales applied to the product. q must be float8_e4m3fn."""
+def w8a8_dot(xq, xs, q, scale, *, layout: str = "kn", fast: bool = False):
+    """float32 [M, N]: xq [M, K] float8_e4m3fn with row scales xs [M, 1] times q (float8_e4m3fn
+    [K, N] for layout "kn", [N, K] for "nk", where both operands run along K as cuBLASLt's FP8
+    GEMM reads them) with scale [G, N], on XLA's FP8 dot."""
     precision = None if fast else jax.lax.Precision.HIGHEST
-    m, k = x.shape
+    m, k = xq.shape
     groups, n = scale.shape
-    xq, xs = quantize_rows(x)
+    kq = 1 if layout == "nk" else 0  # q's K axis
     if groups == 1:
-        y = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), precision=precision,
+        y = jax.lax.dot_general(xq, q, (((1,), (kq,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * scale
     else:  # one FP8 product per group of K, batched, then the scaled sum
-        part = jax.lax.dot_general(xq.reshape(m, groups, k // groups).transpose(1, 0, 2),
-                                   q.reshape(groups, k // groups, n),
-                                   (((2,), (1,)), ((0,), (0,))), precision=precision,
+        qg = (q.reshape(n, groups, k // groups) if layout == "nk"
+              else q.reshape(groups, k // groups, n))
+        part = jax.lax.dot_general(xq.reshape(m, groups, k // groups).transpose(1, 0, 2), qg,
+                                   (((2,), (2 if layout == "nk" else 1,)),
+                                    ((0,), (1 if layout == "nk" else 0,))),
+                                   precision=precision,
                                    preferred_element_type=jnp.float32)  # [G, M, N]
         y = jnp.sum(part * scale[:, None, :], axis=0)
-    return (y * xs).astype(x.dtype)
+    return y * xs
 
 
-def w8a8_reference(x, q, scale):
+def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
+    """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
+    accumulating in float32, both scales applied to the product. q must be float8_e4m3fn."""
+    xq, xs = quantize_rows(x)
+    return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast).astype(x.dtype)
+
+
+def w8a8_reference(x, q, scale, *, layout: str = "kn"):
     """W8A8 with the same quantization, dequantized to float32 first."""
     xq, xs = quantize_rows(x)
-    y = jnp.dot(xq.astype(jnp.float32) * xs, dequantize_matrix(q, scale),
-                precision=jax.lax.Precision.HIGHEST)
+    w = dequantize_matrix(q.T if layout == "nk" else q, scale)
+    y = jnp.dot(xq.astype(jnp.float32) * xs, w, precision=jax.lax.Precision.HIGHEST)
     return y.astype(x.dtype)

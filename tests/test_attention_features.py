@@ -193,6 +193,57 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
     assert rel_err(out, full) < 0.08  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("fma", True), ("fma_rows", True),
+                                            ("fma_rows", False)])
+def test_paged_fp8_dot_paths(fp8_dot, decode):
+    """The float8 paths other than q's dtype ("f16" MMAs, "fma"/"fma_rows" CUDA-core products
+    over only the group's rows) against the reference on the same pages, with splits, a window and
+    soft-capping; the ragged entry with one-token blocks of G rows too."""
+    q_lens, cached = ([1, 1, 1], [40, 7, 0]) if decode else ([3, 1], [30, 20])
+    q, kp, vp, qs, ctx, table, *_ = windowed_case(5, q_lens, cached, 8, 2, 16, 8, None)
+    k_scale, v_scale = jnp.asarray([0.5, 0.02]), jnp.asarray([0.01, 0.2])
+    k8 = quantized(kp * jnp.asarray([5.0, 0.2])[:, None, None, None], k_scale)
+    v8 = quantized(vp * jnp.asarray([0.1, 2.0])[:, None, None, None], v_scale)
+    q = q.astype(jnp.bfloat16)
+    opts = dict(sliding_window=30, logit_softcap=20.0, k_scale=k_scale, v_scale=v_scale)
+    ref = reference.ragged_paged_attention_reference(q, k8, v8, qs, ctx, table, **opts)
+    kw = dict(num_splits=2, pages_per_block=2, block_rows=1, fp8_dot=fp8_dot, interpret=True,
+              **opts)
+    if decode:
+        out = paged.paged_attention(q, k8, v8, ctx, table, **kw)
+    else:
+        out = paged.ragged_paged_attention(q, k8, v8, qs, ctx, table, **kw)
+    assert out.dtype == jnp.bfloat16
+    # "fma" is float32 math like the reference; f16 rounds q, K, V and P once each.
+    assert rel_err(out, ref) < (1e-5 if fp8_dot.startswith("fma") else 2e-3)
+    with pytest.raises(ValueError, match="fp8_dot"):
+        paged.paged_attention(q, k8, v8, ctx, table, **dict(kw, fp8_dot="bf16"))
+
+
+def test_fp8_decode_takes_its_own_tiles(monkeypatch):
+    """Decode over float8 pages takes the "decode_fp8" tiles (CUDA-core products) unless the
+    kv-head group is wider than FP8_FMA_MAX_GROUP rows; bf16 pages keep "decode"."""
+    from pallasite.kernels import tuning
+    seen = []
+    monkeypatch.setattr(paged, "paged_attention", lambda *a, **kw: seen.append(kw))
+    monkeypatch.setattr(paged, "ragged_paged_attention", lambda *a, **kw: seen.append(kw))
+    table, lens = jnp.zeros((2, 4), jnp.int32), jnp.full((2,), 40, jnp.int32)
+    scales = dict(k_scale=jnp.ones(2), v_scale=jnp.ones(2))
+    for H, dtype in ((8, jnp.float8_e4m3fn), (2 * 2 * tuning.FP8_FMA_MAX_GROUP, jnp.float8_e4m3fn),
+                     (8, jnp.bfloat16)):
+        q, pages = jnp.zeros((2, H, 16), jnp.bfloat16), jnp.zeros((2, 8, 16, 16), dtype)
+        opts = scales if dtype == jnp.float8_e4m3fn else {}
+        kernels.paged_attention(q, pages, pages, lens, table, interpret=True, **opts)
+        kernels.ragged_paged_attention(q, pages, pages, jnp.arange(3), lens, table, interpret=True,
+                                 **opts)
+    want = [tuning.params(n, 16)["fp8_dot" if n != "decode" else "block_rows"]
+            for n in ("decode_fp8", "decode_fp8_mma", "decode")]
+    got = [kw.get("fp8_dot", kw["block_rows"]) if i < 4 else kw["block_rows"]
+           for i, kw in enumerate(seen)]
+    assert got == [want[0], want[0], want[1], want[1], want[2], want[2]]
+    assert "fp8_dot" not in seen[-1]
+
+
 def test_write_kv_quantizes():
     """The write kernel stores K / scale as float8 like the reference (saturating, not NaN, on
     overflow) and drops padding."""
@@ -223,11 +274,13 @@ def test_options_lower_for_gpu():
     sds = jax.ShapeDtypeStruct
     q, f8 = sds((8, 32, 128), jnp.bfloat16), sds((8, 64, 16, 128), jnp.float8_e4m3fn)
     i32, f32 = (lambda *shape: sds(shape, jnp.int32)), (lambda *shape: sds(shape, jnp.float32))
-    for decode in (True, False):
+    for decode, fp8_dot in ((True, "q"), (False, "q"), (True, "f16"), (True, "fma"),
+                            (True, "fma_rows"), (False, "fma_rows")):
         text = paged.ragged_paged_attention.trace(
             q, f8, f8, i32(9), i32(8), i32(8, 8), sliding_window=100, logit_softcap=30.0,
-            sinks=f32(32), k_scale=f32(8), v_scale=f32(8), num_splits=2,
-            one_token_per_seq=decode).lower(lowering_platforms=("cuda",)).as_text()
+            sinks=f32(32), k_scale=f32(8), v_scale=f32(8), num_splits=2, block_rows=1,
+            fp8_dot=fp8_dot, one_token_per_seq=decode).lower(
+                lowering_platforms=("cuda",)).as_text()
         assert text.count("@__gpu$xla.gpu.triton") == 2
     x = sds((1, 64, 4, 64), jnp.bfloat16)
     text = flash.flash_attention.trace(x, x, x, sliding_window=16, logit_softcap=50.0,

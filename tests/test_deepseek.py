@@ -120,11 +120,13 @@ def _poison(q_lat, q_pe, lat, rope, lens, table):
     return q_lat, q_pe, nan(lat), nan(rope), lens, table
 
 
-@pytest.mark.parametrize("H,block_h,pages_per_block,num_splits", [
-    (4, 16, 1, 1),     # fewer heads than a block: masked rows
-    (32, 16, 2, 3),    # two head blocks, tiles of two pages, three splits merged
+@pytest.mark.parametrize("H,block_h,block_k,v_parts,num_splits", [
+    (4, 16, None, 1, 1),  # fewer heads than a block: masked rows; tiles of one page
+    (32, 16, 8, 2, 3),    # two head blocks in two column parts, tiles of two pages, 3 splits
+    (16, 16, 2, 2, 2),    # tiles of half a page, two column parts
+    (16, 16, 32, 1, 1),   # a tile longer than the page table (padded)
 ])
-def test_mla_decode_kernel_matches_reference(H, block_h, pages_per_block, num_splits):
+def test_mla_decode_kernel_matches_reference(H, block_h, block_k, v_parts, num_splits):
     from pallasite.kernels import mla_decode
     rng = np.random.default_rng(H)
     # Lengths: empty (padding row), inside the first page, on a tile edge, the whole table.
@@ -132,7 +134,7 @@ def test_mla_decode_kernel_matches_reference(H, block_h, pages_per_block, num_sp
     want = mla_decode.mla_decode_reference(*args, sm_scale=0.3)
     # Poison every slot past each row's context: the kernel must not let them into its output.
     got = mla_decode.mla_decode(*_poison(*args), sm_scale=0.3, block_h=block_h,
-                                pages_per_block=pages_per_block, num_splits=num_splits,
+                                block_k=block_k, v_parts=v_parts, num_splits=num_splits,
                                 interpret=True)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
