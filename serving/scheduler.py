@@ -217,7 +217,7 @@ class Scheduler:
                     self, seq, min(budget, seq.total_len - seq.num_computed))
                 if n:
                     chunks.append(self._chunk(seq, n))
-                    budget -= n
+                    budget -= chunks[-1].length
         while (not preempted and budget > 0 and self.waiting
                and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0], budget)):
             chunks.append(self._chunk(self.waiting.popleft(), budget))
