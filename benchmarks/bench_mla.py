@@ -38,7 +38,7 @@ SMOKE_SHAPE = dict(batch=2, context=40, heads=16, kv_lora_rank=32, rope=16, page
 # tiles then exceed shared memory, so the sweep is mostly over 32- and 16-token tiles. With 8
 # warps both warpgroups compute the same scores (Triton puts a chained dot's warps on its
 # rows); v_parts 2 instead gives each of two 4-warp programs half the output columns.
-SWEEP = [(64, 32, 8, 5, 1), (32, 64, 4, 2, 1), (64, 64, 8, 2, 1), (64, 32, 8, 3, 1),
+SWEEP = [(64, 64, 8, 2, 1), (32, 64, 4, 2, 1), (64, 32, 8, 5, 1), (64, 32, 8, 3, 1),
          (64, 32, 8, 4, 1), (64, 32, 8, 6, 1), (64, 16, 8, 5, 1), (64, 16, 8, 7, 1),
          (64, 32, 4, 5, 2), (64, 16, 4, 5, 2), (64, 64, 4, 2, 2)]
 TILE = ("block_h", "block_k", "num_warps", "num_stages", "v_parts")

@@ -30,11 +30,9 @@ GPU variant per case (activation quantization included).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import pprint
-import tempfile
 import time
 from pathlib import Path
 
@@ -142,39 +140,6 @@ def inputs(kind, x, wts):
 
 
 # -- timing ------------------------------------------------------------------------------------
-def device_times(calls, reps):
-    """[(median ms, kernel names of one call)] for each (fn, args), all in one profiler trace,
-    the L2 flushed before every call. On CPU: host wall clock, no names."""
-    if jax.default_backend() != "gpu":
-        return [(common.host_ms(fn, *args, reps=reps), []) for fn, args in calls]
-    from jax.profiler import ProfileData
-    flush = common.l2_flush()
-    for fn, args in calls:
-        jax.block_until_ready((fn(*args), flush()))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for fn, args in calls:
-            for _ in range(reps):
-                jax.block_until_ready(flush())
-                jax.block_until_ready(fn(*args))
-        jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    events = sorted((e.start_ns, e.duration_ns, e.name) for p in data.planes for line in p.lines
-                    if p.name.startswith("/device:GPU") and line.name.startswith("Stream")
-                    for e in line.events)
-    per_call = []
-    for _, ns, name in events:
-        if common.FLUSH in name:
-            per_call.append([0.0, []])
-        elif per_call:
-            per_call[-1][0] += ns
-            per_call[-1][1].append(name)
-    if len(per_call) != reps * len(calls):
-        raise RuntimeError(f"{len(per_call)} flushes in the trace for {reps * len(calls)} calls")
-    return [(1e-6 * float(np.median([c[0] for c in per_call[i * reps:(i + 1) * reps]])),
-             per_call[(i + 1) * reps - 1][1]) for i in range(len(calls))]
-
-
 def poison():
     if jax.default_backend() == "gpu":
         common.poison()
@@ -217,7 +182,7 @@ def run_case(name, k, n, m, wts, tier, args):
     if tier != "1":  # the baseline again, in this trace
         timed.append((dict(variant="bf16"), jax.jit(lambda x, w: x @ w), (x, wts.bf16)))
     try:
-        times = device_times([(fn, a) for _, fn, a in timed], args.reps)
+        times = common.device_times([(fn, a) for _, fn, a in timed], args.reps)
     except Exception as e:
         for rec, _, _ in timed:
             rec["error"] = f"timing: {type(e).__name__}: {str(e)[:300]}"

@@ -141,6 +141,41 @@ def device_ms(fn, *args, reps=15, chain=False):
     return ms
 
 
+def device_times(calls, reps):
+    """[(median ms, kernel names of one call)] for each (fn, args), all in one profiler trace,
+    the L2 flushed before every call. On CPU: host wall clock, no names."""
+    import glob
+    import tempfile
+    if jax.default_backend() != "gpu":
+        return [(host_ms(fn, *args, reps=reps), []) for fn, args in calls]
+    from jax.profiler import ProfileData
+    flush = l2_flush()
+    for fn, args in calls:
+        jax.block_until_ready((fn(*args), flush()))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for fn, args in calls:
+            for _ in range(reps):
+                jax.block_until_ready(flush())
+                jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    events = sorted((e.start_ns, e.duration_ns, e.name) for p in data.planes for line in p.lines
+                    if p.name.startswith("/device:GPU") and line.name.startswith("Stream")
+                    for e in line.events)
+    per_call = []
+    for _, ns, name in events:
+        if FLUSH in name:
+            per_call.append([0.0, []])
+        elif per_call:
+            per_call[-1][0] += ns
+            per_call[-1][1].append(name)
+    if len(per_call) != reps * len(calls):
+        raise RuntimeError(f"{len(per_call)} flushes in the trace for {reps * len(calls)} calls")
+    return [(1e-6 * float(np.median([c[0] for c in per_call[i * reps:(i + 1) * reps]])),
+             per_call[(i + 1) * reps - 1][1]) for i in range(len(calls))]
+
+
 def per_call_ms(lines, reps):
     """(median ms, kernel names of the last call) from a trace's (plane, line, events): the
     GPU's stream lines, cut into calls at each FLUSH kernel."""

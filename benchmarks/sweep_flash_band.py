@@ -40,9 +40,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
     args = ap.parse_args(argv)
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     f, records = fa3(), []
-    for B, S, causal, bands in CASES:
+    for B, S, causal, bands in cases:
         q, k, v = dense_inputs(jax.random.key(S + B), B, S, S, H, KV, D, jnp.bfloat16)
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         base = dict(batch=B, seq=S, causal=causal, auto_band=flash_mgpu.band_kv_heads(

@@ -22,11 +22,9 @@ ceiling, speed-up over bf16) and the `kernels/tuning.py` QUANT_MATMUL entries th
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import pprint
-import tempfile
 import time
 from pathlib import Path
 
@@ -110,35 +108,8 @@ def int4_variants(m, k, n, tier):
 
 # -- timing ----------------------------------------------------------------------------------------
 def device_times(calls, reps):
-    """Median ms per call of each (fn, args), all in one profiler trace, the L2 flushed before
-    every call. GPU only; on CPU the host wall clock (interpret mode)."""
-    if jax.default_backend() != "gpu":
-        return [common.host_ms(fn, *args, reps=reps) for fn, args in calls]
-    from jax.profiler import ProfileData
-    flush = common.l2_flush()
-    for fn, args in calls:
-        jax.block_until_ready((fn(*args), flush()))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for fn, args in calls:
-            for _ in range(reps):
-                jax.block_until_ready(flush())
-                jax.block_until_ready(fn(*args))
-        jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    events = sorted((e.start_ns, e.duration_ns, e.name) for p in data.planes for line in p.lines
-                    if p.name.startswith("/device:GPU") and line.name.startswith("Stream")
-                    for e in line.events)
-    per_call = []
-    for _, ns, name in events:
-        if common.FLUSH in name:
-            per_call.append(0.0)
-        elif per_call:
-            per_call[-1] += ns
-    if len(per_call) != reps * len(calls):
-        raise RuntimeError(f"{len(per_call)} flushes in the trace for {reps * len(calls)} calls")
-    return [1e-6 * float(np.median(per_call[i * reps:(i + 1) * reps]))
-            for i in range(len(calls))]
+    """Median ms per call of each (fn, args) (`common.device_times`)."""
+    return [ms for ms, _ in common.device_times(calls, reps)]
 
 
 def poison():

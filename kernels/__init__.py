@@ -121,10 +121,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
 
 def _paged_params(name, q, k_pages):
     """The tuning entry of a paged call: float8 pages have their own decode tiles."""
-    if k_pages.dtype != jax.numpy.float8_e4m3fn or name != "decode":
-        return name
-    wide = q.shape[1] // k_pages.shape[0] > tuning.FP8_FMA_MAX_GROUP
-    return "decode_fp8_mma" if wide else "decode_fp8"
+    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn and name == "decode"
+    return "decode_fp8" if fp8 else name
 
 
 def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
@@ -266,10 +264,11 @@ def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_le
 
 
 def mla_decode_blocks(num_heads: int) -> dict:
-    """The MLA decode kernel's tiles for `num_heads` query heads (H100, `benchmarks/bench_mla`):
-    64-head blocks over two warpgroups when there are that many, 32-token key tiles, 5 stages."""
+    """The MLA decode kernel's tiles for `num_heads` query heads (H100, `benchmarks/bench_mla`,
+    2026-11-25: 0.339 ms at 128 heads, B=64, 4k; within 1% of the best of 11 tiles): 64-head
+    blocks over two warpgroups when there are that many, 64-token key tiles, 2 stages."""
     if num_heads >= 64:
-        return dict(block_h=64, block_k=32, num_warps=8, num_stages=5, v_parts=1)
+        return dict(block_h=64, block_k=64, num_warps=8, num_stages=2, v_parts=1)
     return dict(block_h=max(16, pl_next_power_of_2(num_heads)), block_k=32, num_warps=4,
                 num_stages=5, v_parts=1)
 

@@ -17,14 +17,11 @@ _DEFAULT = {
     "flash_mosaic": dict(block_q=64, block_kv=128, num_stages=2),
     "decode": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
     "ragged": dict(block_rows=64, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True),
-    # Decode over float8 pages (paged.py `fp8_dot`): CUDA-core products over the G live rows
-    # of a program, a row at a time on the tiles as loaded: no MMA padding and no converted
-    # tile through shared memory (the MMA paths ran at 36-49% of copy on the H100, 2026-11-25).
-    # Groups wider than FP8_FMA_MAX_GROUP rows take "decode_fp8_mma" (f16 MMAs).
-    "decode_fp8": dict(block_rows=1, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
-                       fp8_dot="fma_rows"),
-    "decode_fp8_mma": dict(block_rows=16, block_k=128, num_warps=4, num_stages=3,
-                           prefetch_pages=True, fp8_dot="f16"),
+    # Decode over float8 pages (paged.py `fp8_dot`): tiles converted to f16 in one step, f16
+    # MMAs. H100, 2026-11-25 (benchmarks/sweep_fp8kv.py): the fastest of 9 variants at B=64/4k,
+    # B=8/8k and 768 ShareGPT-like rows; the CUDA-core products ("fma", "fma_rows") lost 1.5-10x.
+    "decode_fp8": dict(block_rows=16, block_k=128, num_warps=4, num_stages=3, prefetch_pages=True,
+                       fp8_dot="f16"),
     # Mosaic GPU decode (Hopper; "decode_backend" says where it is the default). H100 and H200
     # sweeps of 2026-11-23 (benchmarks/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
@@ -140,9 +137,6 @@ QUANT_MATMUL = {
     "w8a8": {},  # FP8 weights x per-row FP8 activations, kernels/w8a8_matmul.py
 }
 
-
-# The widest kv-head group (H / KV) whose float8 decode takes the CUDA-core products.
-FP8_FMA_MAX_GROUP = 8
 
 
 def quant_params(kernel: str, m: int, k: int, n: int) -> dict | None:

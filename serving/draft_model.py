@@ -79,7 +79,7 @@ class DraftModel:
             p = np.arange(start, end)
             tok[at:at + m], pos[at:at + m] = tokens, p
             slot[at:at + m] = used[p // ps] * ps + p % ps
-            table[i, :len(used)] = used
+            table[i, :len(used)] = np.maximum(used, 0)  # pages behind the window: 0
             at += m
             qstart[i + 1:] = at
             ctx[i], last[i] = end, at - 1

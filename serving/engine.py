@@ -39,6 +39,7 @@ from . import sampling
 from .batch import LOGPROBS, BatchState, int_layout, sample_layout
 from .structured import Guide, guided_layout
 from .kv_pages import KVPages
+from .kv_window import freeable_window
 from .scheduler import FINISHED, RequestError, Scheduler, Sequence
 from .speculative import SpeculativeConfig, make_speculator
 from .warmup import default_page_buckets, warm_up
@@ -123,6 +124,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
             page_buckets=self.page_buckets, draft=draft)
         self.rows = self.spec.rows if self.spec else 1
+        self.scheduler.window = freeable_window(config, self.spec)  # pages behind every window
         if self.spec:
             self.overlap = False
             self.spec.install(self.scheduler, self.batch)

@@ -5,6 +5,9 @@ Every page is in exactly one of three states:
   used    referenced by one or more sequences' page tables (ref count > 0);
   cached  unreferenced but holding a full page of some prefix, findable by its key and evicted
           least-recently-used when the pool needs room.
+A sequence's table keeps one entry per page of its tokens, in order. An entry is DROPPED once the
+sequence has given that page back early: with a sliding window on every layer, pages wholly
+before the window are never read again (`kv_window.py`).
 A full page's key is a hash chain: the digest of (the previous page's key, this page's tokens), the
 chain starting from the model's key, so one digest names a whole prefix. Only full pages are ever
 shared, and sequences only write past their shared prefix, so shared pages are never written.
@@ -15,6 +18,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+
+DROPPED = -1  # a table entry whose page went back to the pool before the sequence ended
 
 
 def page_digest(parent: bytes, tokens) -> bytes:
@@ -122,12 +127,18 @@ class KVPages:
         speculative tokens): they hold no full cached page, so they go to the free list."""
         table = self.tables[seq]
         while len(table) > self.pages_for(num_tokens):
-            page = table.pop()
-            self.refs[page] -= 1
-            if self.refs[page] == 0 and page in self.key_of:
-                self.lru[page] = None
-            elif self.refs[page] == 0:
-                self.free_list.append(page)
+            self._unref(table.pop())
+
+    def drop(self, seq, first: int, end: int) -> int:
+        """Give back `seq`'s pages [first, end) of its table early (they leave DROPPED entries):
+        a page shared through the prefix cache loses one reference, a cached one becomes
+        evictable, any other is free. Returns how many pages it gave back."""
+        table, n = self.tables[seq], 0
+        for i in range(first, min(end, len(table))):
+            if table[i] != DROPPED:
+                self._unref(table[i])
+                table[i], n = DROPPED, n + 1
+        return n
 
     def cache_full_pages(self, seq, tokens, upto: int | None = None,
                          keys: list[bytes] | None = None):
@@ -145,7 +156,7 @@ class KVPages:
         cache, key_of = self.cache, self.key_of
         for i in range(len(done), full):
             key, page = keys[i], table[i]
-            if key not in cache and page not in key_of:
+            if page != DROPPED and key not in cache and page not in key_of:
                 cache[key], key_of[page] = page, key
             done.append(key)
 
@@ -155,12 +166,7 @@ class KVPages:
         table = self.tables.pop(seq, [])
         self.digests.pop(seq, None)
         for page in reversed(table):
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                if page in self.key_of:
-                    self.lru[page] = None
-                else:
-                    self.free_list.append(page)
+            self._unref(page)
 
     def cached_prefix_tokens(self, tokens) -> int:
         """Tokens of the longest run of full pages of `tokens` in the prefix cache (read only)."""
@@ -178,6 +184,16 @@ class KVPages:
             self.lru.pop(page)
         self.refs[page] += 1
 
+    def _unref(self, page: int):
+        if page == DROPPED:
+            return
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            if page in self.key_of:
+                self.lru[page] = None
+            else:
+                self.free_list.append(page)
+
     def _evict(self) -> int:
         page, _ = self.lru.popitem(last=False)
         del self.cache[self.key_of.pop(page)]
@@ -187,8 +203,9 @@ class KVPages:
         """Assert every invariant of the pool (used by tests)."""
         counts = [0] * self.num_pages
         for seq, table in self.tables.items():
-            assert len(set(table)) == len(table), f"{seq!r} holds a page twice"
-            for page in table:
+            held = [p for p in table if p != DROPPED]
+            assert len(set(held)) == len(held), f"{seq!r} holds a page twice"
+            for page in held:
                 counts[page] += 1
         assert counts == self.refs, "ref counts differ from the page tables"
         free = set(self.free_list)

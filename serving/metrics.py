@@ -80,6 +80,8 @@ class _EngineCollector:
                "Tokens emitted per speculating sequence-step (accepted proposals + 1)")]
     COUNTERS = [("prefix_hit_tokens", "prefix_hit_tokens", "Prompt tokens found in the prefix cache"),
                 ("preemptions", "preemptions", "Sequences preempted for lack of KV pages"),
+                ("window_pages_freed", "kv_window_pages_freed",
+                 "KV pages given back early because every layer's sliding window had passed them"),
                 ("compilations", "compilations", "Compilations of the engine step"),
                 ("spec_proposed_tokens", "spec_proposed_tokens",
                  "Speculative tokens proposed (0 without speculative decoding)"),

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import kv_window
 from .kv_pages import KVPages
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -131,7 +132,7 @@ class Step:
 
 class Scheduler:
     def __init__(self, pages: KVPages, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, window: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({max_num_seqs}): every decoding sequence needs a token")
@@ -144,7 +145,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        # Page ids of each slot's sequence, zero past its last page.
+        # Page ids of each slot's sequence, zero past its last page (and before its window).
         self.page_table = np.zeros((max_num_seqs, pages.pages_for(max_model_len)), np.int32)
         # Per slot: the token count at which the sequence has made all its output (prompt +
         # max_output), and the tokens its pages hold.
@@ -152,6 +153,11 @@ class Scheduler:
         self.capacity = np.zeros(max_num_seqs, np.int64)
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
+        # With a sliding window on every layer (kv_window.py): pages wholly this many tokens
+        # behind a step's first query are given back; `dropped`: leading pages given back, per slot.
+        self.window = window
+        self.dropped = np.zeros(max_num_seqs, np.int64)
+        self.window_pages_freed = 0
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
 
     # -- requests -----------------------------------------------------------------------------
@@ -198,16 +204,24 @@ class Scheduler:
 
     def schedule_step(self) -> Step:
         self.admitted = []
+        if self.window is not None and self.running:
+            seqs = self.running
+            ints = lambda xs: np.fromiter(xs, np.int64, len(seqs))
+            kv_window.drop_dead_pages(self, seqs, ints(map(_slot, seqs)),
+                                      ints(map(_computed, seqs)))
         rows, prefilling, preempted = self._decode()
         if not isinstance(rows, Step):  # a decode pass that makes chunks (speculative.py)
             rows = Step.from_chunks(rows)
         chunks, budget = [], self.budget - len(rows) - self.drafted
         for seq in prefilling:  # prefills under way, oldest first
             if budget > 0 and seq.status == RUNNING:
-                chunks.append(self._chunk(seq, budget))
-                budget -= chunks[-1].length
+                n = budget if self.window is None else kv_window.grow_for_chunk(
+                    self, seq, min(budget, seq.total_len - seq.num_computed))
+                if n:
+                    chunks.append(self._chunk(seq, n))
+                    budget -= chunks[-1].length
         while (not preempted and budget > 0 and self.waiting
-               and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0])):
+               and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0], budget)):
             chunks.append(self._chunk(self.waiting.popleft(), budget))
             budget -= chunks[-1].length
         # Later steps may share the pages these chunks fill: the device runs steps in order,
@@ -251,8 +265,9 @@ class Scheduler:
         return step, prefilling, self.num_preemptions != before
 
     def _grow_rows(self, seqs: list[Sequence], slots: np.ndarray, total: np.ndarray):
-        """Pages for decode rows that crossed into a new page, oldest first: all at once from the
-        free list when it has a page for each, else one by one (evicting, preempting)."""
+        """Pages for decode rows that crossed into a new page, oldest first: all at once when the
+        pool has a page for each (free, then evicted from the prefix cache), else one by one
+        (preempting)."""
         span = self.pages.page_size
         if (total <= self.capacity[slots] + span).all():
             pages = self.pages.grow_each_by_one([seq.request_id for seq in seqs])
@@ -284,17 +299,22 @@ class Scheduler:
         seq.num_pending += chunk.samples  # its sample reaches the host a step later
         return chunk
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, budget: int) -> bool:
         """Running state with cached prefix pages and pages for every known token, or nothing.
-        A sequence whose last sampled token is still on its way waits for it."""
+        A sequence whose last sampled token is still on its way waits for it. Under a window
+        on every layer, pages only for its first chunk: the next ones come as it advances."""
         if seq.num_pending:
             return False
         pages, tokens = self.pages, seq.tokens
         hit = pages.share_prefix(seq.request_id, tokens[:-1], seq.page_keys)  # leave 1 to compute
+        dead = 0 if self.window is None else int(kv_window.first_live_page(
+            hit, self.window, pages.page_size))
+        pages.drop(seq.request_id, 0, dead)  # shared pages its window has passed already
         # Keep a page per running sequence in reserve so admission does not force preemption.
         reserve = len(self.running) + 1 if self.running else 0
-        need = pages.pages_for(len(tokens)) - len(pages.table(seq.request_id))
-        if need + reserve > pages.num_available() or not pages.grow(seq.request_id, len(tokens)):
+        upto = len(tokens) if self.window is None else min(len(tokens), hit + budget)
+        need = pages.pages_for(upto) - len(pages.table(seq.request_id))
+        if need + reserve > pages.num_available() or not pages.grow(seq.request_id, upto):
             pages.free(seq.request_id)
             return False
         if not seq.ever_admitted:
@@ -303,7 +323,9 @@ class Scheduler:
         seq.num_computed, seq.status, seq.slot = hit, RUNNING, self.free_slots.pop()
         table = pages.table(seq.request_id)
         self.page_table[seq.slot, :len(table)] = table
+        self.page_table[seq.slot, :dead] = 0  # given back: read by no kernel
         self.page_table[seq.slot, len(table):] = 0
+        self.dropped[seq.slot] = dead
         self.limit[seq.slot] = len(seq.prompt_ids) + seq.max_output
         self.capacity[seq.slot] = len(table) * pages.page_size
         self.running.append(seq)
@@ -312,4 +334,5 @@ class Scheduler:
 
     def stats(self) -> dict:
         return dict(running=len(self.running), waiting=len(self.waiting),
-                    prefix_hit_tokens=self.prefix_hit_tokens, preemptions=self.num_preemptions)
+                    prefix_hit_tokens=self.prefix_hit_tokens, preemptions=self.num_preemptions,
+                    window_pages_freed=self.window_pages_freed)

@@ -221,27 +221,21 @@ def test_paged_fp8_dot_paths(fp8_dot, decode):
 
 
 def test_fp8_decode_takes_its_own_tiles(monkeypatch):
-    """Decode over float8 pages takes the "decode_fp8" tiles (CUDA-core products) unless the
-    kv-head group is wider than FP8_FMA_MAX_GROUP rows; bf16 pages keep "decode"."""
+    """Decode over float8 pages takes the "decode_fp8" tiles; bf16 pages keep "decode"."""
     from pallasite.kernels import tuning
     seen = []
     monkeypatch.setattr(paged, "paged_attention", lambda *a, **kw: seen.append(kw))
     monkeypatch.setattr(paged, "ragged_paged_attention", lambda *a, **kw: seen.append(kw))
     table, lens = jnp.zeros((2, 4), jnp.int32), jnp.full((2,), 40, jnp.int32)
     scales = dict(k_scale=jnp.ones(2), v_scale=jnp.ones(2))
-    for H, dtype in ((8, jnp.float8_e4m3fn), (2 * 2 * tuning.FP8_FMA_MAX_GROUP, jnp.float8_e4m3fn),
-                     (8, jnp.bfloat16)):
-        q, pages = jnp.zeros((2, H, 16), jnp.bfloat16), jnp.zeros((2, 8, 16, 16), dtype)
+    for dtype in (jnp.float8_e4m3fn, jnp.bfloat16):
+        q, pages = jnp.zeros((2, 8, 16), jnp.bfloat16), jnp.zeros((2, 8, 16, 16), dtype)
         opts = scales if dtype == jnp.float8_e4m3fn else {}
         kernels.paged_attention(q, pages, pages, lens, table, interpret=True, **opts)
         kernels.ragged_paged_attention(q, pages, pages, jnp.arange(3), lens, table, interpret=True,
-                                 **opts)
-    want = [tuning.params(n, 16)["fp8_dot" if n != "decode" else "block_rows"]
-            for n in ("decode_fp8", "decode_fp8_mma", "decode")]
-    got = [kw.get("fp8_dot", kw["block_rows"]) if i < 4 else kw["block_rows"]
-           for i, kw in enumerate(seen)]
-    assert got == [want[0], want[0], want[1], want[1], want[2], want[2]]
-    assert "fp8_dot" not in seen[-1]
+                                       **opts)
+    want = tuning.params("decode_fp8", 16)["fp8_dot"]
+    assert [kw.get("fp8_dot") for kw in seen] == [want, want, None, None]
 
 
 def test_write_kv_quantizes():

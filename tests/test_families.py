@@ -135,3 +135,38 @@ def test_refusals_name_the_field():
     ]:
         with pytest.raises(ConfigError, match=match):
             config_from_dict({**base, **raw})
+
+
+@pytest.mark.parametrize("family", ["gemma2", "deepseek_v3"])
+def test_cli_and_grpc_give_the_library_s_greedy_text(family, tmp_path, capsys):
+    """A new family through every door: `pallasite generate` prints and the gRPC service returns
+    what `LLM` generates greedily from the same checkpoint folder (with a tokenizer)."""
+    import tok_fixtures
+    from pallasite.cli import main as cli_main
+    from pallasite.serving.client import Client
+    from pallasite.serving.server import BackgroundServer
+    tok = tok_fixtures.byte_level(400)
+    if family == "deepseek_v3":
+        import test_deepseek
+        model = test_deepseek.build("v3")
+    else:
+        model = hf_models.build(family)
+    model.resize_token_embeddings(tok.get_vocab_size())
+    model.save_pretrained(tmp_path)
+    tok_fixtures.save(tok, tmp_path)
+    prompt, greedy = "def f(x):", dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = dict(max_model_len=48, num_pages=32, page_size=8, max_num_seqs=4,
+                  max_num_batched_tokens=16, token_buckets=[4, 16], page_buckets=[8])
+    with LLM(tmp_path, **engine) as llm:
+        want = llm.generate([prompt], SamplingParams(**greedy))[0]
+        server = BackgroundServer(lambda: llm, family, host="127.0.0.1", port=0,
+                                  metrics_port=0, grace_s=5).wait_ready(60)
+        try:
+            with Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+                got = client.generate(prompt, **greedy)
+        finally:
+            server.drain(0)
+    assert list(got.token_ids) == want.token_ids and got.text == want.text
+    assert cli_main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--max-tokens",
+                     "8", "--temperature", "0", "--ignore-eos", "--max-model-len", "48"]) == 0
+    assert capsys.readouterr().out == want.text + "\n"

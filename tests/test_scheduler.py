@@ -133,3 +133,14 @@ def test_abort_frees_pages_in_every_state(state):
         assert sched.pages.stats()["pages_used"] == 0
         inflight = run_step(sched, inflight)  # b is admitted into the freed pages
         assert b.status == RUNNING
+
+
+def test_a_prefill_ending_mid_budget_leaves_the_rest_to_the_next_prompt():
+    sched = make(budget=16)
+    a, b = seq("a", 30), seq("b", 6, first=100)
+    sched.add(a)
+    sched.add(b)
+    c1 = run_step(sched, [])
+    c2 = run_step(sched, c1)
+    assert [(c.seq.request_id, c.start, c.length) for c in c1] == [("a", 0, 16)]
+    assert [(c.seq.request_id, c.start, c.length) for c in c2] == [("a", 16, 14), ("b", 0, 2)]

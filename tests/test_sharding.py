@@ -252,8 +252,8 @@ def check_mesh(config, params_on_mesh, layout, ref):
 # -- dense: tensor and data parallel -------------------------------------------------------------
 
 @mesh_test
-@pytest.mark.parametrize("shape", [(1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 4, 1)],
-                         ids=["tp2", "tp4", "tp8", "dp2xtp4"])
+# tp2 and tp4 alone run in the newer families' cases below (gemma3-tp2, phi3-tp4).
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 4, 1)], ids=["tp8", "dp2xtp4"])
 def test_dense_model_on_a_mesh_equals_one_device(dense, dense_ref, shape):
     from pallasite.sharding import Layout, MeshPlan, make_mesh
     config, params = dense
