@@ -410,3 +410,26 @@ def test_fp8_weights_are_priced_as_the_code_stores_them():
     assert p_fp8.t_compute < 0.6 * p_bf16.t_compute
     args = plan.parser().parse_args(["llama-3-8b", "--quantization", "fp8"])
     assert plan.workload(args).quantization == "fp8"
+
+
+def test_sliding_windows_bound_the_kv_priced():
+    """A window on every layer caps the K/V a decode step reads and the pages a sequence holds
+    (the engine frees what the window has passed); a window on half the layers caps half."""
+    base = dict(pi.PRESETS["llama-3-8b"], model_type="mistral", max_position_embeddings=65536)
+    every = config_from_dict(dict(base, sliding_window=4096))
+    half = config_from_dict(dict(base, model_type="gemma2", sliding_window=4096,
+                                 head_dim=128, query_pre_attn_scalar=128))
+    full = config_from_dict(dict(base, model_type="llama"))
+    plan_, cluster = MeshPlan(), pi.Cluster(pi.GPUS["h100"])
+    wl = pi.Workload(prompt=pi.Lengths(30720, 30720), output=pi.Lengths(2048, 2048))
+    kv = lambda c, ctx: pm.decode_step(c, pm.shapes_of(c, plan_), plan_, cluster, wl, 8,
+                                       ctx).hbm_bytes
+    read = lambda c, ctx: kv(c, ctx) - kv(c, 0)  # the cached K/V alone
+    assert read(every, 32768) == pytest.approx(read(full, 4096), rel=1e-3)
+    assert read(half, 32768) == pytest.approx((read(full, 4096) + read(full, 32768)) / 2,
+                                              rel=1e-3)
+    assert pm.causal_pairs(every, 10) == 55 and pm.causal_pairs(
+        config_from_dict(dict(base, sliding_window=4)), 10) == 4 * 5 / 2 + 6 * 4
+    memory = lambda c: pm.memory(c, pm.shapes_of(c, plan_), plan_, cluster, wl)
+    assert memory(every).kv_seqs > 5 * memory(full).kv_seqs
+    assert memory(half).kv_seqs == pytest.approx(memory(full).kv_seqs, rel=0.3)

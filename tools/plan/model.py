@@ -240,16 +240,33 @@ def experts_time(config: ModelConfig, shapes: Shapes, plan: MeshPlan, gpu, wl: W
     return t_exp
 
 
+def windowed(config: ModelConfig, keys: float) -> float:
+    """The keys a query that could see `keys` attends to, averaged over the layers: a sliding
+    layer sees at most its window (the kernels read no page wholly outside it)."""
+    sees = [min(keys, config.window(i) or keys) for i in range(config.num_layers)]
+    return sum(sees) / config.num_layers
+
+
+def causal_pairs(config: ModelConfig, prompt: int) -> float:
+    """(query, key) pairs of one causal prompt, averaged over the layers: token i attends to
+    i + 1 keys, or to a sliding layer's window."""
+    def pairs(w):
+        w = min(w or prompt, prompt)
+        return w * (w + 1) / 2 + (prompt - w) * w
+    return sum(pairs(config.window(i)) for i in range(config.num_layers)) / config.num_layers
+
+
 def prefill_step(config, shapes, plan, cluster, wl, seqs: int, prompt: int) -> Step:
-    """`seqs` prompts of `prompt` tokens in one step (causal: token i attends to i + 1 keys)."""
-    pairs = seqs * prompt * (prompt + 1) / 2
+    """`seqs` prompts of `prompt` tokens in one step (causal, within each layer's window)."""
+    pairs = seqs * causal_pairs(config, prompt)
     return step_cost(config, shapes, plan, cluster, wl, seqs * prompt, seqs, 0, pairs)
 
 
 def decode_step(config, shapes, plan, cluster, wl, seqs: int, context: float) -> Step:
-    """One token for each of `seqs` sequences holding `context` cached tokens."""
-    return step_cost(config, shapes, plan, cluster, wl, seqs, seqs, seqs * context,
-                     seqs * (context + 1))
+    """One token for each of `seqs` sequences holding `context` cached tokens (of which each
+    sliding layer reads its window)."""
+    return step_cost(config, shapes, plan, cluster, wl, seqs, seqs,
+                     seqs * windowed(config, context), seqs * windowed(config, context + 1))
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -356,6 +373,17 @@ class Memory:
             "kv_gib": round(self.kv_tokens * self.kv_per_token / GIB, 3)}
 
 
+def held_pages(config: ModelConfig, max_len: int, chunk: int, page_size: int) -> int:
+    """KV pages a sequence holds at most: all of its length, or where every layer slides (the
+    engine frees the pages its window has passed, `serving/kv_window.py`) a window plus a
+    prefill chunk, and a page for the window's unaligned start."""
+    full = -(-max_len // page_size)
+    windows = [config.window(i) for i in range(config.num_layers)]
+    if None in windows or config.is_mla:
+        return full
+    return min(full, -(-(max(windows) + chunk) // page_size) + 1)
+
+
 def memory(config, shapes, plan, cluster, wl, kv_fraction: float | None = None) -> Memory:
     """Per-device memory: weights (exact), the workspace of a full prefill chunk, and the KV
     cache in whole pages in what is left (`kv_fraction` of it)."""
@@ -370,7 +398,7 @@ def memory(config, shapes, plan, cluster, wl, kv_fraction: float | None = None) 
     free = max(0.0, budget - weights - work) * kv_fraction
     pages = int(free // (kv_tok * wl.page_size))
     mem = Memory(budget, weights, work, kv_tok, pages * wl.page_size)
-    per_seq = -(-wl.max_len // wl.page_size)
+    per_seq = held_pages(config, wl.max_len, chunk, wl.page_size)
     mem.kv_seqs = pages // per_seq
     mem.headroom = budget - weights - work - pages * wl.page_size * kv_tok
     return mem
