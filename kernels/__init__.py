@@ -119,7 +119,7 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
                                  interpret=interpret, **{k: opts[k] for k in used}, **kw)
 
 
-def _paged_params(name, q, k_pages):
+def _paged_params(name, k_pages):
     """The tuning entry of a paged call: float8 pages have their own decode tiles."""
     fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn and name == "decode"
     return "decode_fp8" if fp8 else name
@@ -182,7 +182,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
             q, k_pages, v_pages, context_lens, page_table, sm_scale=sm_scale,
             interpret=interpret, **opts, **_mosaic_decode_params(q, k_pages, page_table, blocks))
     from . import paged
-    kw = tuning.params(_paged_params("decode", q, k_pages), k_pages.shape[2]) | blocks
+    kw = tuning.params(_paged_params("decode", k_pages), k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window)
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -221,7 +221,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
     mixed = T > 2 * S
-    kw = tuning.params(_paged_params("ragged" if mixed else "decode", q, k_pages),
+    kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
                        k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         group = q.shape[1] // k_pages.shape[0]
