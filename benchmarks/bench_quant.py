@@ -4,6 +4,8 @@
     python -m benchmarks.bench_quant --out DIR --tiny   # CPU dry run of every part
     python -m benchmarks.bench_quant --out DIR --parts prefill_matmul,prefill --w8a8 xla,pallas
 
+FP8 weights are stored [N, K], as the library stores them (model/quant.py `k_last`).
+
 1. `matmul`: the W8A16 Pallas kernel vs the bf16 product (jnp) at the 8B layer shapes for
    M = 1..16 rows, each checked first against its jnp reference on fresh inputs (freed memory
    poisoned); kernel time from a profiler trace with the L2 flushed (benchmarks/common.py), and
@@ -73,18 +75,19 @@ def bench_matmuls(rows, bw, tiny, mode):
     for name, (k, n) in shapes.items():
         key = jax.random.key(k + n)
         q, scale, w = fp8_matrix(key, k, n)
+        q_nk = jnp.asarray(q.T, copy=True)  # stored [N, K], as the library stores FP8 weights
         for m in rows:
-            fp8 = lambda x, q, s: kernels.quant_matmul(x, q, s, mode=path)
+            fp8 = lambda x, q, s: kernels.quant_matmul(x, q, s, mode=path, layout="nk")
             # Checked first on fresh inputs, freed memory poisoned: against the same math.
             if jax.default_backend() == "gpu":
                 common.poison()
             x2 = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
-            got = jax.jit(fp8)(x2, q, scale)
+            got = jax.jit(fp8)(x2, q_nk, scale)
             ref = (qr.w8a16_reference if path == "w8a16" else qr.w8a8_reference)(x2, q, scale)
             err = common.rel_err(got, ref)
             assert err <= 1e-3, f"{name} M={m} {path}: relative error {err:.2e} > 1e-3"
             x = jax.random.normal(jax.random.fold_in(key, m + 1), (m, k), jnp.bfloat16)
-            t_fp8 = kernel_s(fp8, x, q, scale)
+            t_fp8 = kernel_s(fp8, x, q_nk, scale)
             t_bf16 = kernel_s(lambda x, w: x @ w, x, w)
             rec = dict(mode="matmul" if mode == "decode" else "prefill_matmul", shape=name,
                        m=m, k=k, n=n, path=path, fp8_us=1e6 * t_fp8, bf16_us=1e6 * t_bf16,
@@ -95,8 +98,8 @@ def bench_matmuls(rows, bw, tiny, mode):
             else:
                 flops = 2 * m * k * n
                 rec["fp8_tflops"], rec["bf16_tflops"] = flops / t_fp8 / 1e12, flops / t_bf16 / 1e12
-                rec["w8a16_us"] = 1e6 * kernel_s(
-                    lambda x, q, s: kernels.quant_matmul(x, q, s, mode="w8a16"), x, q, scale)
+                rec["w8a16_us"] = 1e6 * kernel_s(lambda x, q, s: kernels.quant_matmul(
+                    x, q, s, mode="w8a16", layout="nk"), x, q_nk, scale)
             records.append(rec)
             print(f"  {rec['mode']:14s} {name:12s} M={m:5d}  fp8 {rec['fp8_us']:8.1f} us  "
                   f"bf16 {rec['bf16_us']:8.1f} us  x{rec['speedup_vs_bf16']:.2f}", flush=True)

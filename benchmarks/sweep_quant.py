@@ -39,6 +39,8 @@ from pallasite.kernels import w8a16_matmul as wm
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
+# the model's own products where q/k/v and gate/up are separate weights
+EXTRA_SHAPES = {"kv": (4096, 1024), "gate": (4096, 14336)}
 TINY_SHAPES = {"tiny": (512, 256)}
 MS = (1, 4, 16)
 PREFILL_M = 2048
@@ -63,7 +65,7 @@ def fp8_variants(m, k, n, tier):
         bk = min(bk, k)
         kw = dict(block_m=16, block_n=bn, block_k=bk, split_k=fp8_split(k, n, bn, bk, target),
                   num_warps=warps, num_stages=stages, **extra)
-        if extra.get("reduce") == "sum":
+        if extra.get("reduce", "dot") != "dot":
             kw["block_m"] = 1
         return kw
     if tier == 1:
@@ -71,7 +73,10 @@ def fp8_variants(m, k, n, tier):
                v(128, 256, 264, 4, 4), v(128, 256, 264, 4, 4, swap=True, dot_dtype="float16"),
                v(128, 512, 264, 4, 3, swap=True)]
         # Triton does not pipeline loads that feed no dot: many small programs hide latency
-        out += [v(64, 128, 1056, 4, 2, reduce="sum")] if m == 1 else []
+        out += [v(64, 128, 1056, 4, 2, reduce="sum"), v(64, 128, 1056, 4, 2, reduce="acc"),
+                v(128, 64, 528, 4, 2, reduce="acc"), v(256, 32, 264, 4, 3, reduce="acc"),
+                v(128, 128, 528, 8, 2, reduce="acc"), v(256, 64, 528, 8, 2, reduce="acc"),
+                v(32, 128, 2112, 2, 2, reduce="acc")] if m == 1 else []
     else:
         out = [v(128, 512, 264, 4, 3), v(256, 256, 264, 8, 3), v(64, 512, 528, 4, 3),
                v(128, 256, 264, 4, 4, dot_dtype="float16"),
@@ -83,20 +88,43 @@ def fp8_variants(m, k, n, tier):
     return out
 
 
+def fp8_nk_variants(m, k, n, tier):
+    """kwargs of w8a16_matmul on weights stored [N, K] (rows of block_k contiguous bytes)."""
+    def v(bn, bk, target, warps, stages, **extra):
+        bn, bk = min(bn, n), min(bk, k)
+        kw = dict(block_m=1 if extra.get("reduce", "dot") != "dot" else 16, block_n=bn,
+                  block_k=bk, split_k=fp8_split(k, n, bn, bk, target), num_warps=warps,
+                  num_stages=stages, layout="nk", **extra)
+        return kw
+    if tier != 1:
+        return []
+    if m == 1:
+        return [v(32, 256, 1056, 4, 2, reduce="acc"), v(16, 512, 1056, 4, 2, reduce="acc"),
+                v(64, 256, 528, 8, 2, reduce="acc"), v(32, 512, 528, 8, 2, reduce="acc"),
+                v(16, 256, 2112, 4, 2, reduce="acc"), v(32, 256, 1056, 4, 3, reduce="sum"),
+                v(64, 256, 264, 4, 4, swap=True)]
+    return [v(64, 256, 528, 4, 4, swap=True), v(128, 256, 264, 4, 4, swap=True),
+            v(64, 512, 528, 4, 3, swap=True), v(128, 128, 528, 4, 4, swap=True),
+            v(64, 256, 528, 4, 4, swap=True, dot_dtype="float16")]
+
+
 def int4_variants(m, k, n, tier):
     """kwargs of im.int_matmul (block_n and num_splits always named, so no table applies)."""
     num_tiles = im.padded_k(k, 4) // im.tile_rows(4)
 
     def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False):
         bn = min(bn, n)
-        bm = 1 if reduce == "sum" else im.block_m_for(m)
+        bm = 1 if reduce != "dot" else im.block_m_for(m)
         splits = im.splits_for(-(-m // bm) * bm, n, num_tiles, bm, bn, target)
         return dict(block_n=bn, num_splits=splits, num_warps=warps, num_stages=stages,
                     unpack=unpack, reduce=reduce, swap=swap)
     if tier == 1:
         out = [v(128, 264, 4, 3, unpack="convert"), v(128, 264, 4, 3),
                v(128, 264, 4, 3, swap=True), v(64, 528, 4, 3)]
-        out += [v(64, 1056, 4, 3, reduce="sum")] if m == 1 else []
+        out += [v(64, 1056, 4, 3, reduce="sum"), v(64, 1056, 4, 3, reduce="acc"),
+                v(128, 528, 4, 3, reduce="acc"), v(256, 264, 8, 3, reduce="acc"),
+                v(64, 528, 4, 2, reduce="acc"), v(32, 2112, 4, 3, reduce="acc"),
+                v(32, 1056, 2, 3, reduce="acc")] if m == 1 else []
     else:
         out = [v(256, 264, 8, 3), v(256, 264, 8, 3, swap=True), v(128, 528, 4, 4),
                v(64, 528, 4, 3, swap=True), v(128, 264, 8, 2), v(64, 528, 4, 3, unpack="convert"),
@@ -135,6 +163,7 @@ class Case:
         w = jax.random.normal(kq, (k, n), jnp.float32)
         self.scale = jnp.max(jnp.abs(w), axis=0, keepdims=True) / qr.FP8_MAX
         self.q = (w / self.scale).astype(jnp.float8_e4m3fn)
+        self.q_nk = jnp.asarray(self.q.T, copy=True)  # stored transposed, not a view
         self.w = w.astype(jnp.bfloat16)
         del w
         rng = np.random.default_rng(k + n)
@@ -169,12 +198,21 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
                 int4=im.int_matmul_reference(xc, case.words, case.s4, bits=4, group_size=GROUP))
     jobs = [("fp8", kw, fp8_fn(kw, interpret), (case.q, case.scale))
             for kw in fp8_variants(m, k, n, tier)]
+    jobs += [("fp8_nk", kw, fp8_fn(kw, interpret), (case.q_nk, case.scale))
+             for kw in fp8_nk_variants(m, k, n, tier)]
+    refs["fp8_nk"] = refs["fp8"]
+    if tier == 1 and not args.tiny:  # XLA's FP8 dot (cuBLASLt) on [N, K] at decode sizes too
+        refs["w8a8_nk"] = qr.w8a8_reference(xc, case.q, case.scale)
+        jobs.append(("w8a8_nk", dict(layout="nk"), jax.jit(
+            lambda x, q, s: qr.w8a8_matmul(x, q, s, layout="nk")), (case.q_nk, case.scale)))
     jobs += [("int4", kw, int4_fn(kw, interpret), (case.words, case.s4))
              for kw in int4_variants(m, k, n, tier)]
     if args.tiny:  # a few of each kind, so that every code path runs once in interpret mode
         keep = lambda kern, n: [j for j in jobs if j[0] == kern][:n] + [
-            j for j in jobs if j[0] == kern and j[1].get("reduce") == "sum"][:1]
-        jobs = keep("fp8", 2) + keep("int4", 2) if tier == 1 else keep("fp8", 2)[1:2]
+            j for j in jobs if j[0] == kern and j[1].get("reduce") == "sum"][:1] + [
+            j for j in jobs if j[0] == kern and j[1].get("reduce") == "acc"][:1]
+        jobs = (keep("fp8", 2) + keep("fp8_nk", 1) + keep("int4", 2) if tier == 1
+                else keep("fp8", 2)[1:2])
     records, timed = [], []
     for kernel, kw, fn, wargs in jobs:
         if time.time() > deadline:
@@ -207,8 +245,9 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
         baseline.update(bf16_ms=ms[-3], copy8_ms=ms[-2], copy4_ms=ms[-1])
         ms = ms[:-3]
     for (rec, _, _), t in zip(timed, ms):
-        nbytes = case.fp8_bytes if rec["kernel"] == "fp8" else case.int4_bytes
-        copy_ms = baseline["copy8_ms" if rec["kernel"] == "fp8" else "copy4_ms"]
+        fp8 = rec["kernel"] != "int4"
+        nbytes = case.fp8_bytes if fp8 else case.int4_bytes
+        copy_ms = baseline["copy8_ms" if fp8 else "copy4_ms"]
         ceiling = 2 * nbytes / (copy_ms * 1e-3)  # bytes read + written per second
         rec.update(us=1e3 * t, bf16_us=1e3 * baseline["bf16_ms"], copy_us=1e3 * copy_ms,
                    bytes=nbytes, tbps=nbytes / (t * 1e-3) / 1e12, copy_tbps=ceiling / 1e12,
@@ -273,11 +312,14 @@ def run_w8a8(name, k, n, case, args, deadline):
 
 
 # -- report ----------------------------------------------------------------------------------------
+TABLES = {"fp8": "w8a16", "fp8_nk": "w8a16_nk", "int4": "w4a16"}  # tuning.QUANT_MATMUL keys
+
+
 def best_table(records):
     """The fastest checked variant per (kernel, shape, M)."""
     best = {}
     for r in records:
-        if r.get("us") is None or r["kernel"] not in ("fp8", "int4"):
+        if r.get("us") is None or r["kernel"] not in TABLES:
             continue
         key = (r["kernel"], r["shape"], r["m"])
         if key not in best or r["us"] < best[key]["us"]:
@@ -302,9 +344,9 @@ def report(records, head):
                          f"{r.get('fast_accum_us', float('nan')):.1f} us; 512-row chunks "
                          f"{r['rel_err_chunked_fast_accum']}, "
                          f"{r.get('chunked_fast_accum_us', float('nan')):.1f} us) |")
-    entries = {"w8a16": {}, "w4a16": {}}
+    entries = {t: {} for t in TABLES.values()}
     for (kernel, shape, m), r in sorted(best.items(), key=lambda e: e[0][2]):
-        table = entries["w8a16" if kernel == "fp8" else "w4a16"]
+        table = entries[TABLES[kernel]]
         table.setdefault((r["k"], r["n"]), []).append((m, dict(r["params"])))
     snippet = "QUANT_MATMUL = " + pprint.pformat(entries, width=100, sort_dicts=False)
     return "\n".join(lines), entries, snippet
@@ -319,13 +361,20 @@ def main(argv=None):
                    help="seconds; variants past it are skipped and the results written")
     p.add_argument("--tiers", default="1,2")
     p.add_argument("--skip-w8a8", action="store_true", help="only the weight-only kernels")
+    p.add_argument("--ms", default=None, help="comma-separated M values (default 1,4,16)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated subset of " + ",".join(SHAPES | EXTRA_SHAPES))
     args = p.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.time_limit
     if args.tiny:
         args.reps = min(args.reps, 3)
     shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        shapes = {s: (SHAPES | EXTRA_SHAPES | TINY_SHAPES)[s] for s in args.shapes.split(",")}
     ms = (1, 4) if args.tiny else MS
+    if args.ms:
+        ms = tuple(int(m) for m in args.ms.split(","))
     head = common.run_info() | dict(tiny=args.tiny, reps=args.reps)
     print(f"{head['gpu']}, jax {jax.__version__}", flush=True)
     records, baselines, cases = [], {}, {}

@@ -421,7 +421,8 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
     reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`) or the
     Pallas kernels (`w8a8_matmul.py`, `w8a8_mgpu.py`), as `w8a8` (or `PALLASITE_W8A8_IMPL`)
-    picks (`w8a8_impl`). `layout="nk"` (W8A8 only): q is stored transposed, [N, K]."""
+    picks (`w8a8_impl`). `layout="nk"`: q is stored transposed, [N, K] (how FP8 weights are
+    stored: `model/quant.py` k_last)."""
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
         impl = w8a8_impl(x, q, scale, w8a8, layout=layout, interpret=interpret, **blocks)
@@ -432,15 +433,16 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
             from . import w8a8_mgpu
             return w8a8_mgpu.w8a8_matmul(x, q, scale, interpret=interpret, **blocks)
         return qr.w8a8_matmul(x, q, scale, layout=layout)
-    if layout != "kn":
-        raise ValueError(f"W8A16 takes weights stored [K, N] (layout 'kn'), not {layout!r}")
+    if layout not in ("kn", "nk"):
+        raise ValueError(f"quantized matmul layout {layout!r} is not 'kn' or 'nk'")
     # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
     old_gpu = q.dtype == jax.numpy.float8_e4m3fn and not interpret and not has_fp8_tensor_cores()
     if not _use_pallas(impl, interpret) or old_gpu:
-        return qr.w8a16_reference(x, q, scale, zero)
+        return qr.w8a16_reference(x, q.T if layout == "nk" else q, scale, zero)
     from . import w8a16_matmul as qm
-    kw = qm.blocks_for(x.shape[0], q.shape[0], q.shape[1], scale.shape[0]) | blocks
-    return qm.w8a16_matmul(x, q, scale, zero, interpret=interpret, **kw)
+    k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
+    kw = qm.blocks_for(x.shape[0], k, n, scale.shape[0], layout=layout) | blocks
+    return qm.w8a16_matmul(x, q, scale, zero, layout=layout, interpret=interpret, **kw)
 
 
 # -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------

@@ -73,47 +73,84 @@ TABLE = {
 # `python -m benchmarks.sweep_quant --out DIR`, which prints them in this form; an entry whose
 # tiles do not divide a call's shape is skipped. Llama-3-8B layers: qkv (4096, 6144),
 # o (4096, 4096), gate_up (4096, 28672), down (14336, 4096).
-# H100 80GB HBM3, JAX 0.11.2, 2026-11-25 (docs/benchmarks/quant.json)
+# H100 80GB HBM3, JAX 0.11.2, 2026-11-26 (docs/benchmarks/quant.json; M=1 the 'acc' sums and
+# the [N, K] rows; the float16 MMAs, 15-20% faster at M=4-16, are left out: activations past
+# 65504 would overflow them)
 QUANT_MATMUL = {
-    "w8a16": {  # FP8 (or INT8 QArray) weights, kernels/w8a16_matmul.py
+    "w8a16": {  # FP8 (or INT8 QArray) weights stored [K, N], kernels/w8a16_matmul.py
         (4096, 4096): [
-            (1, dict(block_m=1, block_n=64, block_k=128, split_k=16, num_warps=4, num_stages=2,
-                     reduce='sum')),
+            (1, dict(block_m=1, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2,
+                     reduce='acc')),
             (4, dict(block_m=16, block_n=128, block_k=512, split_k=8, num_warps=4, num_stages=3,
                      swap=True)),
-            (16, dict(block_m=16, block_n=128, block_k=512, split_k=8, num_warps=4, num_stages=3,
+            (16, dict(block_m=16, block_n=128, block_k=512, split_k=8, num_warps=4, num_stages=4,
                      swap=True)),
         ],
         (4096, 6144): [
             (1, dict(block_m=1, block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=2,
-                     reduce='sum')),
+                     reduce='acc')),
             (4, dict(block_m=16, block_n=128, block_k=256, split_k=4, num_warps=4, num_stages=4)),
             (16, dict(block_m=16, block_n=128, block_k=256, split_k=4, num_warps=4, num_stages=4)),
         ],
         (4096, 28672): [
             (1, dict(block_m=1, block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=2,
-                     reduce='sum')),
+                     reduce='acc')),
             (4, dict(block_m=16, block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4)),
             (16, dict(block_m=16, block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4)),
         ],
         (14336, 4096): [
             (1, dict(block_m=1, block_n=64, block_k=128, split_k=16, num_warps=4, num_stages=2,
-                     reduce='sum')),
+                     reduce='acc')),
             (4, dict(block_m=16, block_n=128, block_k=256, split_k=8, num_warps=4, num_stages=4)),
+            (16, dict(block_m=16, block_n=128, block_k=256, split_k=8, num_warps=4, num_stages=4)),
+        ],
+    },
+    "w8a16_nk": {  # FP8 weights stored [N, K] (quant.py k_last), the same kernel
+        (4096, 4096): [
+            (1, dict(block_m=1, block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=64, block_k=512, split_k=8, num_warps=4, num_stages=3,
+                     swap=True)),
+            (16, dict(block_m=16, block_n=64, block_k=256, split_k=8, num_warps=4, num_stages=4,
+                     swap=True)),
+        ],
+        (4096, 6144): [
+            (1, dict(block_m=1, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4,
+                     swap=True)),
+            (16, dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4,
+                     swap=True)),
+        ],
+        (4096, 28672): [
+            (1, dict(block_m=1, block_n=64, block_k=256, split_k=1, num_warps=8, num_stages=2,
+                     reduce='acc')),
+            (4, dict(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=4, num_stages=4,
+                     swap=True)),
+            (16, dict(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=4, num_stages=4,
+                     swap=True)),
+        ],
+        (14336, 4096): [
+            (1, dict(block_m=1, block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=128, block_k=128, split_k=16, num_warps=4, num_stages=4,
+                     swap=True)),
+            (16, dict(block_m=16, block_n=128, block_k=128, split_k=16, num_warps=4, num_stages=4,
+                     swap=True)),
         ],
     },
     "w4a16": {  # packed INT4 / INT8 weights, kernels/w4a16_matmul.py
         (4096, 4096): [
             (1, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
-                     reduce='sum', swap=False)),
+                     reduce='acc', swap=False)),
             (4, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='convert',
                      reduce='dot', swap=False)),
             (16, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='convert',
                      reduce='dot', swap=False)),
         ],
         (4096, 6144): [
-            (1, dict(block_n=64, num_splits=11, num_warps=4, num_stages=3, unpack='magic',
-                     reduce='sum', swap=False)),
+            (1, dict(block_n=32, num_splits=11, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='acc', swap=False)),
             (4, dict(block_n=128, num_splits=5, num_warps=4, num_stages=3, unpack='convert',
                      reduce='dot', swap=False)),
             (16, dict(block_n=128, num_splits=5, num_warps=4, num_stages=3, unpack='convert',
@@ -121,7 +158,7 @@ QUANT_MATMUL = {
         ],
         (4096, 28672): [
             (1, dict(block_n=64, num_splits=2, num_warps=4, num_stages=3, unpack='magic',
-                     reduce='sum', swap=False)),
+                     reduce='acc', swap=False)),
             (4, dict(block_n=128, num_splits=1, num_warps=4, num_stages=3, unpack='convert',
                      reduce='dot', swap=False)),
             (16, dict(block_n=128, num_splits=1, num_warps=4, num_stages=3, unpack='convert',
@@ -129,8 +166,10 @@ QUANT_MATMUL = {
         ],
         (14336, 4096): [
             (1, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
-                     reduce='sum', swap=False)),
+                     reduce='acc', swap=False)),
             (4, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='dot', swap=False)),
+            (16, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='magic',
                      reduce='dot', swap=False)),
         ],
     },

@@ -124,7 +124,7 @@ def int_matmul_reference(x, words, scale, zero=None, perm=None, *, bits: int, gr
 BF16_MAGIC, BF16_BIAS = 0x4300, 128.0
 F32_MAGIC, F32_BIAS = 0x4B000000, 2.0 ** 23
 UNPACKS = ("convert", "magic")
-REDUCES = ("dot", "sum")
+REDUCES = ("dot", "sum", "acc")
 
 
 def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles, unpack,
@@ -142,7 +142,7 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
         k0 = t * tile + j * SLAB
         g = k0 // group_size
         raw = (words >> (bits * j)) & mask
-        if reduce == "sum":  # f32 2**23 + c; minus 2**23 + zero is exact
+        if reduce != "dot":  # f32 2**23 + c; minus 2**23 + zero is exact
             w = lax.bitcast_convert_type(raw | F32_MAGIC, jnp.float32) - (F32_BIAS + zero_of(g))
             return x_ref[pl.ds(k0, SLAB)].astype(jnp.float32), w, None, s_ref[pl.ds(g, 1), :]
         xs = x_ref[:, pl.ds(k0, SLAB)]
@@ -159,6 +159,9 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
             if reduce == "sum":
                 acc = acc + jnp.sum(xs[:, None] * w, axis=0, keepdims=True) * scale
                 continue
+            if reduce == "acc":  # summed over K once, after the loop
+                acc = acc + xs[:, None] * (w * scale)
+                continue
             if swap:  # out^T = w^T x^T: the weight slab fills the MMA's rows
                 part = plgpu.dot(w, xs, trans_a=True, trans_b=True)
                 zero, scale = getattr(zero, "T", zero), scale.T  # zero: None, a float or [1, N]
@@ -172,7 +175,10 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
         return acc
 
     shape = o_ref.shape[-2:]
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros(shape[::-1] if swap else shape, jnp.float32))
+    shape = (SLAB, shape[1]) if reduce == "acc" else shape[::-1] if swap else shape
+    acc = lax.fori_loop(lo, hi, body, jnp.zeros(shape, jnp.float32))
+    if reduce == "acc":
+        acc = jnp.sum(acc, axis=0, keepdims=True)
     o_ref[...] = (acc.T if swap else acc).reshape(o_ref.shape).astype(o_ref.dtype)
 
 
@@ -187,7 +193,8 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
 
     `unpack="magic"` (INT4, bf16 x) makes each code a bf16 by its bit pattern and takes the
     zero off after the dot; "convert" converts int -> f32 -> x's dtype. `reduce="sum"` (one
-    row, block_m 1) multiplies and sums in float32 instead of a padded MMA. `swap` computes
+    row, block_m 1) multiplies and sums in float32 instead of a padded MMA; "acc" keeps the
+    products in a [SLAB, block_n] float32 accumulator and sums it once after the loop. `swap` computes
     w^T x^T, so the unpacked slab (block_n rows) is the MMA's left operand, as Hopper's
     warpgroup MMA wants, and the few rows of x its narrow right one."""
     m, k_pad = x.shape
@@ -199,8 +206,8 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     if unpack == "magic" and reduce == "dot" and (bits != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"int matmul: unpack='magic' takes 4 bits and bf16 x, not bits={bits}"
                          f", {x.dtype}")
-    if reduce == "sum" and block_m != 1:
-        raise ValueError(f"int matmul: reduce='sum' takes block_m=1, not {block_m}")
+    if reduce != "dot" and block_m != 1:
+        raise ValueError(f"int matmul: reduce={reduce!r} takes block_m=1, not {block_m}")
     if m % block_m or n % block_n or k_pad != words.shape[0] * (32 // bits):
         raise ValueError(f"int matmul: x {x.shape} and words {words.shape} do not fit "
                          f"block_m={block_m}, block_n={block_n}, bits={bits}")
@@ -210,7 +217,7 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
                                tiles_per_split=per_split, num_tiles=num_tiles, unpack=unpack,
                                reduce=reduce, swap=swap and reduce == "dot")
     groups = scale.shape[0]
-    x_block = (None, k_pad) if reduce == "sum" else (block_m, k_pad)
+    x_block = (None, k_pad) if reduce != "dot" else (block_m, k_pad)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, 0)),
                 pl.BlockSpec((words.shape[0], block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
@@ -276,7 +283,7 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         compiler = tuned | compiler
     if compiler.get("unpack") == "magic" and x2.dtype != jnp.bfloat16:
         compiler = compiler | dict(unpack="convert")  # its bit patterns are bf16's
-    if compiler.get("reduce") == "sum":
+    if compiler.get("reduce", "dot") != "dot":
         block_m = 1
     block_m = block_m or block_m_for(m)
     m_pad = -(-m // block_m) * block_m

@@ -24,66 +24,84 @@ from jax.experimental.pallas import triton as plgpu
 
 
 def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
-            has_zero: bool, dot_dtype, reduce: str, swap: bool):
+            has_zero: bool, dot_dtype, reduce: str, swap: bool, nk: bool):
     z_ref, o_ref = rest if has_zero else (None, rest[0])
     grouped = s_ref.shape[0] > 1
+    # Products are kept "column-major" ([block_n, ...]) where the weight tile is [N, K] (nk)
+    # or the MMA is swapped; per-column scales and zeros then come as a column.
+    cols = nk if reduce != "dot" else swap
+    per_col = lambda a: a.T if cols else a
 
     def body(i, acc):
         k0 = pl.multiple_of(i * block_k, block_k)
-        w = q_ref[pl.ds(k0, block_k), :]
+        w = q_ref[:, pl.ds(k0, block_k)] if nk else q_ref[pl.ds(k0, block_k), :]
         g = k0 // group_k  # this split's blocks of x, q and scales start at its first group
         if has_zero:
-            w = w.astype(jnp.float32) - z_ref[pl.ds(g, 1), :].astype(jnp.float32)
-        if reduce == "sum":  # one row: a broadcast multiply and a column sum, no padded MMA
+            z = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+            w = w.astype(jnp.float32) - (z.T if nk else z)
+        if reduce != "dot":  # one row: a broadcast multiply (and a sum), no padded MMA
             xs = x_ref[pl.ds(k0, block_k)].astype(jnp.float32)
-            part = jnp.sum(xs[:, None] * w.astype(jnp.float32), axis=0, keepdims=True)
+            part = w.astype(jnp.float32) * (xs[None, :] if nk else xs[:, None])
+            if reduce == "sum":
+                part = jnp.sum(part, axis=1 if nk else 0, keepdims=True)
         else:
             xs = x_ref[:, pl.ds(k0, block_k)]
             dt = xs.dtype if dot_dtype is None else dot_dtype
+            w = w.astype(dt)
             if swap:  # out^T = w^T x^T: the weight tile fills the MMA's rows
-                part = plgpu.dot(w.astype(dt), xs.astype(dt), trans_a=True, trans_b=True)
+                part = plgpu.dot(w, xs.astype(dt), trans_a=not nk, trans_b=True)
             else:
-                part = plgpu.dot(xs.astype(dt), w.astype(dt))
+                part = plgpu.dot(xs.astype(dt), w, trans_b=nk)
         if not grouped:
             return acc + part
-        s = s_ref[pl.ds(g, 1), :]
-        return acc + part * (s.T if swap else s)
+        return acc + part * per_col(s_ref[pl.ds(g, 1), :])
 
-    shape = o_ref.shape[-2:]
-    acc = lax.fori_loop(0, num_k, body, jnp.zeros(shape[::-1] if swap else shape, jnp.float32))
-    if swap:
-        acc = acc.T
+    bm, bn = o_ref.shape[-2:]
+    shape = (((bn, block_k) if nk else (block_k, bn)) if reduce == "acc"
+             else (bn, bm) if cols else (bm, bn))
+    acc = lax.fori_loop(0, num_k, body, jnp.zeros(shape, jnp.float32))
+    if reduce == "acc":  # the sums once, after the loop, not once a tile
+        acc = jnp.sum(acc, axis=1 if nk else 0, keepdims=True)
     if not grouped:
-        acc = acc * s_ref[...]
-    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+        acc = acc * per_col(s_ref[...])
+    o_ref[...] = (acc.T if cols else acc).reshape(o_ref.shape).astype(o_ref.dtype)
 
 
-REDUCES = ("dot", "sum")
+REDUCES = ("dot", "sum", "acc")
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k",
                                              "num_warps", "num_stages", "dot_dtype", "reduce",
-                                             "swap", "interpret"))
+                                             "swap", "layout", "interpret"))
 def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64,
                  block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
                  dot_dtype: str | None = None, reduce: str = "dot", swap: bool = False,
-                 interpret: bool = False):
-    """x [M, K], q [K, N], scale [G, N] float32, zero [G, N] or None -> [M, N] in x's dtype.
+                 layout: str = "kn", interpret: bool = False):
+    """x [M, K], q [K, N] (or [N, K] with layout "nk"), scale [G, N] float32, zero [G, N] or
+    None -> [M, N] in x's dtype.
+
+    Stored [N, K], a tile's rows run along K: block_k contiguous bytes a row where [K, N]
+    reads block_n, and the tile is already the left operand of a swapped MMA.
 
     `dot_dtype` "float16" runs the MMA in f16 (FP8 -> f16 is one conversion per pair; bf16
     activations are exact in f16 within its range); None: x's dtype. `reduce="sum"` (M = 1
-    only) multiplies and sums in float32 instead of a 16-row padded MMA. `swap` computes the
+    only) multiplies and sums in float32 instead of a 16-row padded MMA; "acc" keeps the
+    products of every tile in a [block_k, block_n] float32 accumulator and sums its columns
+    once at the end, so the loop holds no cross-thread reduction. `swap` computes the
     transposed product (w^T x^T), so the weight tile (block_n rows, converted in registers) is
     the MMA's left operand and the few rows of x its narrow right one, as Hopper's warpgroup
     MMA wants (64+ rows on the left)."""
+    if layout not in ("kn", "nk"):
+        raise ValueError(f"w8a16_matmul: layout {layout!r} is not 'kn' or 'nk'")
+    nk = layout == "nk"
     m, k = x.shape
-    n = q.shape[1]
+    n = q.shape[0] if nk else q.shape[1]
     groups = scale.shape[0]
     group_k = k // groups
-    if reduce not in REDUCES or reduce == "sum" and m != 1:
+    if reduce not in REDUCES or reduce != "dot" and m != 1:
         raise ValueError(f"w8a16_matmul: reduce={reduce!r} must be one of {REDUCES} "
-                         f"('sum' takes M=1, got M={m})")
-    block_m = 1 if reduce == "sum" else block_m
+                         f"('sum' and 'acc' take M=1, got M={m})")
+    block_m = 1 if reduce != "dot" else block_m
     block_n, block_k = min(block_n, n), min(block_k, k // split_k, group_k)
     if n % block_n or k % (split_k * block_k) or group_k % block_k:
         raise ValueError(f"w8a16_matmul: N={n} must be a multiple of block_n={block_n}, K={k} "
@@ -99,10 +117,11 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     kernel = functools.partial(_kernel, block_k=block_k, num_k=kps // block_k,
                                group_k=group_k if grouped else k, has_zero=zero is not None,
                                dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype),
-                               reduce=reduce, swap=swap and reduce == "dot")
+                               reduce=reduce, swap=swap and reduce == "dot", nk=nk)
     s_spec = pl.BlockSpec((srows, block_n), lambda i, j, s: (s if grouped else 0, j))
-    x_block = (None, kps) if reduce == "sum" else (block_m, kps)
+    x_block = (None, kps) if reduce != "dot" else (block_m, kps)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, s)),
+                pl.BlockSpec((block_n, kps), lambda i, j, s: (j, s)) if nk else
                 pl.BlockSpec((kps, block_n), lambda i, j, s: (s, j)), s_spec]
     args = [x, q, scale]
     if zero is not None:
@@ -132,20 +151,27 @@ def fits(m: int, k: int, n: int, groups: int, p: dict) -> bool:
                                                           or m == 1))
 
 
-def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132) -> dict:
-    """Tiles for a call: the tuned entry of `tuning.QUANT_MATMUL` for this shape and M where
-    one fits, else decode-sized M in one row block with K split until about two waves of
-    programs stream the weights, and larger M in 64-row blocks of 128 columns, no split."""
+def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132,
+               layout: str = "kn") -> dict:
+    """Tiles for a call: the tuned entry of `tuning.QUANT_MATMUL` for this shape, M and layout
+    where one fits, else: one row summed over [N, K] tiles of 32 x 256 (or, [K, N], multiplied
+    in [128, 64] tiles), a few rows in one 16-row block (the MMA swapped where the weight is
+    [N, K]), K split until about two waves of programs stream the weights; larger M in 64-row
+    blocks of 128 columns, no split."""
     from . import tuning
-    p = tuning.quant_params("w8a16", m, k, n)
+    nk = layout == "nk"
+    p = tuning.quant_params("w8a16_nk" if nk else "w8a16", m, k, n)
     if p is not None and fits(m, k, n, groups, p):
         return p
     if m > 16:
         return dict(block_m=64, block_n=128, block_k=64, split_k=1)
-    block_n, block_k = 64, 256
+    one = m == 1
+    block_n, block_k = (32 if one else 64, 256) if nk else (64, 128 if one else 256)
     tiles = n // block_n if n % block_n == 0 else 1
     split = 1
     while (tiles * split * 2 <= 2 * num_sms and k % (split * 2 * block_k) == 0
            and k // (split * 2) >= 2 * block_k and (groups == 1 or groups % (split * 2) == 0)):
         split *= 2
-    return dict(block_m=16, block_n=block_n, block_k=block_k, split_k=split)
+    extra = dict(reduce="sum" if nk else "acc") if one else dict(swap=True) if nk else {}
+    return dict(block_m=1 if one else 16, block_n=block_n, block_k=block_k, split_k=split,
+                **extra)

@@ -63,6 +63,11 @@ def param(module: nn.Module, name: str, shape, axes, dtype, init=None):
         value = module.get_variable("params", name)
         if hasattr(value, "linear"):  # a packed layout (quant_int.PackedInt): not [in, out]
             return value
+        if getattr(value, "k_last", 0):  # an FP8 QArray stored [out, in]: check its own shape
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"param {name} of {module.name}: shape {tuple(value.shape)}, "
+                                 f"this config needs {tuple(shape)}")
+            return value
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 

@@ -308,8 +308,8 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
         value = jnp.asarray(value, want.dtype) if sharding is None else jax.device_put(
             value.astype(want.dtype), sharding)
         if quantization and quant.linear_axes(param_path) is not None:
-            value = _quantize_in_place(value, quant.contract_axes_of(param_path), sharding,
-                                       quantization, quant.linear_axes(param_path))
+            value = _quantize_in_place(value, sharding, quantization,
+                                       quant.linear_axes(param_path))
         _set(params, param_path, value)
     for param_path in ints.linears if ints is not None else ():
         _set(params, param_path, ints.load(param_path, lambda n: _read_raw(n, files, handles)))
@@ -325,7 +325,7 @@ def _read_raw(name: str, files: dict[str, Path], handles: dict) -> np.ndarray:
         return np.asarray(handles[file].get_tensor(name))
 
 
-def _quantize_in_place(value, contract_axes, sharding, quantization="fp8", axes=None):
+def _quantize_in_place(value, sharding, quantization, axes):
     """FP8 of a placed weight on the devices holding it: each its shard, the per-channel amax
     reduced across shards of the contraction axes. The input is dropped once this returns.
     Integer modes (w4a16, w8a16) quantize dense linears RTN and repack them on one device."""
@@ -334,13 +334,13 @@ def _quantize_in_place(value, contract_axes, sharding, quantization="fp8", axes=
         if sharding is not None:
             raise CheckpointError(f"quantization={quantization!r} on a mesh is not supported yet")
         return value if axes[0] != 0 else quantize_weight(value, axes[1], quantization)
-    shapes = jax.eval_shape(lambda w: quant.quantize_fp8(w, contract_axes), value)
-    return _quantizer(contract_axes, quant.sharding_for(shapes, sharding))(value)
+    shapes = jax.eval_shape(lambda w: quant.quantize_linear(w, axes), value)
+    return _quantizer(axes, quant.sharding_for(shapes, sharding))(value)
 
 
 @functools.lru_cache(maxsize=64)
-def _quantizer(contract_axes, out_shardings):
-    return jax.jit(lambda w: quant.quantize_fp8(w, contract_axes), out_shardings=out_shardings)
+def _quantizer(axes, out_shardings):
+    return jax.jit(lambda w: quant.quantize_linear(w, axes), out_shardings=out_shardings)
 
 
 # -- published FP8 checkpoints (model/fp8_checkpoint.py) ---------------------------------------------
@@ -400,5 +400,6 @@ def _fp8_param(fp8, param_path, names, build, want, files, handles):
         raise CheckpointError(f"{fp8.scale_name(names[0])}: blocks of {fp8.block} do not split "
                               f"evenly over the axes of {'.'.join(param_path)} "
                               f"{tuple(want.shape)}")
-    return quant.check(quant.QArray(value, scale.astype(np.float32), None, "fp8"),
-                       fp8.scale_name(names[0]))
+    w = quant.check(quant.QArray(value, scale.astype(np.float32), None, "fp8"),
+                    fp8.scale_name(names[0]))
+    return w if lead else quant.to_k_last(w, in_axes)

@@ -123,7 +123,8 @@ def test_block_fp8_checkpoint(tmp_path):
           "weight_block_size": [128, 128]}
     qdir, qp = check_against_plain(tmp_path, model, tensors, plain, qc, "mlp")
     assert qp["layers_0"]["attn"]["wq"].scale.shape == (1, 1, 1)  # one block over [128, 2, 64]
-    assert qp["layers_0"]["mlp"]["w_down"].scale.shape == (2, 1)
+    w_down = qp["layers_0"]["mlp"]["w_down"]
+    assert w_down.logical(w_down.scale).shape == (2, 1) and w_down.q.shape == (128, 256)
 
     bad = dict(tensors)
     bad["model.layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(2, 2)

@@ -82,12 +82,14 @@ def test_quantize_on_load(tmp_path):
     config, plain = load_hf(tmp_path, dtype=jnp.float32)
     _, qp = load_hf(tmp_path, dtype=jnp.float32, quantization="fp8")
     wq = qp["layers_1"]["attn"]["wq"]
-    assert wq.q.dtype == jnp.float8_e4m3fn and wq.scale.shape == (1,) + wq.q.shape[1:]
+    assert wq.q.dtype == jnp.float8_e4m3fn and wq.logical(wq.scale).shape == (1,) + wq.shape[1:]
+    assert wq.q.shape == wq.shape[1:] + wq.shape[:1]  # stored [out..., in]: the kernels' [N, K]
     assert qp["lm_head"].dtype == jnp.float32 and qp["embed"].dtype == jnp.float32
     want = jax.tree.map(lambda w: quant.quantize_fp8(w, (0,)) if w.ndim == 2 else w,
                         plain["layers_1"]["mlp"])
     for name in ("w_gate", "w_up", "w_down"):
-        np.testing.assert_array_equal(np.asarray(qp["layers_1"]["mlp"][name].q, np.float32),
+        got = qp["layers_1"]["mlp"][name]
+        np.testing.assert_array_equal(np.asarray(got.logical(got.q), np.float32),
                                       np.asarray(want[name].q, np.float32))
     with pytest.raises(ValueError, match="'int3' is not one of fp8"):
         load_hf(tmp_path, quantization="int3")

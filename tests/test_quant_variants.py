@@ -19,8 +19,11 @@ def rel_err(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("m,kw", [(1, dict(reduce="sum")), (3, dict(dot_dtype="float16")),
-                                  (5, dict(swap=True))])
+@pytest.mark.parametrize("m,kw", [
+    (1, dict(reduce="sum")), (3, dict(dot_dtype="float16")), (5, dict(swap=True)),
+    (1, dict(reduce="acc")),                                 # one sum after the loop
+    (1, dict(reduce="acc", layout="nk")), (1, dict(reduce="sum", layout="nk")),
+    (3, dict(layout="nk")), (5, dict(swap=True, layout="nk"))])  # weights stored [N, K]
 def test_w8a16_variants_equal_reference(m, kw):
     rng = np.random.default_rng(m)
     k, n = 512, 128
@@ -28,14 +31,15 @@ def test_w8a16_variants_equal_reference(m, kw):
     scale = np.abs(w).reshape(2, k // 2, n).max(1) / 448
     q = jnp.asarray(w / np.repeat(scale, k // 2, 0)).astype(jnp.float8_e4m3fn)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    got = wm.w8a16_matmul(x, q, jnp.asarray(scale), block_n=64, block_k=128, split_k=2,
+    stored = jnp.asarray(q.T, copy=True) if kw.get("layout") == "nk" else q
+    got = wm.w8a16_matmul(x, stored, jnp.asarray(scale), block_n=64, block_k=128, split_k=2,
                           interpret=True, **kw)
     assert got.shape == (m, n)
     assert rel_err(got, qr.w8a16_reference(x, q, jnp.asarray(scale))) <= 1e-3
 
 
 def test_w8a16_sum_takes_one_row():
-    with pytest.raises(ValueError, match="reduce='sum'"):
+    with pytest.raises(ValueError, match="'sum' and 'acc' take M=1"):
         wm.w8a16_matmul(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.int8),
                         jnp.ones((1, 64)), reduce="sum", interpret=True)
 
@@ -43,6 +47,7 @@ def test_w8a16_sum_takes_one_row():
 @pytest.mark.parametrize("m,asym,kw", [
     (3, True, dict(unpack="magic")),                   # zeros after the dot
     (1, True, dict(reduce="sum")),                     # f32 bit patterns, no MMA
+    (1, True, dict(reduce="acc")),                     # the same, summed once after the loop
     (2, True, dict(unpack="magic", swap=True)),        # w^T x^T, zeros after the dot
     (1, False, dict(unpack="magic", swap=True)),       # one row padded, the zero a constant
 ])

@@ -336,7 +336,8 @@ def test_newer_families_on_a_mesh_equal_one_device(family, shape, tmp_path):
 def test_fp8_weights_on_a_mesh(moe_checkpoint, dense):
     """FP8 weights quantized on load straight onto an ep2 x tp2 mesh, and placed on a tp4 mesh:
     values split like the plain weights, scales along the output axes (copied where their axis
-    has size one), and the logits those of the same FP8 weights on one device."""
+    has size one), and the logits those of the same FP8 weights on one device. Dense
+    projections are stored [out..., in...] (quant.py k_last), the experts as they are."""
     from pallasite.model import forward_logits, load_hf, quant
     from pallasite.sharding import Layout, MeshPlan, make_mesh, param_shardings
     folder, config, _ = moe_checkpoint
@@ -347,7 +348,7 @@ def test_fp8_weights_on_a_mesh(moe_checkpoint, dense):
     check_split(moe["w_down"].q, P("expert", "tensor", None), (2, 48, 64))
     check_split(moe["w_down"].scale, P("expert", None, None), (2, 1, 64))
     check_split(moe["w_gate"].scale, P("expert", None, "tensor"), (2, 1, 48))
-    check_split(attn["wo"].scale, P(None, None, None), (1, 1, 64))
+    check_split(attn["wo"].scale, P(None, None, None), (64, 1, 1))  # [d, 1, 1] of [d, h, hd]
     _, one = load_hf(folder, dtype=jnp.float32, quantization="fp8")
     want = forward_logits(one, config, IDS)
     assert rel_err(layout.forward_logits()(on_mesh, IDS), want) <= 1e-5
@@ -356,9 +357,9 @@ def test_fp8_weights_on_a_mesh(moe_checkpoint, dense):
     layout = Layout(config, make_mesh(MeshPlan(1, 4, 1)))
     qp = quant.quantize_params(params)
     placed = layout.place_params(qp)
-    check_split(placed["layers_1"]["attn"]["wq"].q, P(None, "tensor", None), (64, 2, 8))
-    check_split(placed["layers_1"]["attn"]["wq"].scale, P(None, "tensor", None), (1, 2, 8))
-    check_split(placed["layers_1"]["mlp"]["w_down"].scale, P(None, None), (1, 64))
+    check_split(placed["layers_1"]["attn"]["wq"].q, P("tensor", None, None), (2, 8, 64))
+    check_split(placed["layers_1"]["attn"]["wq"].scale, P("tensor", None, None), (2, 8, 1))
+    check_split(placed["layers_1"]["mlp"]["w_down"].scale, P(None, None), (64, 1))
     want = forward_logits(qp, config, IDS)
     assert rel_err(layout.forward_logits()(placed, IDS), want) <= 1e-5
 

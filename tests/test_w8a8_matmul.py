@@ -100,8 +100,10 @@ def test_quant_matmul_routes_w8a8(monkeypatch, caplog):
     monkeypatch.setenv("PALLASITE_W8A8_IMPL", "cublas")
     with pytest.raises(ValueError, match="'xla', 'pallas', 'mosaic'"):
         kernels.quant_matmul(x, q, scale, mode="w8a8")
-    with pytest.raises(ValueError, match="layout"):
-        kernels.quant_matmul(x, q, scale, mode="w8a16", layout="nk")
+    with pytest.raises(ValueError, match="layout 'mn'"):
+        kernels.quant_matmul(x, q, scale, mode="w8a16", layout="mn")
+    got = kernels.quant_matmul(x, q.T, scale, mode="w8a16", layout="nk", interpret=True)
+    assert rel_err(got, qr.w8a16_reference(x, q, scale)) <= 1e-3
 
 
 @pytest.mark.parametrize("kernel,layout,groups,kw", [
