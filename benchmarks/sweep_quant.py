@@ -42,7 +42,7 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 # the model's own products where q/k/v and gate/up are separate weights
 EXTRA_SHAPES = {"kv": (4096, 1024), "gate": (4096, 14336)}
 TINY_SHAPES = {"tiny": (512, 256)}
-MS = (1, 4, 16)
+MS = (1, 2, 4, 16)
 PREFILL_M = 2048
 GROUP = 128
 LIMIT = 1e-3  # relative error against the same-math reference
@@ -92,7 +92,7 @@ def fp8_nk_variants(m, k, n, tier):
     """kwargs of w8a16_matmul on weights stored [N, K] (rows of block_k contiguous bytes)."""
     def v(bn, bk, target, warps, stages, **extra):
         bn, bk = min(bn, n), min(bk, k)
-        kw = dict(block_m=1 if extra.get("reduce", "dot") != "dot" else 16, block_n=bn,
+        kw = dict(block_m=m if extra.get("reduce", "dot") != "dot" else 16, block_n=bn,
                   block_k=bk, split_k=fp8_split(k, n, bn, bk, target), num_warps=warps,
                   num_stages=stages, layout="nk", **extra)
         return kw
@@ -103,7 +103,10 @@ def fp8_nk_variants(m, k, n, tier):
                 v(64, 256, 528, 8, 2, reduce="acc"), v(32, 512, 528, 8, 2, reduce="acc"),
                 v(16, 256, 2112, 4, 2, reduce="acc"), v(32, 256, 1056, 4, 3, reduce="sum"),
                 v(64, 256, 264, 4, 4, swap=True)]
-    return [v(64, 256, 528, 4, 4, swap=True), v(128, 256, 264, 4, 4, swap=True),
+    rows = [v(32, 256, 1056, 4, 3, reduce="sum"), v(64, 256, 528, 8, 2, reduce="sum"),
+            v(32, 128, 1056, 4, 3, reduce="sum"), v(16, 256, 2112, 4, 3, reduce="sum")
+            ] if m <= 8 else []
+    return rows + [v(64, 256, 528, 4, 4, swap=True), v(128, 256, 264, 4, 4, swap=True),
             v(64, 512, 528, 4, 3, swap=True), v(128, 128, 528, 4, 4, swap=True),
             v(64, 256, 528, 4, 4, swap=True, dot_dtype="float16")]
 
@@ -213,6 +216,7 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
             j for j in jobs if j[0] == kern and j[1].get("reduce") == "acc"][:1]
         jobs = (keep("fp8", 2) + keep("fp8_nk", 1) + keep("int4", 2) if tier == 1
                 else keep("fp8", 2)[1:2])
+    jobs = [j for j in jobs if j[0] in args.kernels.split(",")]
     records, timed = [], []
     for kernel, kw, fn, wargs in jobs:
         if time.time() > deadline:
@@ -361,7 +365,9 @@ def main(argv=None):
                    help="seconds; variants past it are skipped and the results written")
     p.add_argument("--tiers", default="1,2")
     p.add_argument("--skip-w8a8", action="store_true", help="only the weight-only kernels")
-    p.add_argument("--ms", default=None, help="comma-separated M values (default 1,4,16)")
+    p.add_argument("--ms", default=None, help="comma-separated M values (default 1,2,4,16)")
+    p.add_argument("--kernels", default="fp8,fp8_nk,int4,w8a8_nk",
+                   help="which of fp8 ([K, N]), fp8_nk, int4, w8a8_nk (XLA) to run")
     p.add_argument("--shapes", default=None,
                    help="comma-separated subset of " + ",".join(SHAPES | EXTRA_SHAPES))
     args = p.parse_args(argv)

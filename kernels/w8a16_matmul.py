@@ -23,6 +23,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
+def _row_sums(w, xs, nk):
+    """w [N, K] (nk) or [K, N] times each row of xs [R, K] by multiply and sum -> [N, R] (nk)
+    or [R, N]. A row is taken out of xs by a masked sum (Triton has no row index of a tile)."""
+    rows = xs.shape[0]
+    r = jnp.arange(rows)
+    out = jnp.zeros((w.shape[0], rows) if nk else (rows, w.shape[1]), jnp.float32)
+    for g in range(rows):
+        x_g = jnp.sum(jnp.where(r[:, None] == g, xs, 0.0), axis=0)
+        if nk:
+            out = jnp.where(r[None, :] == g, jnp.sum(w * x_g[None, :], axis=1)[:, None], out)
+        else:
+            out = jnp.where(r[:, None] == g, jnp.sum(w * x_g[:, None], axis=0)[None, :], out)
+    return out
+
+
 def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
             has_zero: bool, dot_dtype, reduce: str, swap: bool, nk: bool):
     z_ref, o_ref = rest if has_zero else (None, rest[0])
@@ -39,11 +54,14 @@ def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
         if has_zero:
             z = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
             w = w.astype(jnp.float32) - (z.T if nk else z)
-        if reduce != "dot":  # one row: a broadcast multiply (and a sum), no padded MMA
-            xs = x_ref[pl.ds(k0, block_k)].astype(jnp.float32)
+        if reduce != "dot" and len(x_ref.shape) == 1:  # one row: a broadcast multiply (and
+            xs = x_ref[pl.ds(k0, block_k)].astype(jnp.float32)  # a sum), no padded MMA
             part = w.astype(jnp.float32) * (xs[None, :] if nk else xs[:, None])
             if reduce == "sum":
                 part = jnp.sum(part, axis=1 if nk else 0, keepdims=True)
+        elif reduce == "sum":  # a few rows, one at a time, each as the one-row sum
+            part = _row_sums(w.astype(jnp.float32),
+                             x_ref[:, pl.ds(k0, block_k)].astype(jnp.float32), nk)
         else:
             xs = x_ref[:, pl.ds(k0, block_k)]
             dt = xs.dtype if dot_dtype is None else dot_dtype
@@ -84,8 +102,8 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     reads block_n, and the tile is already the left operand of a swapped MMA.
 
     `dot_dtype` "float16" runs the MMA in f16 (FP8 -> f16 is one conversion per pair; bf16
-    activations are exact in f16 within its range); None: x's dtype. `reduce="sum"` (M = 1
-    only) multiplies and sums in float32 instead of a 16-row padded MMA; "acc" keeps the
+    activations are exact in f16 within its range); None: x's dtype. `reduce="sum"` (M <= 8)
+    multiplies and sums in float32, row by row, instead of a 16-row padded MMA; "acc" (M = 1) keeps the
     products of every tile in a [block_k, block_n] float32 accumulator and sums its columns
     once at the end, so the loop holds no cross-thread reduction. `swap` computes the
     transposed product (w^T x^T), so the weight tile (block_n rows, converted in registers) is
@@ -98,10 +116,10 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     n = q.shape[0] if nk else q.shape[1]
     groups = scale.shape[0]
     group_k = k // groups
-    if reduce not in REDUCES or reduce != "dot" and m != 1:
+    if reduce not in REDUCES or reduce == "acc" and m != 1 or reduce == "sum" and m > 8:
         raise ValueError(f"w8a16_matmul: reduce={reduce!r} must be one of {REDUCES} "
-                         f"('sum' and 'acc' take M=1, got M={m})")
-    block_m = 1 if reduce != "dot" else block_m
+                         f"('acc' takes M=1, 'sum' M <= 8; got M={m})")
+    block_m = pl.next_power_of_2(m) if reduce != "dot" else block_m
     block_n, block_k = min(block_n, n), min(block_k, k // split_k, group_k)
     if n % block_n or k % (split_k * block_k) or group_k % block_k:
         raise ValueError(f"w8a16_matmul: N={n} must be a multiple of block_n={block_n}, K={k} "
@@ -119,7 +137,7 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
                                dot_dtype=None if dot_dtype is None else jnp.dtype(dot_dtype),
                                reduce=reduce, swap=swap and reduce == "dot", nk=nk)
     s_spec = pl.BlockSpec((srows, block_n), lambda i, j, s: (s if grouped else 0, j))
-    x_block = (None, kps) if reduce != "dot" else (block_m, kps)
+    x_block = (None, kps) if reduce != "dot" and block_m == 1 else (block_m, kps)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, s)),
                 pl.BlockSpec((block_n, kps), lambda i, j, s: (j, s)) if nk else
                 pl.BlockSpec((kps, block_n), lambda i, j, s: (s, j)), s_spec]
@@ -147,8 +165,8 @@ def fits(m: int, k: int, n: int, groups: int, p: dict) -> bool:
     block_n, split = min(p.get("block_n", 64), n), p.get("split_k", 1)
     block_k = min(p.get("block_k", 256), k // split, k // groups)
     return (n % block_n == 0 and k % (split * block_k) == 0 and (k // groups) % block_k == 0
-            and (groups == 1 or groups % split == 0) and (p.get("reduce", "dot") == "dot"
-                                                          or m == 1))
+            and (groups == 1 or groups % split == 0)
+            and {"dot": True, "sum": m <= 8, "acc": m == 1}[p.get("reduce", "dot")])
 
 
 def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132,
@@ -165,7 +183,7 @@ def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132,
         return p
     if m > 16:
         return dict(block_m=64, block_n=128, block_k=64, split_k=1)
-    one = m == 1
+    one = m == 1 or nk and m <= 2  # two rows summed one by one still beat a padded MMA
     block_n, block_k = (32 if one else 64, 256) if nk else (64, 128 if one else 256)
     tiles = n // block_n if n % block_n == 0 else 1
     split = 1
@@ -173,5 +191,5 @@ def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132,
            and k // (split * 2) >= 2 * block_k and (groups == 1 or groups % (split * 2) == 0)):
         split *= 2
     extra = dict(reduce="sum" if nk else "acc") if one else dict(swap=True) if nk else {}
-    return dict(block_m=1 if one else 16, block_n=block_n, block_k=block_k, split_k=split,
+    return dict(block_m=m if one else 16, block_n=block_n, block_k=block_k, split_k=split,
                 **extra)
