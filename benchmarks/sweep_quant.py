@@ -104,8 +104,9 @@ def fp8_nk_variants(m, k, n, tier):
                 v(16, 256, 2112, 4, 2, reduce="acc"), v(32, 256, 1056, 4, 3, reduce="sum"),
                 v(64, 256, 264, 4, 4, swap=True)]
     rows = [v(32, 256, 1056, 4, 3, reduce="sum"), v(64, 256, 528, 8, 2, reduce="sum"),
-            v(32, 128, 1056, 4, 3, reduce="sum"), v(16, 256, 2112, 4, 3, reduce="sum")
-            ] if m <= 8 else []
+            v(32, 128, 1056, 4, 3, reduce="sum"), v(16, 256, 2112, 4, 3, reduce="sum"),
+            v(16, 256, 2112, 4, 2, reduce="acc"), v(32, 128, 1056, 4, 2, reduce="acc")
+            ] if 1 < m <= 8 else []
     return rows + [v(64, 256, 528, 4, 4, swap=True), v(128, 256, 264, 4, 4, swap=True),
             v(64, 512, 528, 4, 3, swap=True), v(128, 128, 528, 4, 4, swap=True),
             v(64, 256, 528, 4, 4, swap=True, dot_dtype="float16")]

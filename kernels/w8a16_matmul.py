@@ -23,66 +23,65 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _row_sums(w, xs, nk):
-    """w [N, K] (nk) or [K, N] times each row of xs [R, K] by multiply and sum -> [N, R] (nk)
-    or [R, N]. A row is taken out of xs by a masked sum (Triton has no row index of a tile)."""
-    rows = xs.shape[0]
-    r = jnp.arange(rows)
-    out = jnp.zeros((w.shape[0], rows) if nk else (rows, w.shape[1]), jnp.float32)
-    for g in range(rows):
-        x_g = jnp.sum(jnp.where(r[:, None] == g, xs, 0.0), axis=0)
-        if nk:
-            out = jnp.where(r[None, :] == g, jnp.sum(w * x_g[None, :], axis=1)[:, None], out)
-        else:
-            out = jnp.where(r[:, None] == g, jnp.sum(w * x_g[:, None], axis=0)[None, :], out)
-    return out
-
-
 def _kernel(x_ref, q_ref, s_ref, *rest, block_k: int, num_k: int, group_k: int,
             has_zero: bool, dot_dtype, reduce: str, swap: bool, nk: bool):
     z_ref, o_ref = rest if has_zero else (None, rest[0])
     grouped = s_ref.shape[0] > 1
+    bm, bn = o_ref.shape[-2:]
     # Products are kept "column-major" ([block_n, ...]) where the weight tile is [N, K] (nk)
     # or the MMA is swapped; per-column scales and zeros then come as a column.
     cols = nk if reduce != "dot" else swap
     per_col = lambda a: a.T if cols else a
+    # Without an MMA each row has its own accumulator: a row's sums never mix with another's.
+    one_d = len(x_ref.shape) == 1
 
-    def body(i, acc):
+    def row(g, k0):
+        x = x_ref[pl.ds(k0, block_k)] if one_d else x_ref[g, pl.ds(k0, block_k)]
+        return x.astype(jnp.float32)
+
+    def products(w, k0):
+        if reduce == "dot":
+            xs = x_ref[:, pl.ds(k0, block_k)]
+            dt = xs.dtype if dot_dtype is None else dot_dtype
+            w = w.astype(dt)
+            if swap:  # out^T = w^T x^T: the weight tile fills the MMA's rows
+                return [plgpu.dot(w, xs.astype(dt), trans_a=not nk, trans_b=True)]
+            return [plgpu.dot(xs.astype(dt), w, trans_b=nk)]
+        w = w.astype(jnp.float32)
+        parts = [w * (row(g, k0)[None, :] if nk else row(g, k0)[:, None]) for g in range(bm)]
+        if reduce == "sum":
+            parts = [jnp.sum(p, axis=1 if nk else 0, keepdims=True) for p in parts]
+        return parts
+
+    def body(i, accs):
         k0 = pl.multiple_of(i * block_k, block_k)
         w = q_ref[:, pl.ds(k0, block_k)] if nk else q_ref[pl.ds(k0, block_k), :]
         g = k0 // group_k  # this split's blocks of x, q and scales start at its first group
         if has_zero:
             z = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
             w = w.astype(jnp.float32) - (z.T if nk else z)
-        if reduce != "dot" and len(x_ref.shape) == 1:  # one row: a broadcast multiply (and
-            xs = x_ref[pl.ds(k0, block_k)].astype(jnp.float32)  # a sum), no padded MMA
-            part = w.astype(jnp.float32) * (xs[None, :] if nk else xs[:, None])
-            if reduce == "sum":
-                part = jnp.sum(part, axis=1 if nk else 0, keepdims=True)
-        elif reduce == "sum":  # a few rows, one at a time, each as the one-row sum
-            part = _row_sums(w.astype(jnp.float32),
-                             x_ref[:, pl.ds(k0, block_k)].astype(jnp.float32), nk)
-        else:
-            xs = x_ref[:, pl.ds(k0, block_k)]
-            dt = xs.dtype if dot_dtype is None else dot_dtype
-            w = w.astype(dt)
-            if swap:  # out^T = w^T x^T: the weight tile fills the MMA's rows
-                part = plgpu.dot(w, xs.astype(dt), trans_a=not nk, trans_b=True)
-            else:
-                part = plgpu.dot(xs.astype(dt), w, trans_b=nk)
-        if not grouped:
-            return acc + part
-        return acc + part * per_col(s_ref[pl.ds(g, 1), :])
+        parts = products(w, k0)
+        if grouped:
+            s = per_col(s_ref[pl.ds(g, 1), :])
+            parts = [p * s for p in parts]
+        return tuple(a + p for a, p in zip(accs, parts))
 
-    bm, bn = o_ref.shape[-2:]
-    shape = (((bn, block_k) if nk else (block_k, bn)) if reduce == "acc"
-             else (bn, bm) if cols else (bm, bn))
-    acc = lax.fori_loop(0, num_k, body, jnp.zeros(shape, jnp.float32))
-    if reduce == "acc":  # the sums once, after the loop, not once a tile
-        acc = jnp.sum(acc, axis=1 if nk else 0, keepdims=True)
-    if not grouped:
-        acc = acc * per_col(s_ref[...])
-    o_ref[...] = (acc.T if cols else acc).reshape(o_ref.shape).astype(o_ref.dtype)
+    if reduce == "dot":
+        shapes = [(bn, bm) if cols else (bm, bn)]
+    else:
+        wide = block_k if reduce == "acc" else 1
+        shapes = [(bn, wide) if nk else (wide, bn)] * bm
+    accs = lax.fori_loop(0, num_k, body, tuple(jnp.zeros(sh, jnp.float32) for sh in shapes))
+    for g, acc in enumerate(accs):
+        if reduce == "acc":  # the sums once, after the loop, not once a tile
+            acc = jnp.sum(acc, axis=1 if nk else 0, keepdims=True)
+        if not grouped:
+            acc = acc * per_col(s_ref[...])
+        acc = (acc.T if cols else acc).astype(o_ref.dtype)
+        if reduce == "dot" or one_d:
+            o_ref[...] = acc.reshape(o_ref.shape)
+        else:
+            o_ref[pl.ds(g, 1), :] = acc
 
 
 REDUCES = ("dot", "sum", "acc")
@@ -103,9 +102,9 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
 
     `dot_dtype` "float16" runs the MMA in f16 (FP8 -> f16 is one conversion per pair; bf16
     activations are exact in f16 within its range); None: x's dtype. `reduce="sum"` (M <= 8)
-    multiplies and sums in float32, row by row, instead of a 16-row padded MMA; "acc" (M = 1) keeps the
-    products of every tile in a [block_k, block_n] float32 accumulator and sums its columns
-    once at the end, so the loop holds no cross-thread reduction. `swap` computes the
+    multiplies and sums in float32, each row with its own accumulator, instead of a 16-row
+    padded MMA; "acc" keeps each row's products of every tile in a [block_k, block_n] float32
+    accumulator and sums it once at the end, so the loop holds no cross-thread reduction. `swap` computes the
     transposed product (w^T x^T), so the weight tile (block_n rows, converted in registers) is
     the MMA's left operand and the few rows of x its narrow right one, as Hopper's warpgroup
     MMA wants (64+ rows on the left)."""
@@ -116,9 +115,9 @@ def w8a16_matmul(x, q, scale, zero=None, *, block_m: int = 16, block_n: int = 64
     n = q.shape[0] if nk else q.shape[1]
     groups = scale.shape[0]
     group_k = k // groups
-    if reduce not in REDUCES or reduce == "acc" and m != 1 or reduce == "sum" and m > 8:
+    if reduce not in REDUCES or reduce != "dot" and m > 8:
         raise ValueError(f"w8a16_matmul: reduce={reduce!r} must be one of {REDUCES} "
-                         f"('acc' takes M=1, 'sum' M <= 8; got M={m})")
+                         f"('sum' and 'acc' take M <= 8, got M={m})")
     block_m = pl.next_power_of_2(m) if reduce != "dot" else block_m
     block_n, block_k = min(block_n, n), min(block_k, k // split_k, group_k)
     if n % block_n or k % (split_k * block_k) or group_k % block_k:
@@ -166,7 +165,7 @@ def fits(m: int, k: int, n: int, groups: int, p: dict) -> bool:
     block_k = min(p.get("block_k", 256), k // split, k // groups)
     return (n % block_n == 0 and k % (split * block_k) == 0 and (k // groups) % block_k == 0
             and (groups == 1 or groups % split == 0)
-            and {"dot": True, "sum": m <= 8, "acc": m == 1}[p.get("reduce", "dot")])
+            and (p.get("reduce", "dot") == "dot" or m <= 8))
 
 
 def blocks_for(m: int, k: int, n: int, groups: int = 1, num_sms: int = 132,

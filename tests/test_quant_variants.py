@@ -24,7 +24,8 @@ def rel_err(a, b):
     (1, dict(reduce="acc")),                                 # one sum after the loop
     (1, dict(reduce="acc", layout="nk")), (1, dict(reduce="sum", layout="nk")),
     (3, dict(layout="nk")), (5, dict(swap=True, layout="nk")),  # weights stored [N, K]
-    (3, dict(reduce="sum", layout="nk")), (2, dict(reduce="sum"))])  # rows one at a time
+    (3, dict(reduce="sum", layout="nk")), (2, dict(reduce="sum")),
+    (2, dict(reduce="acc", layout="nk"))])  # rows one at a time
 def test_w8a16_variants_equal_reference(m, kw):
     rng = np.random.default_rng(m)
     k, n = 512, 128
@@ -39,9 +40,9 @@ def test_w8a16_variants_equal_reference(m, kw):
     assert rel_err(got, qr.w8a16_reference(x, q, jnp.asarray(scale))) <= 1e-3
 
 
-def test_w8a16_acc_takes_one_row():
-    with pytest.raises(ValueError, match="'acc' takes M=1"):
-        wm.w8a16_matmul(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.int8),
+def test_w8a16_row_sums_take_few_rows():
+    with pytest.raises(ValueError, match="'sum' and 'acc' take M <= 8"):
+        wm.w8a16_matmul(jnp.zeros((9, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.int8),
                         jnp.ones((1, 64)), reduce="acc", interpret=True)
 
 
