@@ -47,18 +47,24 @@ def build(args):
     """The model, and an engine with the sizes `LLM()` would pick on this device."""
     from pallasite.model import config_from_dict, init_params
     from pallasite.serving.engine import Engine
+    from pallasite.serving.llm import kv_cache_dtype_of
     from pallasite.serving.settings import engine_sizes
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     config = config_from_dict(dict(model_type="llama", **(TINY if args.tiny else MODEL)))
     params = jax.jit(lambda: init_params(config, args.seed, dtype))()  # made on the device
-    sizes = engine_sizes(config, dtype, max_model_len=MAX_MODEL_LEN, page_size=16,
+    if args.quantization:  # the bf16 weights go once quantized: free memory sizes the KV pool
+        from pallasite.model import quant, quant_int
+        pack = quant.quantize_params if args.quantization == "fp8" else quant_int.quantize_params
+        params = pack(params, args.quantization)
+    kv_dtype = kv_cache_dtype_of(args.kv_cache_dtype) or dtype
+    sizes = engine_sizes(config, kv_dtype, max_model_len=MAX_MODEL_LEN, page_size=16,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens)
     if args.tiny:  # a CPU dry run: a small engine
         sizes.update(num_pages=2048, max_num_seqs=64, max_num_batched_tokens=512,
                      token_buckets=[64, 512])
     engine = Engine(config, params, page_size=16, max_model_len=MAX_MODEL_LEN,
-                    page_buckets=[16, MAX_MODEL_LEN // 16], **sizes)
+                    page_buckets=[16, MAX_MODEL_LEN // 16], kv_cache_dtype=kv_dtype, **sizes)
     return config, params, engine
 
 
@@ -245,7 +251,8 @@ def main(args):
     from .common import copy_bandwidth, run_info
     env = dict(**run_info(), attention=choose_impl(),
                model="tiny" if args.tiny else "llama3-8b-shaped",
-               lengths="benchmarks/data/sharegpt_lengths_N.json", tokenizer=sharegpt.TOKENIZER)
+               lengths="benchmarks/data/sharegpt_lengths_N.json", tokenizer=sharegpt.TOKENIZER,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     print(json.dumps(env), flush=True)
     pairs = lengths(max(args.prompts + [args.online_prompts]), args.tiny)  # fail early if absent
     bw, how = copy_bandwidth(gb=0.05 if args.tiny else 4)
@@ -324,6 +331,8 @@ def _pct(x):
 
 
 def add_arguments(ap):
+    ap.add_argument("--quantization", default=None, help="fp8, w4a16 or w8a16 weights")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights') or fp8")
     ap.add_argument("--sharegpt", choices=["offline", "online"], default=None,
                     help="the ShareGPT workload (see benchmarks/serving_sharegpt.py)")
     ap.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[1000],
