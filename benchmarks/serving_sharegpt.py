@@ -136,6 +136,9 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline) -
     pairs = lengths(n, args.tiny)
     reqs = requests(pairs, config.vocab_size, args.seed, f"off{n}-")
     outs, wall, log = run_offline(engine, reqs, deadline)
+    if not log:
+        raise SystemExit(f"offline, {n} prompts: the time limit came before the first step "
+                         "(raise --time-limit)")
     out_tokens = sum(len(o.new_token_ids) for o in outs)
     done = {o.request_id for o in outs if o.finished and o.finish_reason == "length"}
     prompt_tokens = sum(p for p, _ in pairs)
