@@ -106,8 +106,20 @@ QUANT_MATMUL = {
         ],
     },
     "w8a16_nk": {  # FP8 weights stored [N, K] (quant.py k_last), the same kernel
+        (4096, 1024): [
+            (1, dict(block_m=1, block_n=16, block_k=256, split_k=16, num_warps=4, num_stages=2,
+                     reduce='acc')),
+            (2, dict(block_m=2, block_n=16, block_k=256, split_k=16, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (4, dict(block_m=4, block_n=32, block_k=256, split_k=16, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (16, dict(block_m=16, block_n=64, block_k=256, split_k=16, num_warps=4, num_stages=4,
+                     swap=True)),
+        ],
         (4096, 4096): [
             (1, dict(block_m=1, block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (2, dict(block_m=2, block_n=32, block_k=128, split_k=8, num_warps=4, num_stages=3,
                      reduce='sum')),
             (4, dict(block_m=16, block_n=64, block_k=512, split_k=8, num_warps=4, num_stages=3,
                      swap=True)),
@@ -122,6 +134,16 @@ QUANT_MATMUL = {
             (16, dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4,
                      swap=True)),
         ],
+        (4096, 14336): [
+            (1, dict(block_m=1, block_n=32, block_k=256, split_k=2, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (2, dict(block_m=2, block_n=32, block_k=128, split_k=2, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (4, dict(block_m=16, block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4,
+                     swap=True)),
+            (16, dict(block_m=16, block_n=128, block_k=128, split_k=4, num_warps=4, num_stages=4,
+                     swap=True)),
+        ],
         (4096, 28672): [
             (1, dict(block_m=1, block_n=64, block_k=256, split_k=1, num_warps=8, num_stages=2,
                      reduce='acc')),
@@ -132,6 +154,8 @@ QUANT_MATMUL = {
         ],
         (14336, 4096): [
             (1, dict(block_m=1, block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3,
+                     reduce='sum')),
+            (2, dict(block_m=2, block_n=32, block_k=128, split_k=8, num_warps=4, num_stages=3,
                      reduce='sum')),
             (4, dict(block_m=16, block_n=128, block_k=128, split_k=16, num_warps=4, num_stages=4,
                      swap=True)),
