@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from benchmarks import common
 from pallasite.kernels import quant_reference as qr
@@ -118,7 +119,7 @@ def int4_variants(m, k, n, tier):
 
     def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False):
         bn = min(bn, n)
-        bm = 1 if reduce != "dot" else im.block_m_for(m)
+        bm = pl.next_power_of_2(m) if reduce != "dot" else im.block_m_for(m)
         splits = im.splits_for(-(-m // bm) * bm, n, num_tiles, bm, bn, target)
         return dict(block_n=bn, num_splits=splits, num_warps=warps, num_stages=stages,
                     unpack=unpack, reduce=reduce, swap=swap)
@@ -128,7 +129,9 @@ def int4_variants(m, k, n, tier):
         out += [v(64, 1056, 4, 3, reduce="sum"), v(64, 1056, 4, 3, reduce="acc"),
                 v(128, 528, 4, 3, reduce="acc"), v(256, 264, 8, 3, reduce="acc"),
                 v(64, 528, 4, 2, reduce="acc"), v(32, 2112, 4, 3, reduce="acc"),
-                v(32, 1056, 2, 3, reduce="acc")] if m == 1 else []
+                v(32, 1056, 2, 3, reduce="acc")] if m == 1 else [
+            v(64, 1056, 4, 3, reduce="acc"), v(32, 2112, 4, 3, reduce="acc"),
+            v(64, 1056, 4, 3, reduce="sum")] if m <= 8 else []
     else:
         out = [v(256, 264, 8, 3), v(256, 264, 8, 3, swap=True), v(128, 528, 4, 4),
                v(64, 528, 4, 3, swap=True), v(128, 264, 8, 2), v(64, 528, 4, 3, unpack="convert"),

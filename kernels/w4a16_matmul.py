@@ -137,6 +137,15 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
     def zero_of(g):
         return 2.0 ** (bits - 1) if z_ref is None else z_ref[pl.ds(g, 1), :].astype(jnp.float32)
 
+    bm = o_ref.shape[-2]
+    one_d = len(x_ref.shape) == 1  # one row, x as a vector
+
+    def rows(k0):
+        """Each row's SLAB columns of x from k0, float32 (the multiply-and-sum paths)."""
+        if one_d:
+            return [x_ref[pl.ds(k0, SLAB)].astype(jnp.float32)]
+        return [x_ref[r, pl.ds(k0, SLAB)].astype(jnp.float32) for r in range(bm)]
+
     def slab(words, t, j):
         """(x columns, weight slab, zero, scale) of bit plane j of tile t."""
         k0 = t * tile + j * SLAB
@@ -144,7 +153,7 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
         raw = (words >> (bits * j)) & mask
         if reduce != "dot":  # f32 2**23 + c; minus 2**23 + zero is exact
             w = lax.bitcast_convert_type(raw | F32_MAGIC, jnp.float32) - (F32_BIAS + zero_of(g))
-            return x_ref[pl.ds(k0, SLAB)].astype(jnp.float32), w, None, s_ref[pl.ds(g, 1), :]
+            return rows(k0), w, None, s_ref[pl.ds(g, 1), :]
         xs = x_ref[:, pl.ds(k0, SLAB)]
         if unpack == "magic":  # bf16 128 + c; 128 + zero comes off after the dot
             w = lax.bitcast_convert_type((raw | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
@@ -152,15 +161,18 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
         w = (raw.astype(jnp.float32) - zero_of(g)).astype(xs.dtype)  # small ints: exact
         return xs, w, None, s_ref[pl.ds(g, 1), :]
 
-    def body(t, acc):
+    def body(t, accs):
         words = w_ref[pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), :]
+        accs = list(accs)
         for j in range(per):
             xs, w, zero, scale = slab(words, t, j)
-            if reduce == "sum":
-                acc = acc + jnp.sum(xs[:, None] * w, axis=0, keepdims=True) * scale
+            if reduce == "sum":  # each row its own accumulator
+                accs = [a + jnp.sum(x[:, None] * w, axis=0, keepdims=True) * scale
+                        for a, x in zip(accs, xs)]
                 continue
             if reduce == "acc":  # summed over K once, after the loop
-                acc = acc + xs[:, None] * (w * scale)
+                ws = w * scale
+                accs = [a + x[:, None] * ws for a, x in zip(accs, xs)]
                 continue
             if swap:  # out^T = w^T x^T: the weight slab fills the MMA's rows
                 part = plgpu.dot(w, xs, trans_a=True, trans_b=True)
@@ -171,15 +183,23 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
                 xsum = lambda: jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
             if zero is not None:  # x . (c + 128) - (zero + 128) * sum(x): exact inputs
                 part = part - xsum() * zero
-            acc = acc + part * scale
-        return acc
+            accs = [accs[0] + part * scale]
+        return tuple(accs)
 
-    shape = o_ref.shape[-2:]
-    shape = (SLAB, shape[1]) if reduce == "acc" else shape[::-1] if swap else shape
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros(shape, jnp.float32))
-    if reduce == "acc":
-        acc = jnp.sum(acc, axis=0, keepdims=True)
-    o_ref[...] = (acc.T if swap else acc).reshape(o_ref.shape).astype(o_ref.dtype)
+    bn = o_ref.shape[-1]
+    if reduce == "dot":
+        shapes = [(bn, bm) if swap else (bm, bn)]
+    else:
+        shapes = [(SLAB if reduce == "acc" else 1, bn)] * bm
+    accs = lax.fori_loop(lo, hi, body, tuple(jnp.zeros(sh, jnp.float32) for sh in shapes))
+    for r, acc in enumerate(accs):
+        if reduce == "acc":
+            acc = jnp.sum(acc, axis=0, keepdims=True)
+        acc = (acc.T if swap else acc).astype(o_ref.dtype)
+        if reduce == "dot" or one_d:
+            o_ref[...] = acc.reshape(o_ref.shape)
+        else:
+            o_ref[pl.ds(r, 1), :] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n",
@@ -192,9 +212,10 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     """x [M_pad, K_pad] (M_pad a multiple of block_m, K padded with zeros) -> [M_pad, N].
 
     `unpack="magic"` (INT4, bf16 x) makes each code a bf16 by its bit pattern and takes the
-    zero off after the dot; "convert" converts int -> f32 -> x's dtype. `reduce="sum"` (one
-    row, block_m 1) multiplies and sums in float32 instead of a padded MMA; "acc" keeps the
-    products in a [SLAB, block_n] float32 accumulator and sums it once after the loop. `swap` computes
+    zero off after the dot; "convert" converts int -> f32 -> x's dtype. `reduce="sum"` (up
+    to 8 rows, each its own accumulator) multiplies and sums in float32 instead of a padded MMA;
+    "acc" keeps each row's products in a [SLAB, block_n] float32 accumulator and sums it once
+    after the loop. `swap` computes
     w^T x^T, so the unpacked slab (block_n rows) is the MMA's left operand, as Hopper's
     warpgroup MMA wants, and the few rows of x its narrow right one."""
     m, k_pad = x.shape
@@ -206,8 +227,8 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     if unpack == "magic" and reduce == "dot" and (bits != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"int matmul: unpack='magic' takes 4 bits and bf16 x, not bits={bits}"
                          f", {x.dtype}")
-    if reduce != "dot" and block_m != 1:
-        raise ValueError(f"int matmul: reduce={reduce!r} takes block_m=1, not {block_m}")
+    if reduce != "dot" and block_m > 8:
+        raise ValueError(f"int matmul: reduce={reduce!r} takes block_m <= 8, not {block_m}")
     if m % block_m or n % block_n or k_pad != words.shape[0] * (32 // bits):
         raise ValueError(f"int matmul: x {x.shape} and words {words.shape} do not fit "
                          f"block_m={block_m}, block_n={block_n}, bits={bits}")
@@ -217,7 +238,7 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
                                tiles_per_split=per_split, num_tiles=num_tiles, unpack=unpack,
                                reduce=reduce, swap=swap and reduce == "dot")
     groups = scale.shape[0]
-    x_block = (None, k_pad) if reduce != "dot" else (block_m, k_pad)
+    x_block = (None, k_pad) if reduce != "dot" and block_m == 1 else (block_m, k_pad)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, 0)),
                 pl.BlockSpec((words.shape[0], block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
@@ -256,7 +277,7 @@ def params_for(m: int, k_pad: int, n: int, bits: int) -> dict:
     from . import tuning
     p = tuning.quant_params("w4a16", m, k_pad, n) if bits == 4 else None
     if p is not None and n % min(p.get("block_n", 128), n) == 0 and (
-            p.get("reduce", "dot") == "dot" or m == 1) and (
+            p.get("reduce", "dot") == "dot" or m <= 8) and (
             p.get("unpack", "convert") == "convert" or bits == 4):
         return p
     return dict(block_n=128)
@@ -283,8 +304,8 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         compiler = tuned | compiler
     if compiler.get("unpack") == "magic" and x2.dtype != jnp.bfloat16:
         compiler = compiler | dict(unpack="convert")  # its bit patterns are bf16's
-    if compiler.get("reduce", "dot") != "dot":
-        block_m = 1
+    if compiler.get("reduce", "dot") != "dot":  # each row its own accumulator
+        block_m = pl.next_power_of_2(m)
     block_m = block_m or block_m_for(m)
     m_pad = -(-m // block_m) * block_m
     if m_pad != m or k_pad != k:

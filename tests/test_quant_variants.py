@@ -50,6 +50,8 @@ def test_w8a16_row_sums_take_few_rows():
     (3, True, dict(unpack="magic")),                   # zeros after the dot
     (1, True, dict(reduce="sum")),                     # f32 bit patterns, no MMA
     (1, True, dict(reduce="acc")),                     # the same, summed once after the loop
+    (2, False, dict(reduce="acc")),                    # two rows, each its own accumulator
+    (3, True, dict(reduce="sum")),
     (2, True, dict(unpack="magic", swap=True)),        # w^T x^T, zeros after the dot
     (1, False, dict(unpack="magic", swap=True)),       # one row padded, the zero a constant
 ])
