@@ -167,6 +167,8 @@ QUANT_MATMUL = {
         (4096, 4096): [
             (1, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
                      reduce='acc', swap=False)),
+            (2, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='acc', swap=False)),
             (4, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='convert',
                      reduce='dot', swap=False)),
             (16, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='convert',
@@ -191,10 +193,20 @@ QUANT_MATMUL = {
         (14336, 4096): [
             (1, dict(block_n=64, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
                      reduce='acc', swap=False)),
+            (2, dict(block_n=32, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='acc', swap=False)),
             (4, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='magic',
                      reduce='dot', swap=False)),
             (16, dict(block_n=128, num_splits=8, num_warps=4, num_stages=3, unpack='magic',
                      reduce='dot', swap=False)),
+        ],
+        (4096, 1024): [
+            (2, dict(block_n=32, num_splits=16, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='acc', swap=False)),
+        ],
+        (4096, 14336): [
+            (2, dict(block_n=32, num_splits=4, num_warps=4, num_stages=3, unpack='magic',
+                     reduce='acc', swap=False)),
         ],
     },
     "w8a8": {},  # FP8 weights x per-row FP8 activations, kernels/w8a8_matmul.py
