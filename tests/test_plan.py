@@ -412,6 +412,39 @@ def test_fp8_weights_are_priced_as_the_code_stores_them():
     assert plan.workload(args).quantization == "fp8"
 
 
+def test_integer_weights_are_priced_as_the_code_stores_them():
+    """`--quantization w4a16 / w8a16`: dense linear layers in half a byte plus a float32 scale
+    per group of 128 (one byte), the embedding, the LM head and the experts as loaded; above
+    the kernel's rows the weights are dequantized to bf16 every step, and those bytes move."""
+    config = pi.load_model("llama-3-8b")
+    plan_, cluster = MeshPlan(), pi.Cluster(pi.GPUS["h100"])
+    shapes = pm.shapes_of(config, plan_)
+    dense = shapes.device["dense"]
+    wls = {q: pi.Workload(quantization=q) for q in (None, "w4a16", "w8a16")}
+    dec = {q: pm.decode_step(config, shapes, plan_, cluster, wl, 1, 1024) for q, wl in wls.items()}
+    assert dec[None].hbm_bytes - dec["w4a16"].hbm_bytes == pytest.approx(dense * (2 - 17 / 32))
+    assert dec[None].hbm_bytes - dec["w8a16"].hbm_bytes == pytest.approx(dense * 1.0)
+    assert dec["w4a16"].time < dec["w8a16"].time < dec[None].time
+    mem = {q: pm.memory(config, shapes, plan_, cluster, wl) for q, wl in wls.items()}
+    assert mem[None].weights - mem["w4a16"].weights == pytest.approx(dense * (2 - 17 / 32))
+    pre = {q: pm.prefill_step(config, shapes, plan_, cluster, wls[q], 2, 1024)
+           for q in (None, "w4a16")}  # 2048 tokens: past the kernel's rows
+    assert pre["w4a16"].hbm_bytes - pre[None].hbm_bytes == pytest.approx(
+        dense * (17 / 32 + 2 * 2 - 2))
+    moe = pi.load_model("mixtral-8x7b")
+    moe_shapes = pm.shapes_of(moe, plan_)
+    experts = lambda wl: pm.memory(moe, moe_shapes, plan_, cluster, wl).weights
+    assert experts(pi.Workload()) - experts(pi.Workload(quantization="w4a16")) == \
+        pytest.approx(moe_shapes.device["dense"] * (2 - 17 / 32))  # the experts stay bf16
+    args = plan.parser().parse_args(["llama-3-8b", "--quantization", "w4a16"])
+    assert plan.workload(args).quantization == "w4a16"
+    rec = psearch.evaluate(config, MeshPlan(1, 2, 1), pi.Cluster(pi.GPUS["h100"], 2),
+                           wls["w4a16"])  # the loader keeps integer weights whole
+    assert rec["status"] == "invalid" and "tensor=1" in rec["reason"]
+    with pytest.raises(SystemExit):
+        plan.parser().parse_args(["llama-3-8b", "--quantization", "int3"])
+
+
 def test_sliding_windows_bound_the_kv_priced():
     """A window on every layer caps the K/V a decode step reads and the pages a sequence holds
     (the engine frees what the window has passed); a window on half the layers caps half."""

@@ -13,7 +13,8 @@ import argparse
 import dataclasses
 import sys
 
-from .inputs import CONSTANTS, GPUS, PRESETS, Cluster, Lengths, Workload, load_model
+from .inputs import (CONSTANTS, GPUS, PRESETS, QUANTIZATIONS, Cluster, Lengths, Workload,
+                     load_model)
 from .search import explore, to_json
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "f32": 4}
@@ -36,9 +37,10 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, default=None, help="sequences in flight, at most")
     w.add_argument("--rate", type=float, default=None, help="requests per second to sustain")
     w.add_argument("--weight-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    w.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="price FP8 weights as `pallasite serve --quantization fp8` runs them: "
-                        "linear layers 1 byte, LM head and embedding in --weight-dtype")
+    w.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="price weights as `pallasite serve --quantization` stores them: fp8 "
+                        "linear layers 1 byte; w4a16 / w8a16 dense linear layers 0.53 / 1 byte "
+                        "(experts as --weight-dtype); LM head and embedding in --weight-dtype")
     w.add_argument("--kv-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     w.add_argument("--page-size", type=int, default=16)
     w.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step")

@@ -184,6 +184,10 @@ class Lengths:
         return (self.lo + self.hi) / 2
 
 
+QUANTIZATIONS = ("fp8", "w4a16", "w8a16")
+INT_BYTES = {"w4a16": 0.5 + 4 / 128, "w8a16": 1.0}  # a dense weight element, scales included
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     prompt: Lengths = Lengths(1024, 1024)
@@ -191,7 +195,7 @@ class Workload:
     concurrency: int | None = None  # cap on sequences in flight (whole cluster)
     rate: float | None = None  # requests per second
     weight_bytes: int = 2
-    quantization: str | None = None  # "fp8": linear weights (attention, MLP, experts) 1 byte
+    quantization: str | None = None  # "fp8", "w4a16", "w8a16": as `--quantization` stores them
     kv_bytes: int = 2
     act_bytes: int = 2
     page_size: int = 16
@@ -199,13 +203,17 @@ class Workload:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
 
-    def bytes_of(self, kind: str) -> int:
-        """Bytes an element of a parameter kind ("dense", "experts", "head", "embed") takes:
-        with FP8 weights the linear layers' one byte (float32 per-channel scales add <0.1%),
-        the LM head and the embedding stay in the weights' dtype."""
+    def bytes_of(self, kind: str) -> float:
+        """Bytes an element of a parameter kind ("dense", "experts", "head", "embed") takes, as
+        quantize-on-load stores it: FP8 the linear layers (experts too) in one byte (float32
+        per-channel scales add <0.1%); W4A16 the dense ones in half a byte plus a float32 scale
+        per group of 128 (symmetric: no zero points), W8A16 in one; integer modes leave the
+        experts as they are (`quant_int.quantize_params`). The LM head and the embedding stay
+        in the weights' dtype."""
+        per = INT_BYTES.get(self.quantization) if kind == "dense" else None
         if self.quantization == "fp8" and kind in ("dense", "experts"):
             return 1
-        return self.weight_bytes
+        return per if per is not None else self.weight_bytes
 
     @property
     def max_len(self) -> int:

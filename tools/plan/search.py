@@ -11,7 +11,7 @@ import numpy as np
 
 from ...model import ModelConfig
 from ...sharding import MeshPlan, PlanError, validate_plan
-from .inputs import CONSTANTS, GIB, Cluster, Workload
+from .inputs import CONSTANTS, GIB, INT_BYTES, Cluster, Workload
 from .model import Step, decode_step, memory, prefill_step, shapes_of
 
 
@@ -37,6 +37,10 @@ def evaluate(config: ModelConfig, plan: MeshPlan, cluster: Cluster, wl: Workload
         validate_plan(config, plan, cluster.num_gpus)
     except PlanError as err:
         return rec | dict(status="invalid", reason=str(err))
+    if wl.quantization in INT_BYTES and plan.tensor * plan.expert > 1:
+        return rec | dict(status="invalid", reason=(
+            f"{wl.quantization} weights load whole on each device (the loader does not split "
+            "integer weights): use tensor=1, expert=1"))
     shapes = shapes_of(config, plan)
     mem = memory(config, shapes, plan, cluster, wl)
     rec["memory_gib"] = mem.to_dict()
