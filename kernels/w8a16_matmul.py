@@ -1,9 +1,12 @@
 """Weight-only quantized matrix product (W8A16, Pallas, Triton lowering).
 
-x [M, K] (bf16) times weights stored as q [K, N] (float8_e4m3fn or int8) with float32 scales
-[G, N] (G = 1 per output channel, else one row per group of K // G rows) and optional zeros.
-Decode is memory-bound: the weights are read once, in their stored bytes, and dequantized in
-registers; the MMA runs in x's dtype with float32 accumulation.
+x [M, K] (bf16) times weights stored as q [K, N] or [N, K] (float8_e4m3fn or int8) with
+float32 scales [G, N] (G = 1 per output channel, else one row per group of K // G rows) and
+optional zeros. Decode is memory-bound: the weights are read once, in their stored bytes, and
+dequantized in registers; the MMA runs in x's dtype with float32 accumulation, or, for up to 8
+rows, each row is multiplied and summed on the CUDA cores with its own accumulator (no 16-row
+padded MMA). FP8 weights of the model are stored [N, K] (`model/quant.py` k_last): a tile's
+rows then run along K, block_k contiguous bytes each.
 
 A program computes one [block_m, block_n] tile of the output over a slice of K: with few output
 tiles (a decode step's M of 1..16 and N of 1-14k) K is split over `split_k` programs so every
