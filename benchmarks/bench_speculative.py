@@ -19,6 +19,9 @@
    are checked token for token against decoding without speculation.
 3. ngram_mean_accepted: prompt lookup (k = 4, n 1..4) on a copy-heavy workload: a document
    followed by its own first lines, so the continuation repeats text that is in the prompt.
+   Mean accepted counts verify steps only; `*tokens_per_step` are the tokens over every engine
+   step of the run (prefill and steps with no proposal included), for both proposers and plain
+   decoding, since a proposer that proposes less often can raise the first and lower the second.
 4. projected_speedup = mean_accepted / verify_cost_ratio: the batch-1 tokens a verify step
    yields on the default pair, over what that step costs on the 8B shape relative to a plain
    step (i.e. assuming the 8B target would accept as the default pair does and the draft's own
@@ -235,12 +238,20 @@ def acceptance(args) -> dict:
     with LLM(**kw) as plain:
         prompts = prompts_of(plain, docs, 64)
         want, t_plain = generate_timed(plain, prompts, args.max_tokens)
+        plain_steps = plain.engine.stats()["steps"]
         # Copy-heavy: a document, then its first 32 tokens again; the model goes on copying.
         copy = [(p + plain.tokenizer.encode("\n\n") + p[:32])[:1024 - args.max_tokens]
                 for p in prompts_of(plain, docs, 192)]
         want_copy, _ = generate_timed(plain, copy, args.max_tokens)
+        copy_steps = plain.engine.stats()["steps"] - plain_steps
     n_tokens = sum(len(w) for w in want)
     rec["e2e_plain_tokens_per_s"] = n_tokens / t_plain
+    # Tokens per engine step over the whole run (prefill and steps with nothing to verify
+    # included): mean_accepted counts verify steps only, so a proposer that proposes less
+    # often can raise it while the run takes more steps.
+    n_copy = sum(len(w) for w in want_copy)
+    rec.update(plain_tokens_per_step=n_tokens / plain_steps,
+               plain_copy_tokens_per_step=n_copy / copy_steps)
     try:
         llm = LLM(speculative_config={"method": "draft_model", "model": args.draft,
                                       "num_speculative_tokens": K}, **kw)
@@ -252,6 +263,7 @@ def acceptance(args) -> dict:
             got, t_spec = generate_timed(llm, prompts, args.max_tokens)
             stats = llm.engine.stats()
         rec.update(mean_accepted=stats["spec_mean_accepted"],
+                   tokens_per_step=sum(len(g) for g in got) / stats["steps"],
                    draft_acceptance_rate=stats["spec_accepted_tokens"]
                    / max(stats["spec_proposed_tokens"], 1),
                    greedy_identical=got == want, e2e_spec_tokens_per_s=n_tokens / t_spec,
@@ -261,6 +273,7 @@ def acceptance(args) -> dict:
         got, _ = generate_timed(llm, copy, args.max_tokens)
         stats = llm.engine.stats()
     rec.update(ngram_mean_accepted=stats["spec_mean_accepted"],
+               ngram_tokens_per_step=sum(len(g) for g in got) / stats["steps"],
                ngram_greedy_identical=got == want_copy,
                ngram_workload="a held-out document, a blank line, its first 32 tokens again")
     rec.update(prompts=len(prompts), max_tokens=args.max_tokens, k=K)
@@ -275,6 +288,9 @@ def table(r) -> str:
              "identical" if a.get("greedy_identical") else "DIFFERS", ">= 2.5"),
             ("mean accepted, n-gram copy", f"{a['ngram_mean_accepted']:.2f}",
              "identical" if a["ngram_greedy_identical"] else "DIFFERS", ">= 2.0"),
+            ("tokens a step, whole run: draft / n-gram / plain",
+             f"{a.get('tokens_per_step', float('nan')):.2f} / {a['ngram_tokens_per_step']:.2f} / "
+             f"{a['plain_tokens_per_step']:.2f}", "", "reported"),
             ("projected batch-1 speedup", f"{r.get('projected_speedup', float('nan')):.2f}x", "",
              ">= 1.8x"),
             ("e2e default pair tok/s", f"{a.get('e2e_spec_tokens_per_s', float('nan')):.0f} vs "
