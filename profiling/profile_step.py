@@ -75,6 +75,8 @@ def parse(argv):
     ap.add_argument("--cases", default="b1,b64",
                     help="steps to profile, of b1, b64, b768 (768 decode rows at context 320) "
                          "and mixed (8192 tokens: 30 prefill chunks of 256 + 512 decode rows)")
+    ap.add_argument("--quantization", default=None, help="fp8, w4a16 or w8a16 weights")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights') or fp8")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one variant here
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -115,8 +117,9 @@ def run_child(args, name, flags, deadline):
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "profiling.profile_step", "--child", name, "--out", args.out,
            "--deadline", str(deadline), "--trace-steps", str(args.trace_steps),
-           "--cases", args.cases]
+           "--cases", args.cases, "--kv-cache-dtype", args.kv_cache_dtype]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--quantization", args.quantization] if args.quantization else []
     log = os.path.join(args.out, f"{name}.log")
     result_file = os.path.join(args.out, f"{name}.json")
     if os.path.exists(result_file):
@@ -164,7 +167,8 @@ def child(args):
     res = dict(env=dict(variant=args.child, xla_flags=os.environ.get("XLA_FLAGS", ""),
                         device=jax.devices()[0].device_kind, **run_info(),
                         attention=choose_impl(), model="tiny" if args.tiny else "llama3-8b-shaped",
-                        layers=model["num_hidden_layers"]))
+                        layers=model["num_hidden_layers"], quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype))
     print(json.dumps(res["env"]), flush=True)
     if full:  # before the weights and pages take the memory
         from benchmarks.common import copy_bandwidth
@@ -172,8 +176,13 @@ def child(args):
         res.update(copy_tbps=bw / 1e12, copy_how=how)
     config = config_from_dict(dict(model_type="llama", **model))
     params = random_params(config, jnp.dtype(w["dtype"]))
+    if args.quantization:
+        from pallasite.model import quant, quant_int
+        pack = quant.quantize_params if args.quantization == "fp8" else quant_int.quantize_params
+        params = pack(params, args.quantization)
     specs = cases(w, args.cases.split(","))
-    engine = make_engine(config, params, w, specs)
+    from pallasite.serving.llm import kv_cache_dtype_of
+    engine = make_engine(config, params, w, specs, kv_cache_dtype_of(args.kv_cache_dtype))
     t = time.time()
     b1 = full and "b1" in specs
     prefill_key = (w["b1"][1], specs["b1"][1][1]) if b1 else None  # for Engine.step()

@@ -78,7 +78,7 @@ def cases(w, names=("b1", "b64")):
     return out
 
 
-def make_engine(config, params, w, specs):
+def make_engine(config, params, w, specs, kv_cache_dtype=None):
     """An engine whose buckets hold every case and a one-step prefill of the batch-1 prompt
     (for the `Engine.step()` run)."""
     from pallasite.serving.engine import Engine
@@ -91,7 +91,7 @@ def make_engine(config, params, w, specs):
                   max_num_batched_tokens=max([ctx1] + [T for T, _ in keys]),
                   max_model_len=max(ctx + w["gen"], w["b64"][1] + w["gen"]),
                   token_buckets=sorted({T for T, _ in keys} | {ctx1}),
-                  page_buckets=sorted({P for _, P in keys}))
+                  page_buckets=sorted({P for _, P in keys}), kv_cache_dtype=kv_cache_dtype)
 
 
 def compile_all(engine, keys, prefill_key, keep_graphs: bool):
