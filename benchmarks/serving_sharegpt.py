@@ -45,7 +45,7 @@ MAX_MODEL_LEN = sharegpt.MAX_TOTAL
 # -- setup ---------------------------------------------------------------------------------------
 def build(args):
     """The model, and an engine with the sizes `LLM()` would pick on this device."""
-    from pallasite.model import config_from_dict, init_params, quant
+    from pallasite.model import config_from_dict, init_params, quant_int
     from pallasite.serving.engine import Engine
     from pallasite.serving.llm import kv_cache_dtype_of
     from pallasite.serving.settings import engine_sizes
@@ -53,7 +53,7 @@ def build(args):
     config = config_from_dict(dict(model_type="llama", **(TINY if args.tiny else MODEL)))
     params = jax.jit(lambda: init_params(config, args.seed, dtype))()  # made on the device
     # the bf16 weights go once quantized: free memory sizes the KV pool
-    params = quant.quantize_params(params, args.quantization)
+    params = quant_int.quantize_params(params, args.quantization)
     kv_dtype = kv_cache_dtype_of(args.kv_cache_dtype) or dtype
     sizes = engine_sizes(config, kv_dtype, max_model_len=MAX_MODEL_LEN, page_size=16,
                          max_num_seqs=args.max_num_seqs,

@@ -305,14 +305,13 @@ def shardings_for(params, shardings):
 
 
 def quantize_params(params, scheme: str = "fp8"):
-    """Every linear weight of a params pytree as a QArray (tests, benchmarks, random models);
-    the integer modes as `quant_int.quantize_params` packs them. The loader quantizes tensor by
-    tensor instead (`model.loader`)."""
+    """Every linear weight of a params pytree as a QArray (tests, benchmarks, random models).
+    The loader quantizes tensor by tensor instead (`model.loader`); `quant_int.quantize_params`
+    takes every mode."""
     if check_quantization(scheme) is None:
         return params
     if scheme != "fp8":
-        from .quant_int import quantize_params as pack_ints
-        return pack_ints(params, scheme)
+        raise ValueError(f"quantize_params takes 'fp8'; {scheme!r} is quant_int.quantize_params'")
 
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)

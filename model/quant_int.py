@@ -125,10 +125,13 @@ def quantize_weight(w, in_axes: int, mode: str) -> PackedInt:
     return pack_linear(lin, shape, in_axes)
 
 
-def quantize_params(params, mode: str = "w4a16"):
+def quantize_params(params, mode: str | None = "w4a16"):
     """Every dense linear weight of a params pytree quantized RTN and packed (random models,
-    benchmarks, quantize-on-load). MoE experts stay as they are."""
+    benchmarks, quantize-on-load). MoE experts stay as they are. Any `--quantization` value is
+    taken: None passes the params through, "fp8" goes to `quant.quantize_params`."""
     from . import quant
+    if quant.check_quantization(mode) in (None, "fp8"):
+        return quant.quantize_params(params, mode)
 
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)

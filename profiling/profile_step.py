@@ -160,7 +160,7 @@ def child(args):
     import jax.numpy as jnp
     from benchmarks.common import run_info
     from pallasite.kernels import choose_impl
-    from pallasite.model import config_from_dict, quant
+    from pallasite.model import config_from_dict, quant_int
     start, full = time.time(), args.child == "default"
     deadline = args.deadline or start + 1e9
     model, w = workload(args.tiny)
@@ -176,7 +176,7 @@ def child(args):
         res.update(copy_tbps=bw / 1e12, copy_how=how)
     config = config_from_dict(dict(model_type="llama", **model))
     params = random_params(config, jnp.dtype(w["dtype"]))
-    params = quant.quantize_params(params, args.quantization)
+    params = quant_int.quantize_params(params, args.quantization)
     specs = cases(w, args.cases.split(","))
     from pallasite.serving.llm import kv_cache_dtype_of
     engine = make_engine(config, params, w, specs, kv_cache_dtype_of(args.kv_cache_dtype))

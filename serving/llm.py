@@ -185,8 +185,8 @@ class LLM:
     def from_params(cls, config, params, tokenizer=None, **kwargs) -> "LLM":
         """An LLM over weights already in memory (tests, benchmarks, freshly trained models).
         `quantization="fp8"` quantizes their linear weights first."""
-        from ..model import quant
-        params = quant.quantize_params(params, kwargs.pop("quantization", None))
+        from ..model import quant_int
+        params = quant_int.quantize_params(params, kwargs.pop("quantization", None))
         llm = cls.__new__(cls)
         kwargs.setdefault("page_size", 16)
         llm._start(config, params, tokenizer, **kwargs)
