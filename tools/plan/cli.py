@@ -13,8 +13,8 @@ import argparse
 import dataclasses
 import sys
 
-from .inputs import (CONSTANTS, GPUS, PRESETS, QUANTIZATIONS, Cluster, Lengths, Workload,
-                     load_model)
+from ...model.quant import QUANTIZATIONS
+from .inputs import CONSTANTS, GPUS, PRESETS, Cluster, Lengths, Workload, load_model
 from .search import explore, to_json
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "f32": 4}

@@ -184,7 +184,6 @@ class Lengths:
         return (self.lo + self.hi) / 2
 
 
-QUANTIZATIONS = ("fp8", "w4a16", "w8a16")
 INT_BYTES = {"w4a16": 0.5 + 4 / 128, "w8a16": 1.0}  # a dense weight element, scales included
 
 
@@ -210,10 +209,11 @@ class Workload:
         per group of 128 (symmetric: no zero points), W8A16 in one; integer modes leave the
         experts as they are (`quant_int.quantize_params`). The LM head and the embedding stay
         in the weights' dtype."""
-        per = INT_BYTES.get(self.quantization) if kind == "dense" else None
         if self.quantization == "fp8" and kind in ("dense", "experts"):
             return 1
-        return per if per is not None else self.weight_bytes
+        if self.quantization in INT_BYTES and kind == "dense":
+            return INT_BYTES[self.quantization]
+        return self.weight_bytes
 
     @property
     def max_len(self) -> int:
