@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from .. import kernels
 from . import quant
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, device_hooks, param, rope_frequencies
+from .fuse import QKV
+from .layers import RMSNorm, apply_rope, device_hooks, fused_param, param, rope_frequencies
 
 
 class Batch(NamedTuple):
@@ -43,9 +44,14 @@ class Attention(nn.Module):
     def setup(self):
         c = self.config
         d, h, kv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        self.wq = param(self, "wq", (d, h, hd), ("embed", "heads", "head_dim"), self.dtype)
-        self.wk = param(self, "wk", (d, kv, hd), ("embed", "kv_heads", "head_dim"), self.dtype)
-        self.wv = param(self, "wv", (d, kv, hd), ("embed", "kv_heads", "head_dim"), self.dtype)
+        # Serving may hold q/k/v as one weight (`fuse.py`): one product instead of three.
+        self.wqkv = fused_param(self, QKV, (d, kv, h // kv + 2, hd))
+        if self.wqkv is None:
+            self.wq = param(self, "wq", (d, h, hd), ("embed", "heads", "head_dim"), self.dtype)
+            self.wk = param(self, "wk", (d, kv, hd), ("embed", "kv_heads", "head_dim"),
+                            self.dtype)
+            self.wv = param(self, "wv", (d, kv, hd), ("embed", "kv_heads", "head_dim"),
+                            self.dtype)
         self.wo = param(self, "wo", (h, hd, d), ("heads", "head_dim", "embed"), self.dtype)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
@@ -63,7 +69,13 @@ class Attention(nn.Module):
     def qkv(self, x, positions, batch: Batch | None = None):
         """x [..., T, D] -> q [..., T, H, hd], k and v [..., T, KV, hd], RoPE applied."""
         c = self.config
-        q, k, v = (quant.linear(x, w) for w in (self.wq, self.wk, self.wv))
+        if self.wqkv is None:
+            q, k, v = (quant.linear(x, w) for w in (self.wq, self.wk, self.wv))
+        else:  # [..., T, kv, g + 2, hd]: each KV head's queries, then its key and value
+            y = quant.linear(x, self.wqkv)
+            g = y.shape[-2] - 2
+            q = y[..., :g, :].reshape(*y.shape[:-3], c.num_heads, c.head_dim)
+            k, v = y[..., g, :], y[..., g + 1, :]
         if c.qkv_bias:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if c.qk_norm:

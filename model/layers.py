@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from .. import kernels
 from . import quant
 from .config import ModelConfig, RopeScaling
+from .fuse import GATE_UP
 
 
 # -- device hooks --------------------------------------------------------------------------------
@@ -70,6 +71,17 @@ def param(module: nn.Module, name: str, shape, axes, dtype, init=None):
             return value
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def fused_param(module: nn.Module, name: str, shape):
+    """A fused weight (`fuse.py`) if the params hold one, else None. Never created by init."""
+    if not module.has_variable("params", name):
+        return None
+    value = module.get_variable("params", name)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"param {name} of {module.name}: shape {tuple(value.shape)}, this "
+                         f"config needs {tuple(shape)}")
+    return value
 
 
 class RMSNorm(nn.Module):
@@ -162,11 +174,16 @@ class MLP(nn.Module):
     def __call__(self, x):
         c = self.config
         f = self.width or c.intermediate_size
-        w_gate = param(self, "w_gate", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
-        w_up = param(self, "w_up", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
+        w_gate_up = fused_param(self, GATE_UP, (c.hidden_size, 2, f))
+        if w_gate_up is None:
+            w_gate = param(self, "w_gate", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
+            w_up = param(self, "w_up", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
+            gate, up = quant.linear(x, w_gate), quant.linear(x, w_up)
+        else:  # serving's fused [d, 2, f] (`fuse.py`): one product
+            y = quant.linear(x, w_gate_up)
+            gate, up = y[..., 0, :], y[..., 1, :]
         w_down = param(self, "w_down", (f, c.hidden_size), ("mlp", "embed"), self.dtype)
-        h = activation(c.hidden_act)(quant.linear(x, w_gate)) * quant.linear(x, w_up)
-        return quant.linear(h, w_down)
+        return quant.linear(activation(c.hidden_act)(gate) * up, w_down)
 
 
 def route(x, router, top_k: int, renormalize: bool, router_bias=None):

@@ -247,8 +247,9 @@ def grouped_operand(w: QArray):
 # embeddings, norms, biases, the router and the LM head stay in the model dtype.
 LINEAR_WEIGHTS = {
     ("attn", "wq"): (0, 1), ("attn", "wk"): (0, 1), ("attn", "wv"): (0, 1),
-    ("attn", "wo"): (0, 2),
+    ("attn", "wo"): (0, 2), ("attn", "wqkv"): (0, 1),  # fused: model/fuse.py
     ("mlp", "w_gate"): (0, 1), ("mlp", "w_up"): (0, 1), ("mlp", "w_down"): (0, 1),
+    ("mlp", "w_gate_up"): (0, 1),
     ("moe", "w_gate"): (1, 1), ("moe", "w_up"): (1, 1), ("moe", "w_down"): (1, 1),
 }
 
@@ -256,6 +257,19 @@ LINEAR_WEIGHTS = {
 def linear_axes(param_path: tuple):
     """(lead, in_axes) of a linear weight's param path, or None for every other param."""
     return LINEAR_WEIGHTS.get(tuple(param_path[-2:]))
+
+
+def all_linear_quantized(params) -> bool:
+    """Whether every linear weight is a quantized one (a QArray, or a layout that multiplies
+    itself), so that no projection is XLA's own product."""
+    found = []
+
+    def one(path, leaf):
+        if linear_axes(tuple(getattr(k, "key", k) for k in path)) is not None:
+            found.append(is_quantized(leaf) or hasattr(leaf, "linear"))
+    jax.tree_util.tree_map_with_path(one, params,
+                                     is_leaf=lambda a: is_quantized(a) or hasattr(a, "linear"))
+    return bool(found) and all(found)
 
 
 # -- placement -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model import Batch, forward, init_kv_cache
+from ..model import Batch, forward, init_kv_cache, quant
 from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
 from .batch import LOGPROBS, BatchState, int_layout, sample_layout
@@ -48,8 +48,13 @@ HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's histo
 # XLA:GPU rewrites the product of a single row with a small matrix (under 10M elements, such as
 # the k and v projections) into a multiply and a reduction that stream the weights at a quarter
 # of HBM speed (profiling/profile_step.py, docs/BENCHMARKS.md); with two rows it stays a matrix
-# product. So the token axis is never shorter than two slots.
+# product. So the token axis is never shorter than two slots, unless every projection is one of
+# the quantized kernels, which read a lone row faster than two (`min_token_bucket`).
 MIN_TOKEN_BUCKET = 2
+
+
+def min_token_bucket(params) -> int:
+    return 1 if quant.all_linear_quantized(params) else MIN_TOKEN_BUCKET
 
 
 @dataclasses.dataclass
@@ -108,7 +113,7 @@ class Engine:
                                    max_model_len=self.max_model_len)
         max_pages = self.pages.pages_for(self.max_model_len)
         spec = SpeculativeConfig.parse(speculative_config)
-        self.token_buckets = sorted({max(MIN_TOKEN_BUCKET, b) for b in token_buckets or (
+        self.token_buckets = sorted({max(min_token_bucket(params), b) for b in token_buckets or (
             geometric(max_num_batched_tokens, 4) + [max_num_seqs]
             + ([spec.num_speculative_tokens + 1] if spec else []))})
         self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence as Seq
 import jax
 import jax.numpy as jnp
 
-from .engine import Engine, RequestOutput, TokenLogprob
+from .engine import Engine, RequestOutput, TokenLogprob, min_token_bucket
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
@@ -201,7 +201,7 @@ class LLM:
         sizes = engine_sizes(config, kv_dtype, max_model_len=max_model_len, page_size=page_size,
                              num_pages=num_pages, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             token_buckets=token_buckets)
+                             token_buckets=token_buckets, first_bucket=min_token_bucket(params))
         num_pages = sizes.pop("num_pages")
         engine_kwargs.update({k: v for k, v in sizes.items() if v is not None})
         max_model_len = min(max_model_len, num_pages * page_size)

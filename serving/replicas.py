@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from ..model.fuse import fuse_params
 from .engine import Engine
 from .scheduler import RequestError
 
@@ -136,7 +137,10 @@ def _on_mesh(params, mesh) -> bool:
 
 
 def engine_for_mesh(config, params, tokenizer=None, *, mesh=None, **engine_kwargs):
-    """An `Engine`, or `Replicas` when the mesh has a data axis over 1."""
+    """An `Engine`, or `Replicas` when the mesh has a data axis over 1. On one device the
+    q/k/v and gate/up weights are fused in place first (`model/fuse.py`): one product each."""
     if mesh is not None and mesh.shape["data"] > 1:
         return Replicas(config, params, tokenizer, mesh=mesh, **engine_kwargs)
+    if mesh is None:
+        params = fuse_params(params)
     return Engine(config, params, tokenizer, mesh=mesh, **engine_kwargs)

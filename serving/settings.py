@@ -51,10 +51,10 @@ def coarse(n: int) -> int:
     return n >> drop << drop
 
 
-def gpu_token_buckets(budget: int, max_num_seqs: int) -> list[int]:
-    """Powers of two up to 256, then 1.5x / 2x steps (384, 512, 768, 1024, 1536, 2048, ...)
-    up to the budget; the sequence limit is a bucket too (a full decode step)."""
-    out, b = [], 2
+def gpu_token_buckets(budget: int, max_num_seqs: int, first: int = 2) -> list[int]:
+    """Powers of two from `first` up to 256, then 1.5x / 2x steps (384, 512, 768, 1024, 1536,
+    2048, ...) up to the budget; the sequence limit is a bucket too (a full decode step)."""
+    out, b = [], first
     while b < min(256, budget):
         out.append(b)
         b *= 2
@@ -66,7 +66,8 @@ def gpu_token_buckets(budget: int, max_num_seqs: int) -> list[int]:
 
 
 def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages=None,
-                 max_num_seqs=None, max_num_batched_tokens=None, token_buckets=None) -> dict:
+                 max_num_seqs=None, max_num_batched_tokens=None, token_buckets=None,
+                 first_bucket: int = 2) -> dict:
     """Fill in whatever the caller left as None. On CPU: today's small defaults. On a GPU: the
     KV pool from free memory, and the sequence limit, token budget and token buckets above."""
     if jax.default_backend() != "gpu":
@@ -87,7 +88,8 @@ def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages
         max_num_seqs = max(32, min(GPU_MAX_SEQS, 1 << max(fits, 1).bit_length() - 1))
     budget = max_num_batched_tokens or max(GPU_BUDGET, max_num_seqs)
     return dict(num_pages=num_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                token_buckets=token_buckets or gpu_token_buckets(budget, max_num_seqs))
+                token_buckets=token_buckets or gpu_token_buckets(budget, max_num_seqs,
+                                                                 first_bucket))
 
 
 # -- the persistent compilation cache ---------------------------------------------------------

@@ -99,10 +99,12 @@ def test_llm_with_fp8_weights_generates_what_its_weights_say(tmp_path):
     from pallasite.serving.llm import LLM, SamplingParams
     hf_models.save("qwen3", tmp_path)
     with LLM(tmp_path, quantization="fp8", max_model_len=64, num_pages=32, page_size=8,
-             max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16],
+             max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[1, 16],
              page_buckets=[8]) as llm:
         params = llm.engine.params
-        assert quant.is_quantized(params["layers_0"]["mlp"]["w_up"])
+        # one device: gate/up fused into one FP8 weight; a lone decode row is not padded
+        assert quant.is_quantized(params["layers_0"]["mlp"]["w_gate_up"])
+        assert llm.engine.token_buckets == [1, 16]
         prompt = [5, 17, 33, 2, 9]
         out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0,
                                                     ignore_eos=True))[0]
