@@ -16,7 +16,9 @@ FP8 weights are stored [N, K], as the library stores them (model/quant.py `k_las
    (the W8A8 path) vs bf16, tokens/s.
 4. `batch1`: batch-1 decode through `LLM.stream`, FP8 weights vs bf16: median time per token,
    and the FP8 roofline (bytes of FP8 weights and scales, the bf16 LM head and norms, and the KV
-   read, at the measured copy bandwidth; the embedding table is gathered, not read).
+   read, at the measured copy bandwidth; the embedding table is gathered, not read). With
+   `--batch1-variants`, each weight kind also with its q/k/v and gate/up kept apart (the
+   engine fuses them on one device, `model/fuse.py`) and with a lone decode row padded to two.
 
 Records (gpu, date, jax_version, mode, speedup_vs_bf16, ...) go to OUT/quant.json, a table to
 stdout and OUT/quant.md.
@@ -118,12 +120,24 @@ def bench_prefill(config, params, qparams, tokens):
 
 
 # -- 4: batch-1 decode through LLM.stream ---------------------------------------------------------
-def stream_ms_per_token(config, params, prompt_len, new_tokens):
+def stream_ms_per_token(config, params, prompt_len, new_tokens, fused=True, rows=1):
+    """Median ms a decode token through `LLM.stream`; `fused` False keeps q/k/v and gate/up
+    apart, `rows` is the smallest token bucket (the engine raises 1 to 2 for bf16)."""
+    from pallasite.serving import replicas
     from pallasite.serving.llm import LLM, SamplingParams
     pages = -(-(prompt_len + new_tokens) // 16)
-    llm = LLM.from_params(config, params, None, max_num_seqs=1, max_num_batched_tokens=prompt_len,
-                          num_pages=pages + 8, token_buckets=[1, prompt_len],
-                          page_buckets=[pages], max_model_len=prompt_len + new_tokens)
+    params = jax.tree.map(lambda a: a, params, is_leaf=lambda a: hasattr(a, "words"))
+    fuse = replicas.fuse_params
+    if not fused:  # the engine fuses on one device; this variant measures what that buys
+        replicas.fuse_params = lambda p: p
+    try:
+        llm = LLM.from_params(config, params, None, max_num_seqs=1,
+                              max_num_batched_tokens=prompt_len, num_pages=pages + 8,
+                              token_buckets=[rows, prompt_len], page_buckets=[pages],
+                              max_model_len=prompt_len + new_tokens)
+    finally:
+        replicas.fuse_params = fuse
+    del params
     try:
         prompt = np.random.default_rng(0).integers(0, config.vocab_size, prompt_len).tolist()
         sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -152,6 +166,9 @@ def main(argv=None):
     p.add_argument("--w8a8", default=None,
                    help="comma-separated W8A8 kernels (kernels.W8A8_IMPLS: xla, pallas) to run "
                         "the prefill parts with, one after another; default: the routing's own")
+    p.add_argument("--batch1-variants", default="bf16:fused:2,fp8:fused:1",
+                   help="weights:layout:rows, comma-separated, the bf16 baseline first and the "
+                        "FP8 figure last (layout fused or apart; rows the smallest bucket)")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
     tiny = args.tiny
@@ -187,17 +204,25 @@ def main(argv=None):
     if "batch1" in parts:
         prompt_len, new = (16, 16) if tiny else (128, 128)
         context = prompt_len + new // 2
-        bf16_ms = stream_ms_per_token(config, params, prompt_len, new)
         fp8_bytes, bf16_bytes = decode_bytes(config, qparams, context), \
             decode_bytes(config, params, context)
-        del params  # FP8 decode runs with the bf16 weights freed
-        fp8_ms = stream_ms_per_token(config, qparams, prompt_len, new)
         roof_ms = 1e3 * fp8_bytes / bw
+        variants = args.batch1_variants.split(",")
+        ms = {}
+        for v in variants:  # bf16 ones first: its weights are freed before FP8's run
+            kind, layout, rows = v.split(":")
+            ms[v] = stream_ms_per_token(config, params if kind == "bf16" else qparams,
+                                        prompt_len, new, fused=layout == "fused", rows=int(rows))
+            print(f"  batch1 {v}: {ms[v]:.3f} ms", flush=True)
+            if not any(w.startswith("bf16") for w in variants[variants.index(v) + 1:]):
+                params = None
+        bf16_ms, fp8_ms = ms[variants[0]], ms[variants[-1]]
         records.append(dict(mode="batch1", batch=1, context=context, bf16_ms=bf16_ms,
                             fp8_ms=fp8_ms, speedup_vs_bf16=bf16_ms / fp8_ms,
                             fp8_roofline_ms=roof_ms, frac_of_fp8_roofline=roof_ms / fp8_ms,
                             bf16_roofline_ms=1e3 * bf16_bytes / bw, fp8_bytes=fp8_bytes,
-                            bf16_bytes=bf16_bytes))
+                            bf16_bytes=bf16_bytes, bf16_variant=variants[0],
+                            fp8_variant=variants[-1], variants_ms=ms))
         print(f"  batch1: {records[-1]}", flush=True)
     head = common.run_info() | dict(copy_bw_tbps=bw / 1e12, copy_bw_by=how, tiny=tiny)
     records = [head | r for r in records]

@@ -44,9 +44,11 @@ MAX_MODEL_LEN = sharegpt.MAX_TOTAL
 
 # -- setup ---------------------------------------------------------------------------------------
 def build(args):
-    """The model, and an engine with the sizes `LLM()` would pick on this device."""
+    """The model, and an engine with the sizes and weights' layout `LLM()` would pick on this
+    device (`--projections apart` keeps q/k/v and gate/up apart, to measure the fusion)."""
     from pallasite.model import config_from_dict, init_params, quant_int
-    from pallasite.serving.engine import Engine
+    from pallasite.model.fuse import fuse_params
+    from pallasite.serving.engine import Engine, min_token_bucket
     from pallasite.serving.llm import kv_cache_dtype_of
     from pallasite.serving.settings import engine_sizes
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -54,10 +56,13 @@ def build(args):
     params = jax.jit(lambda: init_params(config, args.seed, dtype))()  # made on the device
     # the bf16 weights go once quantized: free memory sizes the KV pool
     params = quant_int.quantize_params(params, args.quantization)
+    if args.projections == "fused":
+        params = fuse_params(params)
     kv_dtype = kv_cache_dtype_of(args.kv_cache_dtype) or dtype
     sizes = engine_sizes(config, kv_dtype, max_model_len=MAX_MODEL_LEN, page_size=16,
                          max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         first_bucket=min_token_bucket(params))
     if args.tiny:  # a CPU dry run: a small engine
         sizes.update(num_pages=2048, max_num_seqs=64, max_num_batched_tokens=512,
                      token_buckets=[64, 512])
@@ -253,7 +258,8 @@ def main(args):
     env = dict(**run_info(), attention=choose_impl(),
                model="tiny" if args.tiny else "llama3-8b-shaped",
                lengths="benchmarks/data/sharegpt_lengths_N.json", tokenizer=sharegpt.TOKENIZER,
-               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+               projections=args.projections)
     print(json.dumps(env), flush=True)
     pairs = lengths(max(args.prompts + [args.online_prompts]), args.tiny)  # fail early if absent
     bw, how = copy_bandwidth(gb=0.05 if args.tiny else 4)
@@ -334,6 +340,9 @@ def _pct(x):
 def add_arguments(ap):
     ap.add_argument("--quantization", default=None, help="fp8, w4a16 or w8a16 weights")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights') or fp8")
+    ap.add_argument("--projections", choices=["fused", "apart"], default="fused",
+                    help="q/k/v and gate/up weights fused (as LLM() holds them on one device) "
+                         "or apart")
     ap.add_argument("--sharegpt", choices=["offline", "online"], default=None,
                     help="the ShareGPT workload (see benchmarks/serving_sharegpt.py)")
     ap.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[1000],

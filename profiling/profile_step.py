@@ -177,7 +177,8 @@ def child(args):
     config = config_from_dict(dict(model_type="llama", **model))
     params = random_params(config, jnp.dtype(w["dtype"]))
     params = quant_int.quantize_params(params, args.quantization)
-    specs = cases(w, args.cases.split(","))
+    from pallasite.serving.engine import min_token_bucket
+    specs = cases(w, args.cases.split(","), min_token_bucket(params))
     from pallasite.serving.llm import kv_cache_dtype_of
     engine = make_engine(config, params, w, specs, kv_cache_dtype_of(args.kv_cache_dtype))
     t = time.time()

@@ -53,11 +53,12 @@ def random_params(config, dtype, seed=0):
     return jax.tree.unflatten(tree, out)
 
 
-def cases(w, names=("b1", "b64")):
+def cases(w, names=("b1", "b64"), min_rows=None):
     """name -> (seqs [(query tokens, context)], (T, P) bucket, first page of its page runs).
     Page tables are as wide as the context plus `gen` tokens for b1/b64 (the batch-1 one as in
     benchmarks/bench_serving.py) and plus 16 for the big steps (their pages must fit)."""
     from pallasite.serving.engine import MIN_TOKEN_BUCKET
+    min_rows = min_rows or MIN_TOKEN_BUCKET  # the engine's, for the params (min_token_bucket)
     ps, out, first = PAGE, {}, 1
     for name in names:
         if name == "mixed":
@@ -69,7 +70,7 @@ def cases(w, names=("b1", "b64")):
         pages = -(-(max(c for _, c in seqs) + (16 if name in ("b768", "mixed") else w["gen"]))
                   // ps)
         T = sum(q for q, _ in seqs)
-        T = max(T, MIN_TOKEN_BUCKET)  # the engine pads a lone token
+        T = max(T, min_rows)  # the engine pads a lone token for XLA's bf16 products
         if name == "mixed" and "b768" in out:  # its rows reuse b768's pages: the memory fits
             out[name] = (seqs, (T, out["b768"][1][1]), out["b768"][2])
             continue
@@ -80,8 +81,10 @@ def cases(w, names=("b1", "b64")):
 
 def make_engine(config, params, w, specs, kv_cache_dtype=None):
     """An engine whose buckets hold every case and a one-step prefill of the batch-1 prompt
-    (for the `Engine.step()` run)."""
+    (for the `Engine.step()` run), its q/k/v and gate/up fused as `LLM` has them."""
+    from pallasite.model.fuse import fuse_params
     from pallasite.serving.engine import Engine
+    params = fuse_params(params)
     keys = [k for _, k, _ in specs.values()]
     pages = max(f + len(s) * k[1] for s, k, f in specs.values())
     ctx1 = w["b1"][1]
