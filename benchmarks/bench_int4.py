@@ -237,7 +237,7 @@ def bench_decode(layers: int, cfg=None, tokens: int = 128):
             params = random_w4a16(params)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
         llm = LLM.from_params(cfg, params, max_model_len=1024, max_num_seqs=4, num_pages=256,
-                              max_num_batched_tokens=128, token_buckets=[2, 128],
+                              max_num_batched_tokens=128, token_buckets=[1, 128],
                               page_buckets=[64])
         del params
         prompt = list(range(1, 129))
