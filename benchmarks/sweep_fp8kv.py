@@ -48,6 +48,8 @@ def _v(dot, rows, block_k, stages, warps=4):
 VARIANTS = [
     _v("q", 16, 128, 3),  # the old path at the best of its earlier tiles
     _v("f16", 16, 128, 3), _v("f16", 16, 256, 3),
+    _v("f16_swap", 16, 128, 3), _v("f16_swap", 16, 64, 4), _v("f16_swap", 16, 256, 3),
+    _v("f16_swap_qk", 16, 128, 3), _v("f16_swap_qk", 16, 64, 4),
     _v("fma", 1, 64, 3), _v("fma", 1, 64, 4), _v("fma", 1, 64, 3, 8),
     _v("fma_rows", 1, 128, 3), _v("fma_rows", 1, 64, 4), _v("fma_rows", 1, 128, 3, 8),
 ]

@@ -35,6 +35,10 @@ scaled. `fp8_dot` says how float8 tiles meet q:
 - "f16": converted to f16 (one `cvt.rn.f16x2.e4m3x2` per two values on sm_89+), q and P in
   f16 too, so the MMAs run in f16 with float32 accumulation. f16 holds q (|q| < 65504) and P
   (in [0, 1]) with more mantissa than bf16.
+- "f16_swap": f16 as above, with the MMAs transposed: S^T = K q^T and O^T = V^T P^T, so the
+  converted K and V tiles are the MMA's left operand, which Hopper's warpgroup MMA may take
+  from registers (the right one always comes from shared memory); "f16_swap_qk" swaps only
+  q K^T.
 - "fma": no MMA: q K^T and P V as float32 products and sums on the CUDA cores, the tiles
   converted e4m3 -> f16 -> f32 in registers as loaded. A decode program has only G = H / KV
   live rows (4 for Llama-3-8B), which the MMAs pad to 16 or 64; here `block_rows` may be as
@@ -98,13 +102,26 @@ def _gather(*idx):
     return tuple(jnp.broadcast_to(i, shape) for i in idx)
 
 
-FP8_DOTS = ("q", "f16", "fma", "fma_rows")
+FP8_DOTS = ("q", "f16", "f16_swap", "f16_swap_qk", "fma", "fma_rows")
 
 
 def rows_per_block(block_rows, group, fp8_dot="q", float8=False):
     """The query rows of a program: MMAs take 16 at least; the float8 "fma" path G at least."""
     least = 1 if float8 and fp8_dot.startswith("fma") else 16
     return max(block_rows, least, pl.next_power_of_2(group))
+
+
+def _swapped_scores(q, k, scale, softcap):
+    """`flash.scores` as (k q^T)^T: the tile k is the MMA's left operand."""
+    s = plgpu.dot(k, q, trans_b=True).T * scale
+    if softcap is None:
+        return s * LOG2E
+    return (softcap * LOG2E) * jnp.tanh(s * (1.0 / softcap))
+
+
+def _swapped_pv(p, v):
+    """P V as (V^T P^T)^T: the tile v is the MMA's left operand."""
+    return plgpu.dot(v, p.astype(v.dtype), trans_a=True, trans_b=True).T
 
 
 def _fma_scores(q, k, scale, softcap, by_row=False):
@@ -179,8 +196,11 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
         scale, v_scale = sm_scale * scale_ref[h], scale_ref[pl.num_programs(1) + h]
     float8 = k_ref.dtype == jnp.float8_e4m3fn
     tile_dtype, score, pv = q.dtype, scores, None
-    if float8 and fp8_dot == "f16":
+    if float8 and fp8_dot.startswith("f16"):
         tile_dtype, q = jnp.float16, q.astype(jnp.float16)
+        if fp8_dot.startswith("f16_swap"):
+            score = _swapped_scores
+            pv = _swapped_pv if fp8_dot == "f16_swap" else None
     elif float8 and fp8_dot.startswith("fma"):
         by_row = fp8_dot == "fma_rows"
         tile_dtype, q = jnp.float32, q.astype(jnp.float32)

@@ -193,10 +193,12 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
     assert rel_err(out, full) < 0.08  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("fma", True), ("fma_rows", True),
-                                            ("fma_rows", False)])
+@pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("f16_swap", True),
+                                            ("f16_swap_qk", False), ("fma", True),
+                                            ("fma_rows", True), ("fma_rows", False)])
 def test_paged_fp8_dot_paths(fp8_dot, decode):
-    """The float8 paths other than q's dtype ("f16" MMAs, "fma"/"fma_rows" CUDA-core products
+    """The float8 paths other than q's dtype ("f16" MMAs plain or transposed, "fma"/"fma_rows"
+    CUDA-core products
     over only the group's rows) against the reference on the same pages, with splits, a window and
     soft-capping; the ragged entry with one-token blocks of G rows too."""
     q_lens, cached = ([1, 1, 1], [40, 7, 0]) if decode else ([3, 1], [30, 20])
