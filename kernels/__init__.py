@@ -361,14 +361,17 @@ def has_fp8_tensor_cores() -> bool:
 
 
 def quant_mode(x, q, zero=None, mode=None) -> str:
-    """"w8a16" or "w8a8" for a call: by rows, on GPUs with FP8 tensor cores, for FP8 weights
-    without zeros. `PALLASITE_QUANT_MATMUL` or `mode` names one (W8A8 only where it is right)."""
+    """"w8a16" or "w8a8" for a call: by rows, on GPUs with FP8 tensor cores for FP8 weights
+    (INT8 tensor cores for INT8 ones), for weights without zeros. `PALLASITE_QUANT_MATMUL` or
+    `mode` names one (W8A8 only where it is right)."""
     mode = mode or os.environ.get("PALLASITE_QUANT_MATMUL")
     if mode not in (None, "w8a16", "w8a8"):
         raise ValueError(f"quantized matmul mode {mode!r} is not one of 'w8a16', 'w8a8'")
-    if q.dtype != jax.numpy.float8_e4m3fn or zero is not None:
+    int8 = q.dtype == jax.numpy.int8
+    if q.dtype != jax.numpy.float8_e4m3fn and not int8 or zero is not None:
         if mode == "w8a8":
-            raise ValueError(f"W8A8 takes float8_e4m3fn weights without zeros, not {q.dtype}")
+            raise ValueError(f"W8A8 takes float8_e4m3fn or int8 weights without zeros, not "
+                             f"{q.dtype}{' with zeros' if zero is not None else ''}")
         return "w8a16"
     if mode is not None:
         return mode
@@ -376,7 +379,7 @@ def quant_mode(x, q, zero=None, mode=None) -> str:
         return "w8a16"
     if jax.default_backend() != "gpu":
         return "w8a16"
-    if not has_fp8_tensor_cores():
+    if not int8 and not has_fp8_tensor_cores():
         _say_once("this GPU has no FP8 tensor cores (sm_89 / sm_90+): FP8 weights run as "
                   "W8A16 (bf16 activations) at every batch size")
         return "w8a16"
@@ -421,10 +424,12 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
     reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`) or the
     Pallas kernels (`w8a8_matmul.py`, `w8a8_mgpu.py`), as `w8a8` (or `PALLASITE_W8A8_IMPL`)
-    picks (`w8a8_impl`). `layout="nk"`: q is stored transposed, [N, K] (how FP8 weights are
+    picks (`w8a8_impl`); INT8 weights through XLA's INT8 dot. `layout="nk"`: q is stored transposed, [N, K] (how FP8 weights are
     stored: `model/quant.py` k_last)."""
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
+        if q.dtype == jax.numpy.int8:  # SmoothQuant W8A8: XLA's INT8 GEMM (cuBLASLt)
+            return qr.w8a8_int8_matmul(x, q, scale, layout=layout)
         impl = w8a8_impl(x, q, scale, w8a8, layout=layout, interpret=interpret, **blocks)
         if impl == "pallas":
             from . import w8a8_matmul as wm

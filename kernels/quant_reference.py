@@ -1,5 +1,5 @@
 """Quantized matrix products in plain jnp: the references the kernels are checked against, and
-the W8A8 path itself (XLA's FP8 dot).
+the W8A8 paths themselves (XLA's FP8 dot, and its INT8 x INT8 -> INT32 dot).
 
 Weights come as a [K, N] matrix `q` (float8_e4m3fn, int8, int4) with float32 `scale` [G, N]
 (G = 1: per output channel; G > 1: one row per group of K // G input rows) and an optional
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 FP8_MAX = 448.0
+INT8_MAX = 127.0
 
 
 def dequantize_matrix(q, scale, zero=None):
@@ -86,6 +87,35 @@ def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
 def w8a8_reference(x, q, scale, *, layout: str = "kn"):
     """W8A8 with the same quantization, dequantized to float32 first."""
     xq, xs = quantize_rows(x)
+    w = dequantize_matrix(q.T if layout == "nk" else q, scale)
+    y = jnp.dot(xq.astype(jnp.float32) * xs, w, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+def quantize_rows_int8(x):
+    """Dynamic per-token (row) symmetric INT8: (xq [M, K] int8, scale [M, 1] float32)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    s = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    return jnp.clip(jnp.round(x.astype(jnp.float32) / s), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
+
+
+def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn"):
+    """INT8 x INT8 on the tensor cores (SmoothQuant W8A8): x quantized per row, XLA's integer
+    dot accumulating exactly in int32, then the row and channel scales. q int8 with per-channel
+    scale [1, N] (the INT8 GEMM has no groups along K)."""
+    if scale.shape[0] != 1:
+        raise ValueError(f"INT8 W8A8 takes one scale per output channel, not {scale.shape[0]} "
+                         "groups along K")
+    xq, xs = quantize_rows_int8(x)
+    kq = 1 if layout == "nk" else 0
+    acc = jax.lax.dot_general(xq, q, (((1,), (kq,)), ((), ())),
+                              preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * scale * xs).astype(x.dtype)
+
+
+def w8a8_int8_reference(x, q, scale, *, layout: str = "kn"):
+    """The same quantization, dequantized to float32 first."""
+    xq, xs = quantize_rows_int8(x)
     w = dequantize_matrix(q.T if layout == "nk" else q, scale)
     y = jnp.dot(xq.astype(jnp.float32) * xs, w, precision=jax.lax.Precision.HIGHEST)
     return y.astype(x.dtype)

@@ -1,6 +1,6 @@
-"""Published FP8 checkpoints, read into the `quant.QArray` layout.
+"""Published FP8 (and INT8 W8A8) checkpoints, read into the `quant.QArray` layout.
 
-Two forms, told apart by `quantization_config` in config.json:
+Three forms, told apart by `quantization_config` in config.json:
 
 - `quant_method: "fp8"` (transformers' fine-grained FP8, as DeepSeek-V3 and Qwen3-FP8 ship):
   float8_e4m3fn `weight` [out, in] with float32 `weight_scale_inv` [out / 128, in / 128] for
@@ -12,10 +12,15 @@ Two forms, told apart by `quantization_config` in config.json:
   with a `weight_scale` per tensor ([1] / []), per channel ([out, 1]) or per block; `ignore`
   lists modules left in high precision. A static `input_scale` is read and checked; the
   activations are still quantized per token at run time (never coarser than its one scale).
+- compressed-tensors `int-quantized` (llm-compressor's W8A8, SmoothQuant's smoothing already
+  folded into the weights and norms): symmetric int8 `weight` [out, in] with a per-tensor or
+  per-channel `weight_scale`, int8 activations, dynamic per token (or static with an
+  `input_scale`, read and checked, then quantized per token as above).
 
-Anything else (other bit widths, integer types, group or asymmetric weights, static activation
-schemes of the fp8 method, other compressed-tensors formats) is a CheckpointError naming the
-option. Weights our model keeps in high precision (LM head, router) are dequantized on load.
+Anything else (other bit widths, group or asymmetric weights, asymmetric activations,
+static activation schemes of the fp8 method, other compressed-tensors formats) is a
+CheckpointError naming the option. Weights our model keeps in high precision (LM head,
+router) are dequantized on load.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ def _module(weight_name: str) -> str:
 
 
 class Fp8Format:
-    """What one checkpoint's quantization_config says about each tensor."""
+    """What one checkpoint's quantization_config says about each tensor. `scheme` is the
+    QArray scheme of its weights ("fp8" or "int8"), `stored` their safetensors dtype."""
 
     def __init__(self, qc: dict):
         method = qc.get("quant_method")
+        self.scheme, self.stored = "fp8", "F8_E4M3"
         self.block = None  # (out, in) block, or None: one scale per tensor / channel
         self.targets, self.ignore = ["Linear"], []
         if method == "fp8":
@@ -58,10 +65,13 @@ class Fp8Format:
             self.ignore = list(qc.get("modules_to_not_convert") or [])
         elif method == "compressed-tensors":
             self.scale_suffix = "weight_scale"
-            fmt = qc.get("format")
-            if fmt != "float-quantized":
-                raise FormatError(f"compressed-tensors format {fmt!r} is not supported (only "
-                                  "'float-quantized')")
+            formats = {g.get("format") or qc.get("format")
+                       for g in (qc.get("config_groups") or {}).values()} or {qc.get("format")}
+            if len(formats) != 1 or not formats <= {"float-quantized", "int-quantized"}:
+                raise FormatError(f"compressed-tensors format {sorted(map(str, formats))} is not "
+                                  "supported (one of 'float-quantized', 'int-quantized')")
+            if formats == {"int-quantized"}:
+                self.scheme, self.stored = "int8", "I8"
             if qc.get("quantization_status", "compressed") != "compressed":
                 raise FormatError(f"compressed-tensors quantization_status "
                                   f"{qc['quantization_status']!r} is not supported")
@@ -79,7 +89,8 @@ class Fp8Format:
     def _check_group(self, name, group):
         w = group.get("weights") or {}
         where = f"compressed-tensors config_groups.{name}"
-        for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True),
+        kind = "int" if self.scheme == "int8" else "float"
+        for key, want in (("num_bits", 8), ("type", kind), ("symmetric", True),
                           ("dynamic", False)):
             if w.get(key, want) != want:
                 raise FormatError(f"{where}.weights.{key} = {w.get(key)!r} is not supported "
@@ -90,13 +101,19 @@ class Fp8Format:
             if len(self.block) != 2:
                 raise FormatError(f"{where}.weights.block_structure "
                                   f"{w.get('block_structure')} is not [out, in]")
+            if kind == "int":
+                raise FormatError(f"{where}.weights.strategy 'block' is not supported for int "
+                                  "weights (only 'tensor', 'channel')")
         elif strategy not in ("tensor", "channel"):
             raise FormatError(f"{where}.weights.strategy {strategy!r} is not supported "
                               "(only 'tensor', 'channel', 'block')")
         a = group.get("input_activations")
-        if a and (a.get("num_bits") != 8 or a.get("type") != "float"):
+        if a and (a.get("num_bits") != 8 or a.get("type") != kind):
             raise FormatError(f"{where}.input_activations ({a.get('num_bits')}-bit "
-                              f"{a.get('type')}) are not supported (only 8-bit float)")
+                              f"{a.get('type')}) are not supported (only 8-bit {kind})")
+        if a and not a.get("symmetric", True):
+            raise FormatError(f"{where}.input_activations.symmetric = False is not supported "
+                              "(only symmetric activations)")
         if group.get("output_activations"):
             raise FormatError(f"{where}.output_activations are not supported")
 

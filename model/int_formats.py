@@ -276,7 +276,7 @@ def parse_quantization_config(cfg: dict | None):
     if method == "compressed-tensors":
         formats = {g.get("format") or cfg.get("format")
                    for g in (cfg.get("config_groups") or {}).values()} or {cfg.get("format")}
-        if formats == {"float-quantized"}:
-            return None  # FP8: read by fp8_checkpoint
+        if formats & {"float-quantized", "int-quantized"}:
+            return None  # FP8 and INT8 W8A8: read by fp8_checkpoint
         return CompressedTensorsConfig(cfg)
     return None

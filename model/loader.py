@@ -193,10 +193,11 @@ def _read_fp8(name: str, file: Path) -> np.ndarray:
     return raw.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
 
 
-def _read(name: str, files: dict[str, Path], handles: dict, fp8_ok: bool = False) -> np.ndarray:
+def _read(name: str, files: dict[str, Path], handles: dict,
+          quantized_ok: bool = False) -> np.ndarray:
     file = files[name]
     if _stored_dtype(name, files, handles) == "F8_E4M3":
-        if not fp8_ok:
+        if not quantized_ok:
             raise CheckpointError(f"tensor {name} in {file} is stored in FP8 without a scale "
                                   "this loader knows of (config.json has no quantization_config "
                                   "naming it)")
@@ -209,7 +210,9 @@ def _read(name: str, files: dict[str, Path], handles: dict, fp8_ok: bool = False
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from None
     packed = name.endswith(("_blocks", "_scales"))  # MXFP4 experts: bytes
-    if tensor.dtype not in ((jnp.uint8,) if packed else (jnp.float32, jnp.float16, jnp.bfloat16)):
+    floats = (jnp.float32, jnp.float16, jnp.bfloat16)
+    if tensor.dtype not in ((jnp.uint8,) if packed else floats + (
+            (jnp.int8,) if quantized_ok else ())):
         raise CheckpointError(f"tensor {name} in {file} has dtype {tensor.dtype}; "
                               f"expected {'uint8' if packed else 'float32, float16 or bfloat16'}")
     return np.asarray(tensor)
@@ -255,15 +258,15 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
     wanted = {name for names, _ in sources.values() for name in names}
     wanted |= ints.names() if ints is not None else set()
     stored_fp8 = set()
-    if fp8 is not None:  # each FP8 weight brings its scale; a static input scale may come too
+    if fp8 is not None:  # each FP8/INT8 weight brings its scale; a static input scale may too
         handles = {}
         stored_fp8 = {n for n in wanted & files.keys()
-                      if _stored_dtype(n, files, handles) == "F8_E4M3"}
+                      if _stored_dtype(n, files, handles) == fp8.stored}
         for name in sorted(stored_fp8):
             if not fp8.quantized(name):
-                raise CheckpointError(f"tensor {name} is stored in FP8, but the checkpoint's "
-                                      "quantization_config leaves its module unquantized "
-                                      "(ignore / modules_to_not_convert)")
+                raise CheckpointError(f"tensor {name} is stored as {fp8.scheme}, but the "
+                                      "checkpoint's quantization_config leaves its module "
+                                      "unquantized (ignore / modules_to_not_convert)")
         wanted |= {fp8.scale_name(n) for n in stored_fp8}
         optional = {fp8.input_scale_name(n) for n in stored_fp8} & files.keys()
         for name in sorted(optional):
@@ -299,7 +302,7 @@ def load_hf(path, dtype=jnp.bfloat16, shardings=None, config: ModelConfig | None
             except ValueError:  # a reshape that cannot fit: reported as the shape error below
                 value = None
         if value is None or value.shape != want.shape:
-            arrays = arrays or [_read(names[0], files, handles, fp8_ok=True)]
+            arrays = arrays or [_read(names[0], files, handles, quantized_ok=True)]
             raise CheckpointError(
                 f"tensor {names[0]} in {files[names[0]].name} has shape {arrays[0].shape}, which "
                 f"does not fit {'.'.join(param_path)} {tuple(want.shape)} of this config")
@@ -368,13 +371,14 @@ def _check_input_scale(name, scale):
 
 def _fp8_param(fp8, param_path, names, build, want, files, handles):
     """A QArray for a linear weight (values transposed as `build` does, scales likewise), or
-    the dequantized float32 array for any other param stored in FP8 (an LM head, a router)."""
+    the dequantized float32 array for any other param stored quantized (an LM head, a router)."""
     qs, scales = [], []
+    dtype = "int8" if fp8.scheme == "int8" else "float8_e4m3fn"
     for n in names:
-        q = _read(n, files, handles, fp8_ok=True)
-        if q.dtype != np.dtype("float8_e4m3fn") or q.ndim != 2:
+        q = _read(n, files, handles, quantized_ok=True)
+        if q.dtype != np.dtype(dtype) or q.ndim != 2:
             raise CheckpointError(f"tensor {n} in {files[n].name} should be a 2-D "
-                                  f"float8_e4m3fn weight; it is {q.dtype} {tuple(q.shape)}")
+                                  f"{dtype} weight; it is {q.dtype} {tuple(q.shape)}")
         try:
             scales.append(fp8.scale_2d(n, q.shape, _read(fp8.scale_name(n), files, handles)))
         except fp8_checkpoint.FormatError as e:
@@ -400,6 +404,6 @@ def _fp8_param(fp8, param_path, names, build, want, files, handles):
         raise CheckpointError(f"{fp8.scale_name(names[0])}: blocks of {fp8.block} do not split "
                               f"evenly over the axes of {'.'.join(param_path)} "
                               f"{tuple(want.shape)}")
-    w = quant.check(quant.QArray(value, scale.astype(np.float32), None, "fp8"),
+    w = quant.check(quant.QArray(value, scale.astype(np.float32), None, fp8.scheme),
                     fp8.scale_name(names[0]))
     return w if lead else quant.to_k_last(w, in_axes)

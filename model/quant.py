@@ -171,6 +171,16 @@ def quantize_fp8(weight, contract_axes=(0,), block=None) -> QArray:
     return QArray(q, scale, None, "fp8")
 
 
+def quantize_int8(weight, contract_axes=(0,)) -> QArray:
+    """Symmetric int8 values with float32 per-output-channel scales (amax / 127 over
+    `contract_axes`): the weights of SmoothQuant-style W8A8. Runs under jit."""
+    w = jnp.asarray(weight).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=tuple(contract_axes), keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+    return QArray(jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale, None,
+                  "int8")
+
+
 def _flat_block(shape, block) -> int:
     """Block size along the row-major flattening of axes `shape`: leading axes with block 1,
     then one blocked axis, then whole axes. Anything else is a ValueError."""
@@ -321,29 +331,32 @@ def shardings_for(params, shardings):
 def quantize_params(params, scheme: str = "fp8"):
     """Every linear weight of a params pytree as a QArray (tests, benchmarks, random models).
     The loader quantizes tensor by tensor instead (`model.loader`); `quant_int.quantize_params`
-    takes every mode."""
-    if check_quantization(scheme) is None:
+    takes every mode. "int8" (per-channel round-to-nearest INT8, W8A8 without smoothing) is for
+    benchmarks; calibrated INT8 comes from `pallasite quantize --method smoothquant`."""
+    if scheme is None:
         return params
-    if scheme != "fp8":
+    if scheme not in ("fp8", "int8"):
+        check_quantization(scheme)
         raise ValueError(f"quantize_params takes 'fp8'; {scheme!r} is quant_int.quantize_params'")
 
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)
         if linear_axes(keys) is None:
             return leaf
-        return _jit_quantize_fp8(leaf, linear_axes(keys))
+        return _jit_quantize(leaf, linear_axes(keys), scheme)
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def quantize_linear(weight, axes) -> QArray:
-    """FP8 of a linear weight with (lead, in_axes) `axes`, per output channel, in the order
-    the kernels read (`to_k_last` where there are no leading axes)."""
+def quantize_linear(weight, axes, scheme: str = "fp8") -> QArray:
+    """FP8 (or "int8") of a linear weight with (lead, in_axes) `axes`, per output channel, in
+    the order the kernels read (`to_k_last` where there are no leading axes)."""
     lead, in_axes = axes
-    w = quantize_fp8(weight, tuple(range(lead, lead + in_axes)))
+    quantize = quantize_int8 if scheme == "int8" else quantize_fp8
+    w = quantize(weight, tuple(range(lead, lead + in_axes)))
     return w if lead else to_k_last(w, in_axes)
 
 
-_jit_quantize_fp8 = jax.jit(quantize_linear, static_argnums=1)
+_jit_quantize = jax.jit(quantize_linear, static_argnums=(1, 2))
 
 
 def weight_bytes(params) -> int:

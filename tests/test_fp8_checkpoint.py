@@ -2,7 +2,7 @@
 quantized layout and checked against a plain numpy dequantization of the same tensors:
 fine-grained FP8 with 128x128 `weight_scale_inv` blocks (DeepSeek-V3 / Qwen3-FP8), and
 compressed-tensors `float-quantized` per channel (with static input scales and an `ignore`
-list, on a mixture of experts) and per tensor. Bad scales and unsupported options are errors
+list, on a mixture of experts) and per tensor, and `int-quantized` INT8 W8A8 (SmoothQuant's). Bad scales and unsupported options are errors
 naming the tensor or option."""
 
 import json
@@ -70,7 +70,11 @@ def build_quantized(model, folder, scheme, ignore=()):
         if not linear or any(module.endswith(i) for i in ignore):
             tensors[name] = plain[name] = p
             continue
-        if scheme == "block":
+        if scheme == "int8":  # W8A8: symmetric int8 per output channel
+            s = torch.from_numpy((np.abs(w).max(1, keepdims=True) / 127).astype(np.float32))
+            q = torch.from_numpy(np.rint(w / s.numpy()).astype(np.int8))
+            tensors[module + ".weight_scale"] = s  # [out, 1]
+        elif scheme == "block":
             q, s = fp8_blocks(w, 128, 128)
             tensors[module + ".weight_scale_inv"] = s
         elif scheme == "channel":
@@ -86,7 +90,7 @@ def build_quantized(model, folder, scheme, ignore=()):
     return tensors, plain
 
 
-def check_against_plain(tmp_path, model, tensors, plain, qc, kind):
+def check_against_plain(tmp_path, model, tensors, plain, qc, kind, dtype=jnp.float8_e4m3fn):
     qdir, pdir = tmp_path / "fp8", tmp_path / "plain"
     qdir.mkdir()
     write(qdir, model, tensors, qc)
@@ -97,7 +101,7 @@ def check_against_plain(tmp_path, model, tensors, plain, qc, kind):
     _, pp = load_hf(pdir, dtype=jnp.float32)
     layer = qp["layers_0"]
     w = layer["attn"]["wq"]
-    assert quant.is_quantized(w) and w.q.dtype == jnp.float8_e4m3fn
+    assert quant.is_quantized(w) and w.q.dtype == dtype
     assert quant.is_quantized(layer[kind]["w_down"]) and not quant.is_quantized(qp["lm_head"])
     deq = jax.tree.map(quant.dequantize, qp, is_leaf=quant.is_quantized)
     for a, b in zip(jax.tree.leaves(deq), jax.tree.leaves(pp)):
@@ -180,4 +184,34 @@ def test_compressed_tensors_per_tensor_and_refusals(tmp_path):
     refused(lambda q: q.update(format="pack-quantized"),
             r"type='float' is not supported")
     refused(lambda q: q.update(ignore=["lm_head", "o_proj"]),
-            r"o_proj.weight is stored in FP8, but .* leaves its module unquantized")
+            r"o_proj.weight is stored as fp8, but .* leaves its module unquantized")
+
+
+def test_compressed_tensors_int8_w8a8(tmp_path):
+    """llm-compressor's W8A8 preset: int8 weights per channel, int8 activations per token."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    model = llama(hidden=64, heads=4, head_dim=16)
+    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
+                            format="int-quantized", ignore=["lm_head"],
+                            quantization_status="compressed").model_dump(mode="json")
+    assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] is True
+    tensors, plain = build_quantized(model, tmp_path / "plain", "int8", ignore=("lm_head",))
+    qdir, qp = check_against_plain(tmp_path, model, tensors, plain, qc, "mlp", jnp.int8)
+    wq = qp["layers_0"]["attn"]["wq"]
+    assert wq.scheme == "int8" and wq.k_last == 1 and wq.q.shape == (4, 16, 64)
+    original = (qdir / "config.json").read_text()
+
+    def refused(change, match):
+        cfg = json.loads(original)
+        change(cfg["quantization_config"])
+        (qdir / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=match):
+            load_hf(qdir)
+    group = lambda q: q["config_groups"]["group_0"]
+    refused(lambda q: group(q)["weights"].update(symmetric=False),
+            r"weights.symmetric = False is not supported")
+    refused(lambda q: group(q)["input_activations"].update(symmetric=False),
+            r"input_activations.symmetric = False is not supported")
+    refused(lambda q: group(q)["weights"].update(num_bits=4),
+            r"weights.num_bits = 4 is not supported")
+    refused(lambda q: group(q).update(format="float-quantized"), r"type = 'int' is not supported")

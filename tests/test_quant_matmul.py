@@ -89,8 +89,42 @@ def test_the_path_is_chosen_by_rows_and_gpu(monkeypatch):
     monkeypatch.setattr(kernels, "has_fp8_tensor_cores", lambda: True)
     assert kernels.quant_mode(rows(16), q) == "w8a16"
     assert kernels.quant_mode(rows(17), q) == "w8a8"
-    assert kernels.quant_mode(rows(512), q.astype(jnp.int8)) == "w8a16"
+    i8 = q.astype(jnp.int8)
+    assert kernels.quant_mode(rows(512), i8) == "w8a8"  # INT8 tensor cores
+    assert kernels.quant_mode(rows(512), i8, jnp.zeros((1, 64), jnp.int8)) == "w8a16"
     monkeypatch.setattr(kernels, "has_fp8_tensor_cores", lambda: False)
     assert kernels.quant_mode(rows(512), q) == "w8a16"
-    with pytest.raises(ValueError, match="W8A8 takes float8_e4m3fn"):
-        kernels.quant_mode(rows(512), q.astype(jnp.int8), mode="w8a8")
+    assert kernels.quant_mode(rows(512), i8) == "w8a8"
+    with pytest.raises(ValueError, match="W8A8 takes float8_e4m3fn or int8 weights without zeros"):
+        kernels.quant_mode(rows(512), q.astype(jnp.int4), mode="w8a8")
+
+
+def int8_weights(rng, k, n):
+    w = rng.normal(size=(n, k)).astype(np.float32)  # stored [N, K], as the model keeps them
+    scale = np.abs(w).max(1) / 127
+    return jnp.asarray(np.rint(w / scale[:, None]), jnp.int8), jnp.asarray(scale[None])
+
+
+def test_int8_w8a8_equals_its_dequantized_reference():
+    """SmoothQuant's product: per-token INT8 activations, INT8 x INT8 -> INT32, both scales."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(40, 256)) * rng.uniform(0.1, 10, (40, 1)), jnp.bfloat16)
+    q, scale = int8_weights(rng, 256, 96)
+    got = kernels.quant_matmul(x, q, scale, mode="w8a8", layout="nk")
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, qr.w8a8_int8_reference(x, q, scale, layout="nk")) <= 1e-3
+    assert rel_err(got, qr.w8a16_reference(x.astype(jnp.float32), q.T, scale)) <= 0.02
+    xq, xs = qr.quantize_rows_int8(x)
+    assert xq.dtype == jnp.int8 and int(jnp.max(jnp.abs(xq.astype(jnp.int32)))) == 127
+    with pytest.raises(ValueError, match="one scale per output channel"):
+        qr.w8a8_int8_matmul(x, q, jnp.ones((2, 96)), layout="nk")
+
+
+def test_w8a16_kernel_reads_int8_weights_stored_nk():
+    """Decode rows of an INT8 W8A8 checkpoint: its weights through the W8A16 kernel."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(2, 512)), jnp.bfloat16)
+    q, scale = int8_weights(rng, 512, 128)
+    got = w8a16_matmul(x, q, scale, block_n=32, block_k=256, split_k=2, reduce="sum",
+                       layout="nk", interpret=True)
+    assert rel_err(got, qr.w8a16_reference(x, q.T, scale)) <= 1e-3
