@@ -213,8 +213,8 @@ def int_checkpoint(path, config, sources, expected, files):
 
 
 def describe(params) -> str:
-    """How a params pytree's linear weights are stored, e.g. "w4a16 g128" or "fp8" ("" for
-    plain weights): what ModelInfo reports."""
+    """How a params pytree's linear weights are stored, e.g. "w4a16 g128", "fp8" or
+    "w8a8 int8" ("" for plain weights): what ModelInfo reports."""
     from . import quant
     kinds = set()
     for leaf in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, PackedInt)
@@ -223,6 +223,6 @@ def describe(params) -> str:
             k = math.prod(leaf.shape[:leaf.in_axes])
             kinds.add(f"w{leaf.bits}a16 " + ("channel" if leaf.group_size >= k
                                              else f"g{leaf.group_size}"))
-        elif quant.is_quantized(leaf):
-            kinds.add(leaf.scheme)
+        elif quant.is_quantized(leaf):  # "fp8", or "w8a8 int8" (SmoothQuant's checkpoints)
+            kinds.add("w8a8 int8" if leaf.scheme == "int8" else leaf.scheme)
     return ", ".join(sorted(kinds))

@@ -178,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pallasite.train.cli import add_arguments as train_arguments
     train_arguments(sub.add_parser("train", help="train or fine-tune a model"))
     from pallasite.tools.quantize import add_arguments as quantize_arguments
-    quantize_arguments(sub.add_parser("quantize", help="write an INT4/INT8 weight-only "
-                                      "compressed-tensors checkpoint (rtn, awq, gptq)"))
+    quantize_arguments(sub.add_parser("quantize", help="write an INT4/INT8 weight-only (rtn, "
+                                      "awq, gptq) or INT8 W8A8 (smoothquant) compressed-tensors "
+                                      "checkpoint"))
     sub.add_parser("plan", help="rank sharding plans for a model on given GPUs (see "
                    "`pallasite plan --help`)", add_help=False)
     return parser

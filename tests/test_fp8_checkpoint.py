@@ -2,8 +2,8 @@
 quantized layout and checked against a plain numpy dequantization of the same tensors:
 fine-grained FP8 with 128x128 `weight_scale_inv` blocks (DeepSeek-V3 / Qwen3-FP8), and
 compressed-tensors `float-quantized` per channel (with static input scales and an `ignore`
-list, on a mixture of experts) and per tensor, and `int-quantized` INT8 W8A8 (SmoothQuant's). Bad scales and unsupported options are errors
-naming the tensor or option."""
+list, on a mixture of experts) and per tensor, and `int-quantized` INT8 W8A8 (SmoothQuant's).
+Bad scales and unsupported options are errors naming the tensor or option."""
 
 import json
 

@@ -1,6 +1,7 @@
 """`pallasite quantize` on a tiny model: the compressed-tensors folder it writes reads back as
-the weights it reports, and AWQ and GPTQ reconstruct the calibration activations' outputs better
-than round-to-nearest."""
+the weights it reports, AWQ and GPTQ reconstruct the calibration activations' outputs better
+than round-to-nearest, and SmoothQuant's W8A8 folder (llm-compressor's `int-quantized` form)
+beats INT8 W8A8 without smoothing and serves."""
 
 import json
 
@@ -68,3 +69,28 @@ def test_folder_reads_back(model_dir, tmp_path):
     rows = np.arange(96) // 32
     w = (codes - zp[:, rows]) * tensors[p + "weight_scale"][:, rows]
     np.testing.assert_allclose(lin.dequantize(), w.T, rtol=1e-6, atol=1e-7)
+
+
+def test_smoothquant_w8a8_beats_no_smoothing_and_serves(model_dir, tmp_path, monkeypatch):
+    import jax.numpy as jnp
+    from compressed_tensors.quantization import QuantizationConfig
+    from pallasite.model import forward_logits, load_hf
+    kw = dict(bits=8, group_size=-1, samples=4, seq_len=64, progress=False)
+    smooth = q.quantize(model_dir, tmp_path / "sq", method="smoothquant", **kw)
+    with monkeypatch.context() as m:  # the same W8A8 with every factor 1: no smoothing
+        m.setattr(q, "smooth_scales", lambda *a: {})
+        plain = q.quantize(model_dir, tmp_path / "plain", method="smoothquant", **kw)
+    err = lambda r: np.mean([x["rel_err"] for x in r["linears"]])
+    assert err(smooth) < 0.8 * err(plain), (err(smooth), err(plain))
+    cfg = json.loads((tmp_path / "sq" / "config.json").read_text())["quantization_config"]
+    group = QuantizationConfig.model_validate(cfg).config_groups["group_0"]
+    assert cfg["format"] == "int-quantized" and group.input_activations.dynamic
+    config, qp = load_hf(tmp_path / "sq", dtype=jnp.float32)
+    w = qp["layers_0"]["mlp"]["w_down"]
+    assert w.scheme == "int8" and w.q.dtype == jnp.int8
+    _, fp = load_hf(model_dir, dtype=jnp.float32)
+    ids = np.arange(1, 33)[None]
+    got, want = forward_logits(qp, config, ids), forward_logits(fp, config, ids)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+    with pytest.raises(ValueError, match="smoothquant is 8-bit"):
+        q.quantize(model_dir, tmp_path / "x", method="smoothquant", bits=4, group_size=32)

@@ -1,5 +1,6 @@
 """Calibrated integer weight quantization (jnp, any backend): group-wise fake quantization,
-AWQ's per-input-channel scale search and GPTQ's column-wise error compensation.
+AWQ's per-input-channel scale search, GPTQ's column-wise error compensation and SmoothQuant's
+smoothing factors.
 
 Weights are [K, N] (inputs by outputs, as the params hold them); calibration activations X are
 [n, K], the inputs those weights see.
@@ -104,3 +105,14 @@ def gptq(w, h, *, bits: int, group_size: int, symmetric: bool, damp: float = 0.0
     init = (w, jnp.zeros_like(w), jnp.zeros((groups, n)), jnp.zeros((groups, n)))
     _, q, scales, zeros = lax.fori_loop(0, groups, group, init)
     return q, scales, zeros
+
+
+def smoothquant_scales(x, ws, alpha: float = 0.5):
+    """SmoothQuant's per-input-channel factors for weights `ws` [K, N] sharing input x [n, K]:
+    s_j = max|x_j|**alpha / max|w_j|**(1 - alpha). Dividing x by s (folded into the op before)
+    and multiplying the weights' rows by it moves activation outliers into the weights, which
+    quantize per output channel."""
+    ax = jnp.max(jnp.abs(x), axis=0)
+    aw = jnp.max(jnp.stack([jnp.max(jnp.abs(w), axis=1) for w in ws]), axis=0)
+    s = ax ** alpha / jnp.maximum(aw, 1e-5) ** (1 - alpha)
+    return jnp.where(ax > 0, jnp.maximum(s, 1e-5), 1.0)

@@ -1,8 +1,10 @@
 """`pallasite quantize`: write an INT4 or INT8 weight-only compressed-tensors folder
-(`pack-quantized`, the format llm-compressor writes and vLLM loads) from a float checkpoint.
+(`pack-quantized`, the format llm-compressor writes and vLLM loads), or an INT8 W8A8 one
+(`int-quantized`, `--method smoothquant`), from a float checkpoint.
 
-    pallasite quantize MODEL OUT [--method rtn|awq|gptq] [--bits 4|8] [--group-size 128]
-                      [--asymmetric] [--calibration FILE] [--samples 16] [--seq-len 512]
+    pallasite quantize MODEL OUT [--method rtn|awq|gptq|smoothquant] [--bits 4|8]
+                      [--group-size 128] [--asymmetric] [--alpha 0.5] [--calibration FILE]
+                      [--samples 16] [--seq-len 512]
 
 Calibration runs the model's own layers (JAX, any backend) on a small text (a bundled one, or
 a file given) and takes each linear's input activations, from the float model:
@@ -12,7 +14,11 @@ a file given) and takes each linear's input activations, from the float model:
   and gate/up, into v for o (only when there is one kv head per query head, as in AutoAWQ) and
   into up for down;
 - gptq: each weight row (input channel) quantized in turn, its rounding error spread over the
-  rows not yet quantized through the Cholesky factor of the inverse Hessian X^T X.
+  rows not yet quantized through the Cholesky factor of the inverse Hessian X^T X;
+- smoothquant: W8A8, symmetric INT8 weights per output channel with INT8 activations quantized
+  per token at run time; before that, per input channel s = max|x|**alpha / max|w|**(1-alpha)
+  with 1 / s folded into the norm before q/k/v and gate/up and into up for down (llm-compressor's
+  mappings), so activation outliers move into the weights.
 Embeddings, norms and the lm_head stay in floating point (the `ignore` list names lm_head).
 """
 
@@ -38,8 +44,11 @@ LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("model", help="Hugging Face checkpoint folder (float weights)")
     p.add_argument("out", help="folder to write the quantized checkpoint into")
-    p.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
-    p.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    p.add_argument("--method", choices=["rtn", "awq", "gptq", "smoothquant"], default="awq")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=None,
+                   help="weight bits: 4 (default) or 8; smoothquant is always 8")
+    p.add_argument("--alpha", type=float, default=0.5,
+                   help="smoothquant: how much of the activations' range moves into the weights")
     p.add_argument("--group-size", type=int, default=128,
                    help="input rows per scale, a multiple of 32; -1: one scale per output channel")
     p.add_argument("--asymmetric", action="store_true", help="zero points (default symmetric)")
@@ -52,16 +61,22 @@ def add_arguments(p: argparse.ArgumentParser):
 def run(args) -> int:
     from pallasite.model import CheckpointError, ConfigError
     text = Path(args.calibration).read_text() if args.calibration else None
+    w8a8 = args.method == "smoothquant"
+    if w8a8 and args.bits not in (None, 8):
+        raise SystemExit("pallasite quantize: --method smoothquant writes 8-bit weights, not "
+                         f"--bits {args.bits}")
+    bits = 8 if w8a8 else args.bits or 4
     try:
-        report = quantize(args.model, args.out, method=args.method, bits=args.bits,
-                          group_size=args.group_size, symmetric=not args.asymmetric, text=text,
-                          samples=args.samples, seq_len=args.seq_len)
+        report = quantize(args.model, args.out, method=args.method, bits=bits,
+                          group_size=-1 if w8a8 else args.group_size,
+                          symmetric=w8a8 or not args.asymmetric, text=text,
+                          samples=args.samples, seq_len=args.seq_len, alpha=args.alpha)
     except (CheckpointError, ConfigError, ValueError) as e:
         raise SystemExit(f"pallasite quantize: {e}") from None
     err = np.mean([r["rel_err"] for r in report["linears"]])
-    print(f"wrote {args.out}: {len(report['linears'])} linears, {args.method} W{args.bits}A16 "
-          f"group {args.group_size}, mean relative output error {err:.4f} on the calibration "
-          f"activations", file=sys.stderr)
+    what = "W8A8 per channel" if w8a8 else f"W{bits}A16 group {args.group_size}"
+    print(f"wrote {args.out}: {len(report['linears'])} linears, {args.method} {what}, mean "
+          f"relative output error {err:.4f} on the calibration activations", file=sys.stderr)
     return 0
 
 
@@ -118,6 +133,21 @@ def _quantize_set(method, x, ws, bits, g, symmetric):
     return [tuple(np.asarray(a, np.float32) for a in o) for o in out]
 
 
+def smooth_scales(config, hf, p, acts, alpha) -> dict:
+    """SmoothQuant's factors for the sets whose 1 / s folds into a norm or into up."""
+    from pallasite.tools import calibration as cal
+    return {key: np.asarray(cal.smoothquant_scales(
+        jnp.asarray(acts[key]), [jnp.asarray(hf[p + n + ".weight"].T) for n in LINEARS[key]],
+        alpha)) for key in ("qkv", "gate_up", "down")}
+
+
+def per_token_int8(x):
+    """x as the W8A8 product sees it: quantized to INT8 per row and back."""
+    from pallasite.kernels.quant_reference import quantize_rows_int8
+    xq, xs = quantize_rows_int8(jnp.asarray(x))
+    return np.asarray(xq, np.float32) * np.asarray(xs)
+
+
 def awq_scales(config, hf, p, acts, bits, group_size, symmetric) -> dict:
     """AWQ's search for each linear set of one layer (o only where 1 / s can go into v)."""
     from pallasite.tools import calibration as cal
@@ -133,8 +163,12 @@ def awq_scales(config, hf, p, acts, bits, group_size, symmetric) -> dict:
 
 
 def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmetric=True,
-             text=None, samples=16, seq_len=512, progress=True) -> dict:
-    """Quantize every decoder linear; write the folder; return per-linear errors."""
+             text=None, samples=16, seq_len=512, progress=True, alpha=0.5) -> dict:
+    """Quantize every decoder linear; write the folder; return per-linear errors (for
+    smoothquant, with the activations quantized per token as they will be)."""
+    w8a8 = method == "smoothquant"
+    if w8a8 and (bits, group_size, symmetric) != (8, -1, True):
+        raise ValueError("quantize: smoothquant is 8-bit symmetric per output channel")
     from pallasite.model import load_hf
     from pallasite.train.export import hf_tensors
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -160,9 +194,9 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
         acts, x = layer_inputs(config, params[f"layers_{i}"], x, positions)
         p = f"model.layers.{i}."
         scales = awq_scales(config, hf, p, acts, bits, group_size, symmetric) \
-            if method == "awq" else {}
+            if method == "awq" else smooth_scales(config, hf, p, acts, alpha) if w8a8 else {}
         for key, s in scales.items():
-            fold_awq(hf, p, key, s)
+            fold_scales(hf, p, key, s)
         for key, names in LINEARS.items():
             ws = [hf[p + n + ".weight"].T for n in names]  # [K, N], after the folds
             k = ws[0].shape[0]
@@ -174,18 +208,21 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
             xin = acts[key] if s is None else acts[key] / s
             outs = _quantize_set(method, xin, ws if s is None else [w * s[:, None] for w in ws],
                                  bits, g, symmetric)
+            x_run = per_token_int8(xin) if w8a8 else xin
             for n, w, (deq, scale, zero) in zip(names, ws, outs):
                 want = acts[key] @ w
-                err = float(np.linalg.norm(xin @ deq - want) / max(np.linalg.norm(want), 1e-30))
+                err = float(np.linalg.norm(x_run @ deq - want) /
+                            max(np.linalg.norm(want), 1e-30))
                 report.append(dict(linear=p + n, rel_err=err))
                 quantized[p + n] = (deq, scale, zero, g)
     write_folder(model_dir, out_dir, config, hf, quantized, bits=bits, symmetric=symmetric,
-                 group_size=group_size)
+                 group_size=group_size, w8a8=w8a8)
     return dict(linears=report, method=method, bits=bits, group_size=group_size)
 
 
-def fold_awq(hf, p, key, s):
-    """Move AWQ's 1 / s into the op before the linear set; the set's weights take s."""
+def fold_scales(hf, p, key, s):
+    """Move AWQ's (or SmoothQuant's) 1 / s into the op before the linear set; the set's
+    weights take s."""
     if key == "qkv":
         hf[p + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"] / s
     elif key == "gate_up":
@@ -223,7 +260,14 @@ def compressed_tensors(deq, scale, zero, g, bits, symmetric) -> dict:
     return out
 
 
-def quantization_config(bits, group_size, symmetric) -> dict:
+def int_quantized(deq, scale) -> dict:
+    """One linear's W8A8 tensors (HF [out, in]): int8 values and a [out, 1] scale."""
+    codes = np.clip(np.rint(deq / scale), -127, 127).astype(np.int8)
+    return {"weight": np.ascontiguousarray(codes.T),
+            "weight_scale": np.ascontiguousarray(scale.T, np.float32)}
+
+
+def quantization_config(bits, group_size, symmetric, w8a8=False) -> dict:
     try:
         from compressed_tensors import __version__ as version
     except ImportError:
@@ -232,15 +276,20 @@ def quantization_config(bits, group_size, symmetric) -> dict:
                "strategy": "channel" if group_size == -1 else "group",
                "group_size": None if group_size == -1 else group_size, "dynamic": False,
                "actorder": None, "observer": "minmax", "block_structure": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+            "dynamic": True, "group_size": None, "observer": None,
+            "block_structure": None, "actorder": None} if w8a8 else None
+    fmt = "int-quantized" if w8a8 else "pack-quantized"
+    return {"quant_method": "compressed-tensors", "format": fmt,
             "quantization_status": "compressed", "version": version,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None, "output_activations": None,
-                                          "format": "pack-quantized"}},
+                                          "input_activations": acts, "output_activations": None,
+                                          "format": fmt}},
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, group_size):
+def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, group_size,
+                 w8a8=False):
     from safetensors.flax import save_file
     raw = json.loads((model_dir / "config.json").read_text())
     dtype = {"float16": jnp.float16, "float32": jnp.float32}.get(
@@ -248,11 +297,13 @@ def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, 
     tensors = {name: jnp.asarray(a, dtype) for name, a in hf.items()
                if name.removesuffix(".weight") not in quantized}
     for module, (deq, scale, zero, g) in quantized.items():
-        for key, a in compressed_tensors(deq, scale, zero, g, bits, symmetric).items():
+        parts = int_quantized(deq, scale) if w8a8 else compressed_tensors(deq, scale, zero, g,
+                                                                           bits, symmetric)
+        for key, a in parts.items():
             tensors[f"{module}.{key}"] = jnp.asarray(a)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    raw["quantization_config"] = quantization_config(bits, group_size, symmetric)
+    raw["quantization_config"] = quantization_config(bits, group_size, symmetric, w8a8)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "special_tokens_map.json", "chat_template.jinja"):
