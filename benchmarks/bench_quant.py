@@ -14,6 +14,9 @@ FP8 weights are stored [N, K], as the library stores them (model/quant.py `k_las
    activation scales included) vs the bf16 product and W8A16 at M = 2048.
 3. `prefill`: a 2048-token prompt through the whole model (`forward_logits`), FP8 weights
    (the W8A8 path) vs bf16, tokens/s.
+3b. `w8a8_prefill`: INT8 W8A8 (SmoothQuant's product: per-token INT8 activations, XLA's INT8
+   dot) against bf16: each fused layer product at M = 4096 (with and without the activations'
+   quantization and the scaling), then a 4096-token prompt through the whole model.
 4. `batch1`: batch-1 decode through `LLM.stream`, FP8 weights vs bf16: median time per token,
    and the FP8 roofline (bytes of FP8 weights and scales, the bf16 LM head and norms, and the KV
    read, at the measured copy bandwidth; the embedding table is gathered, not read). With
@@ -122,6 +125,44 @@ def bench_prefill(config, params, qparams, tokens):
                 fp8_tok_per_s=tokens / t_fp8, speedup_vs_bf16=t_bf16 / t_fp8)
 
 
+FUSED = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+         "down": (14336, 4096)}
+
+
+def bench_int8(config, params, tokens):
+    """INT8 W8A8 products and prefill against bf16 (weights int8 per channel, stored [N, K])."""
+    from pallasite.kernels import quant_reference as qr
+    from pallasite.model import forward_logits, quant
+    from pallasite.model.fuse import fuse_params
+    records, m = [], tokens
+    for name, (k, n) in FUSED.items() if config.hidden_size == 4096 else ():
+        kx, kw = jax.random.split(jax.random.key(k + n))
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        w = jax.random.normal(kw, (k, n), jnp.bfloat16)
+        qa = quant.matrix(quant.quantize_linear(w, (0, 1), "int8"))  # [N, K]
+        xq, xs = qr.quantize_rows_int8(x)
+        dot = lambda xq, q: jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.int32)
+        t_bf16 = kernel_s(lambda x, w: x @ w, x, w)
+        t_int8 = kernel_s(lambda x, q, s: qr.w8a8_int8_matmul(x, q, s, layout="nk"),
+                          x, qa.q, qa.scale.T)
+        t_dot = kernel_s(dot, xq, qa.q)
+        records.append(dict(mode="w8a8_matmul", shape=name, m=m, bf16_us=1e6 * t_bf16,
+                            int8_us=1e6 * t_int8, int8_dot_us=1e6 * t_dot,
+                            speedup_vs_bf16=t_bf16 / t_int8, dot_speedup_vs_bf16=t_bf16 / t_dot,
+                            int8_dot_tops=2 * m * k * n / t_dot / 1e12))
+        print(f"  w8a8 {name}: {records[-1]}", flush=True)
+    ids = jax.random.randint(jax.random.key(1), (1, tokens), 0, config.vocab_size)
+    f = jax.jit(lambda p, ids: forward_logits(p, config, ids)[:, -1])
+    copy = lambda p: jax.tree.map(lambda a: a, p, is_leaf=quant_like)
+    t_bf16 = median_s(f, fuse_params(copy(params)), ids, reps=5)
+    t_int8 = median_s(f, fuse_params(quant.quantize_params(params, "int8")), ids, reps=5)
+    records.append(dict(mode="w8a8_prefill", tokens=tokens, bf16_tok_per_s=tokens / t_bf16,
+                        int8_tok_per_s=tokens / t_int8, speedup_vs_bf16=t_bf16 / t_int8))
+    print(f"  w8a8 prefill: {records[-1]}", flush=True)
+    return records
+
+
 def quant_like(a):
     from pallasite.model import quant
     return quant.is_quantized(a) or hasattr(a, "words")
@@ -192,7 +233,7 @@ def main(argv=None):
         records += bench_matmuls([1, 2, 4, 8, 16], bw, tiny, "decode")
     impls = args.w8a8.split(",") if args.w8a8 else [None]
     config = config_from_dict(TINY if tiny else LLAMA3_8B)
-    if parts & {"prefill", "batch1"}:
+    if parts & {"prefill", "batch1", "w8a8_prefill"}:
         params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()  # made on the device
         qparams = quant.quantize_params(params)
     before = os.environ.get("PALLASITE_W8A8_IMPL")
@@ -205,6 +246,8 @@ def main(argv=None):
         if "prefill" in parts:
             records += tag([bench_prefill(config, params, qparams, 64 if tiny else 2048)])
             print(f"  prefill: {records[-1]}", flush=True)
+    if "w8a8_prefill" in parts:
+        records += bench_int8(config, params, 64 if tiny else 4096)
     if before is None:
         os.environ.pop("PALLASITE_W8A8_IMPL", None)
     else:
@@ -250,6 +293,14 @@ def main(argv=None):
             lines.append(f"| prefill | 8B model | {r['tokens']} | {r['fp8_tok_per_s']:.0f} tok/s | "
                          f"{r['bf16_tok_per_s']:.0f} tok/s | {r['speedup_vs_bf16']:.2f} | "
                          f"W8A8 {r['w8a8_impl']} |")
+        elif r["mode"] == "w8a8_matmul":
+            lines.append(f"| w8a8 int8 | {r['shape']} | {r['m']} | {r['int8_us']:.0f} us | "
+                         f"{r['bf16_us']:.0f} us | {r['speedup_vs_bf16']:.2f} | INT8 dot alone "
+                         f"{r['int8_dot_us']:.0f} us, {r['int8_dot_tops']:.0f} TOPS |")
+        elif r["mode"] == "w8a8_prefill":
+            lines.append(f"| w8a8 prefill | 8B model | {r['tokens']} | "
+                         f"{r['int8_tok_per_s']:.0f} tok/s | {r['bf16_tok_per_s']:.0f} tok/s | "
+                         f"{r['speedup_vs_bf16']:.2f} | INT8 W8A8, both fused |")
         else:
             lines.append(f"| batch1 | 8B model | 1 | {r['fp8_ms']:.2f} ms | {r['bf16_ms']:.2f} ms | "
                          f"{r['speedup_vs_bf16']:.2f} | {r['frac_of_fp8_roofline']:.0%} of the "
