@@ -12,7 +12,10 @@ Shapes qkv 4096x6144, o 4096x4096, gate_up 4096x28672, down 14336x4096 at M = 20
 512, 128, case by case in that order (a --time-limit cut keeps the prefill sizes), tiers 1
 (bf16, the quantization pass, XLA, the Triton kernel) and "mosaic" (the Mosaic GPU kernel, its
 own tier so that a kernel Mosaic does not lower stops nothing else); then tier 2, more Triton
-tiles, over the cases again while time is left. `--shapes` also takes the model's unfused
+tiles, over the cases again while time is left. Tier "out" asks what the product's float32
+output costs: XLA's FP8 dot writing bf16 (per-token, or one dynamic activation scale for the
+whole tensor), the scales applied after; and the INT8 W8A8 product (int8 weights per channel,
+INT32 out, or asked for float32 out). `--shapes` also takes the model's unfused
 projections: wq 4096x4096, kv 4096x1024, gate 4096x14336.
 
 Every variant is first run on fresh random inputs (rows of very different sizes) with freed
@@ -105,6 +108,14 @@ def variants(tier, tiny):
                 v["pallas_nk_dot"] = (lambda xq, xs, q, s, kw=kw: wm.w8a8_matmul_quantized(
                     xq, xs, q, s, layout="nk", **hi, **kw), "nk_xq")
         return v
+    if tier == "out":
+        return {"xla_nk": (lambda x, q, s: qr.w8a8_matmul(x, q, s, layout="nk"), "nk"),
+                "xla_nk_bf16out": (lambda x, q, s: _fp8_out(x, q, s, qr.quantize_rows), "nk"),
+                "xla_nk_tensor_f32out": (lambda x, q, s: _fp8_out(x, q, s, _quantize_tensor,
+                                                                  jnp.float32), "nk"),
+                "xla_nk_tensor": (lambda x, q, s: _fp8_out(x, q, s, _quantize_tensor), "nk"),
+                "int8_nk": (lambda x, q, s: qr.w8a8_int8_matmul(x, q, s, layout="nk"), "int8"),
+                "int8_nk_f32out": (_int8_f32, "int8")}
     v = {}
     for t in tiles[1:]:
         for layout in ("nk", "kn"):
@@ -115,14 +126,37 @@ def variants(tier, tiny):
     return v
 
 
+def _quantize_tensor(x):
+    """One dynamic FP8 scale for the whole activation tensor."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    s = jnp.where(amax > 0, amax / qr.FP8_MAX, 1.0)
+    return (x.astype(jnp.float32) / s).astype(jnp.float8_e4m3fn), s
+
+
+def _fp8_out(x, q, scale, quantize, out=jnp.bfloat16):
+    """The FP8 dot writing `out`, the scales applied after (in float32, rounded to bf16)."""
+    xq, xs = quantize(x)
+    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=out)
+    return (y.astype(jnp.float32) * scale * xs).astype(jnp.bfloat16)
+
+
+def _int8_f32(x, q, scale):
+    xq, xs = qr.quantize_rows_int8(x)
+    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * scale * xs).astype(jnp.bfloat16)
+
+
 class Weights:
-    """One shape's FP8 weight in both layouts (per-channel scales) and its bf16 original."""
+    """One shape's FP8 weight in both layouts (per-channel scales), its INT8 form ([N, K]) and
+    its bf16 original."""
 
     def __init__(self, key, k, n):
         w = jax.random.normal(key, (k, n), jnp.float32)
         self.scale = jnp.max(jnp.abs(w), axis=0, keepdims=True) / qr.FP8_MAX
         self.kn = (w / self.scale).astype(jnp.float8_e4m3fn)
         self.nk = jnp.asarray(self.kn.T, copy=True)  # stored transposed, not a view
+        self.scale8 = jnp.max(jnp.abs(w), axis=0, keepdims=True) / qr.INT8_MAX
+        self.i8 = jnp.asarray(jnp.round(w / self.scale8).T.astype(jnp.int8), copy=True)
         self.bf16 = w.astype(jnp.bfloat16)
         del w
 
@@ -132,6 +166,8 @@ def inputs(kind, x, wts):
         return (x, wts.bf16)
     if kind == "quantize":
         return (x,)
+    if kind == "int8":
+        return (x, wts.i8, wts.scale8)
     layout = kind.split("_")[0]
     q = wts.nk if layout == "nk" else wts.kn
     if kind.endswith("_xq"):
@@ -157,7 +193,7 @@ def run_case(name, k, n, m, wts, tier, args):
     for vname, (fn, kind) in variants(tier, args.tiny).items():
         fn = jax.jit(fn)
         rec = dict(shape=name, k=k, n=n, m=m, variant=vname, tier=tier, limit=LIMIT,
-                   quantize_counted=kind in ("kn", "nk"), layout=kind.split("_")[0],
+                   quantize_counted=kind in ("kn", "nk", "int8"), layout=kind.split("_")[0],
                    params=PARAMS.get(vname))
         try:
             poison()
@@ -166,6 +202,9 @@ def run_case(name, k, n, m, wts, tier, args):
                 xq, xs = out
                 rec["rel_err"] = common.rel_err(xq.astype(jnp.float32) * xs,
                                                 xc.astype(jnp.float32))
+            elif kind == "int8":  # against the same INT8 quantization in float32
+                rec["rel_err"] = common.rel_err(out, qr.w8a8_int8_reference(
+                    xc, wts.i8, wts.scale8, layout="nk"))
             elif kind == "bf16":  # against the float32 product (bf16 output rounding only)
                 want = jnp.dot(xc.astype(jnp.float32), wts.bf16.astype(jnp.float32),
                                precision=jax.lax.Precision.HIGHEST)
@@ -259,7 +298,8 @@ def main(argv=None):
                    help="seconds; cases past it are skipped and the results written")
     p.add_argument("--tiers", default="1,mosaic,2",
                    help="1: XLA and the Triton kernel's first tiles; mosaic: the Mosaic GPU "
-                        "kernel; 2: more Triton tiles")
+                        "kernel; 2: more Triton tiles; out: the product's output dtype and "
+                        "INT8")
     p.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     p.add_argument("--ms", default=None, help="comma-separated M values")
     args = p.parse_args(argv)
