@@ -189,8 +189,9 @@ def run_case(name, k, n, m, wts, tier, args):
           * jax.random.uniform(jax.random.fold_in(key, 2), (m, 1), jnp.float32, 0.1, 10)
           ).astype(jnp.bfloat16)
     ref = qr.w8a8_reference(xc, wts.kn, wts.scale)
-    # the library's XLA path has the GEMM write a bf16 product (quant_reference.product_dtype)
-    ref_bf16 = qr.w8a8_reference(xc, wts.kn, wts.scale, product=jnp.bfloat16)
+    # on a GPU the library's XLA path has the GEMM write a bf16 product (product_dtype)
+    ref_bf16 = qr.w8a8_reference(xc, wts.kn, wts.scale,
+                                 product=qr.product_dtype(xc, wts.scale))
     bf16_product = lambda v: v.startswith("xla_") and "_dot" not in v and "tensor" not in v
     records, timed = [], []
     for vname, (fn, kind) in variants(tier, args.tiny).items():

@@ -91,9 +91,12 @@ def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
 
 
 def product_dtype(x, scale):
-    """The dtype the FP8 GEMM writes: bf16 for bf16 activations with per-channel scales,
-    else float32 (f16 could overflow; grouped scales sum partial products)."""
-    return jnp.bfloat16 if x.dtype == jnp.bfloat16 and scale.shape[0] == 1 else jnp.float32
+    """The dtype the FP8 GEMM writes: on a GPU, bf16 for bf16 activations with per-channel
+    scales, else float32 (f16 could overflow; grouped scales sum partial products). XLA:CPU
+    folds the bf16 product's conversion back into a float32 dot, so there it stays float32."""
+    bf16 = (x.dtype == jnp.bfloat16 and scale.shape[0] == 1
+            and jax.default_backend() == "gpu")
+    return jnp.bfloat16 if bf16 else jnp.float32
 
 
 def w8a8_reference(x, q, scale, *, layout: str = "kn", product=jnp.float32):
