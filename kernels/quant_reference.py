@@ -81,27 +81,16 @@ def w8a8_dot(xq, xs, q, scale, *, layout: str = "kn", fast: bool = False, out=jn
 def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
     """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
     accumulating in float32, both scales applied to the product. q must be float8_e4m3fn.
-    With bf16 activations and one scale a channel the GEMM writes its product in bf16
-    (`product_dtype`): half the bytes of a float32 product written out and read back for the
-    scales (1.14-1.49x bf16 against 0.81-1.09x at M = 2048 on the H100), for a second bf16
-    rounding, far under the FP8 values' own."""
+    (Its product written in bf16, `w8a8_dot(out=)`, ran 1.12-1.38x bf16 where this runs
+    0.81-1.09x at M = 2048, but a serving warm-up with it did not finish in the time it had:
+    docs/BENCHMARKS.md.)"""
     xq, xs = quantize_rows(x)
-    return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast,
-                    out=product_dtype(x, scale)).astype(x.dtype)
-
-
-def product_dtype(x, scale):
-    """The dtype the FP8 GEMM writes: on a GPU, bf16 for bf16 activations with per-channel
-    scales, else float32 (f16 could overflow; grouped scales sum partial products). XLA:CPU
-    folds the bf16 product's conversion back into a float32 dot, so there it stays float32."""
-    bf16 = (x.dtype == jnp.bfloat16 and scale.shape[0] == 1
-            and jax.default_backend() == "gpu")
-    return jnp.bfloat16 if bf16 else jnp.float32
+    return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast).astype(x.dtype)
 
 
 def w8a8_reference(x, q, scale, *, layout: str = "kn", product=jnp.float32):
     """W8A8 with the same quantization, in float32; `product` bf16 rounds the unscaled product
-    to bf16 first, as `w8a8_matmul` has the GEMM write it (`product_dtype`)."""
+    to bf16 first, as `w8a8_dot(out=jnp.bfloat16)` has the GEMM write it."""
     xq, xs = quantize_rows(x)
     qm = (q.T if layout == "nk" else q).astype(jnp.float32)
     y = jnp.dot(xq.astype(jnp.float32), qm, precision=jax.lax.Precision.HIGHEST)

@@ -55,19 +55,16 @@ def test_w8a16_kernel_with_int8_zero_points():
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_w8a8_equals_its_dequantized_reference(groups, monkeypatch):
+def test_w8a8_equals_its_dequantized_reference(groups):
     rng = np.random.default_rng(groups)
     x = jnp.asarray(rng.normal(size=(48, 256)) * rng.uniform(0.1, 10, (48, 1)), jnp.bfloat16)
     q, scale = fp8_weights(rng, 256, 128, groups)
     got = qr.w8a8_matmul(x, q, scale)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, qr.w8a8_reference(x, q, scale)) <= 1e-3
-    # on a GPU the GEMM writes a bf16 product for one scale a channel: rounded once more
+    # a bf16 product (`w8a8_dot(out=)`) is rounded once more, and no more than that
     product = qr.w8a8_reference(x, q, scale, product=jnp.bfloat16)
     assert rel_err(product, qr.w8a8_reference(x, q, scale)) <= (6e-3 if groups == 1 else 0)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert qr.product_dtype(x, scale) == (jnp.bfloat16 if groups == 1 else jnp.float32)
-    assert qr.product_dtype(x.astype(jnp.float16), scale) == jnp.float32
     # and what the activations' quantization costs against W8A16
     assert rel_err(got, qr.w8a16_reference(x.astype(jnp.float32), q, scale)) <= 0.05
 
