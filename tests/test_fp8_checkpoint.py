@@ -110,6 +110,20 @@ def check_against_plain(tmp_path, model, tensors, plain, qc, kind, dtype=jnp.flo
     return qdir, qp
 
 
+def refusals(qdir):
+    """refused(change, match): the folder's quantization_config changed by `change` fails to
+    load with an error matching `match`."""
+    original = (qdir / "config.json").read_text()
+
+    def refused(change, match):
+        cfg = json.loads(original)
+        change(cfg["quantization_config"])
+        (qdir / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=match):
+            load_hf(qdir)
+    return refused
+
+
 def llama(hidden=128, heads=2, head_dim=64):
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -171,14 +185,7 @@ def test_compressed_tensors_per_tensor_and_refusals(tmp_path):
     qdir, qp = check_against_plain(tmp_path, model, tensors, plain, qc, "mlp")
     assert qp["layers_0"]["attn"]["wo"].scale.shape == (1, 1, 1)
 
-    original = (qdir / "config.json").read_text()
-
-    def refused(change, match):
-        cfg = json.loads(original)
-        change(cfg["quantization_config"])
-        (qdir / "config.json").write_text(json.dumps(cfg))
-        with pytest.raises(CheckpointError, match=match):
-            load_hf(qdir)
+    refused = refusals(qdir)
     refused(lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"),
             r"weights.strategy 'group' is not supported")
     refused(lambda q: q.update(format="pack-quantized"),
@@ -199,14 +206,7 @@ def test_compressed_tensors_int8_w8a8(tmp_path):
     qdir, qp = check_against_plain(tmp_path, model, tensors, plain, qc, "mlp", jnp.int8)
     wq = qp["layers_0"]["attn"]["wq"]
     assert wq.scheme == "int8" and wq.k_last == 1 and wq.q.shape == (4, 16, 64)
-    original = (qdir / "config.json").read_text()
-
-    def refused(change, match):
-        cfg = json.loads(original)
-        change(cfg["quantization_config"])
-        (qdir / "config.json").write_text(json.dumps(cfg))
-        with pytest.raises(CheckpointError, match=match):
-            load_hf(qdir)
+    refused = refusals(qdir)
     group = lambda q: q["config_groups"]["group_0"]
     refused(lambda q: group(q)["weights"].update(symmetric=False),
             r"weights.symmetric = False is not supported")
