@@ -165,7 +165,7 @@ def bench_int8(config, params, tokens):
 
 def quant_like(a):
     from pallasite.model import quant
-    return quant.is_quantized(a) or hasattr(a, "words")
+    return quant.is_quantized(a) or quant.is_packed(a)
 
 
 # -- 4: batch-1 decode through LLM.stream ---------------------------------------------------------

@@ -59,10 +59,14 @@ def online_softmax_step(s, mask, v, carry, pv=None):
 
 def scores(q, k, scale, softcap):
     """Base-2 logits of a tile: q k^T times `scale` (natural units), soft-capped if asked."""
+    return base2_logits(plgpu.dot(q, k, trans_b=True), scale, softcap)
+
+
+def base2_logits(s, scale, softcap):
+    """Raw scores `s` times `scale`, soft-capped if asked, in base 2."""
     if softcap is None:
-        return plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)
-    s = plgpu.dot(q, k, trans_b=True) * scale
-    return (softcap * LOG2E) * jnp.tanh(s * (1.0 / softcap))
+        return s * (scale * LOG2E)
+    return (softcap * LOG2E) * jnp.tanh(s * scale * (1.0 / softcap))
 
 
 def finish(o, m, l, sink):

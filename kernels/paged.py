@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .flash import finish, online_softmax_step, scores
+from .flash import base2_logits, finish, online_softmax_step, scores
 from .reference import NEG_INF, head_scale
 
 LOG2E = math.log2(math.e)
@@ -113,10 +113,7 @@ def rows_per_block(block_rows, group, fp8_dot="q", float8=False):
 
 def _swapped_scores(q, k, scale, softcap):
     """`flash.scores` as (k q^T)^T: the tile k is the MMA's left operand."""
-    s = plgpu.dot(k, q, trans_b=True).T * scale
-    if softcap is None:
-        return s * LOG2E
-    return (softcap * LOG2E) * jnp.tanh(s * (1.0 / softcap))
+    return base2_logits(plgpu.dot(k, q, trans_b=True).T, scale, softcap)
 
 
 def _swapped_pv(p, v):

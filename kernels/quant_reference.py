@@ -92,12 +92,11 @@ def w8a8_reference(x, q, scale, *, layout: str = "kn", product=jnp.float32):
     """W8A8 with the same quantization, in float32; `product` bf16 rounds the unscaled product
     to bf16 first, as `w8a8_dot(out=jnp.bfloat16)` has the GEMM write it."""
     xq, xs = quantize_rows(x)
-    qm = (q.T if layout == "nk" else q).astype(jnp.float32)
-    y = jnp.dot(xq.astype(jnp.float32), qm, precision=jax.lax.Precision.HIGHEST)
-    if scale.shape[0] > 1:  # groups: the dequantized weight, as before
-        w = dequantize_matrix(q.T if layout == "nk" else q, scale)
-        y = jnp.dot(xq.astype(jnp.float32) * xs, w, precision=jax.lax.Precision.HIGHEST)
+    qm, hi = (q.T if layout == "nk" else q), jax.lax.Precision.HIGHEST
+    if scale.shape[0] > 1:  # groups: the dequantized weight
+        y = jnp.dot(xq.astype(jnp.float32) * xs, dequantize_matrix(qm, scale), precision=hi)
         return y.astype(x.dtype)
+    y = jnp.dot(xq.astype(jnp.float32), qm.astype(jnp.float32), precision=hi)
     return (y.astype(product).astype(jnp.float32) * scale * xs).astype(x.dtype)
 
 

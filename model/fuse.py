@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .quant import QArray, is_quantized
+from .quant import QArray, is_packed, is_quantized
 
 QKV, GATE_UP = "wqkv", "w_gate_up"
 
@@ -74,9 +74,9 @@ def _concat(parts, axis: int, shape: tuple):
     try:
         if all(is_quantized(w) for w in ws):
             return _concat_qarray(ws, splits, axis)
-        if all(hasattr(w, "words") for w in ws):
+        if all(is_packed(w) for w in ws):
             return _concat_packed(ws, splits, axis, shape)
-        if not any(is_quantized(w) or hasattr(w, "words") for w in ws):
+        if not any(is_quantized(w) or is_packed(w) for w in ws):
             return _join(ws, splits, axis, out_at=1)
     except _Mismatch:
         pass

@@ -109,6 +109,16 @@ def is_quantized(w) -> bool:
     return isinstance(w, QArray)
 
 
+def is_packed(w) -> bool:
+    """A layout that multiplies itself (`quant_int.PackedInt`): `linear` hands it the call."""
+    return hasattr(w, "linear")
+
+
+def path_keys(path) -> tuple:
+    """A pytree path as its dict keys, e.g. ("layers_0", "attn", "wq")."""
+    return tuple(getattr(k, "key", k) for k in path)
+
+
 def check(w: QArray, name: str = "weight") -> QArray:
     """Shapes and dtypes as the layout says, or a ValueError naming `name`."""
     if w.scheme not in SCHEMES:
@@ -226,7 +236,7 @@ def _per_column(a, n):
 def linear(x, w, in_axes: int = 1, **kw):
     """x [..., in...] times w [in..., out...] -> [..., out...] in x's dtype: a plain matmul,
     or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8)."""
-    if hasattr(w, "linear"):  # a layout that multiplies itself (quant_int.PackedInt)
+    if is_packed(w):
         return w.linear(x, in_axes)
     in_shape, out_shape = w.shape[:in_axes], w.shape[in_axes:]
     lead = x.shape[:x.ndim - in_axes]
@@ -272,13 +282,9 @@ def linear_axes(param_path: tuple):
 def all_linear_quantized(params) -> bool:
     """Whether every linear weight is a quantized one (a QArray, or a layout that multiplies
     itself), so that no projection is XLA's own product."""
-    found = []
-
-    def one(path, leaf):
-        if linear_axes(tuple(getattr(k, "key", k) for k in path)) is not None:
-            found.append(is_quantized(leaf) or hasattr(leaf, "linear"))
-    jax.tree_util.tree_map_with_path(one, params,
-                                     is_leaf=lambda a: is_quantized(a) or hasattr(a, "linear"))
+    weight = lambda a: is_quantized(a) or is_packed(a)
+    found = [weight(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=weight) if linear_axes(path_keys(path)) is not None]
     return bool(found) and all(found)
 
 
@@ -340,10 +346,8 @@ def quantize_params(params, scheme: str = "fp8"):
         raise ValueError(f"quantize_params takes 'fp8'; {scheme!r} is quant_int.quantize_params'")
 
     def one(path, leaf):
-        keys = tuple(getattr(k, "key", k) for k in path)
-        if linear_axes(keys) is None:
-            return leaf
-        return _jit_quantize(leaf, linear_axes(keys), scheme)
+        axes = linear_axes(path_keys(path))
+        return leaf if axes is None else _jit_quantize(leaf, axes, scheme)
     return jax.tree_util.tree_map_with_path(one, params)
 
 

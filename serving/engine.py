@@ -113,7 +113,8 @@ class Engine:
                                    max_model_len=self.max_model_len)
         max_pages = self.pages.pages_for(self.max_model_len)
         spec = SpeculativeConfig.parse(speculative_config)
-        self.token_buckets = sorted({max(min_token_bucket(params), b) for b in token_buckets or (
+        least = min_token_bucket(params)
+        self.token_buckets = sorted({max(least, b) for b in token_buckets or (
             geometric(max_num_batched_tokens, 4) + [max_num_seqs]
             + ([spec.num_speculative_tokens + 1] if spec else []))})
         self.page_buckets = sorted(set(page_buckets or default_page_buckets(max_pages)))

@@ -133,7 +133,7 @@ def _quantize_set(method, x, ws, bits, g, symmetric):
     return [tuple(np.asarray(a, np.float32) for a in o) for o in out]
 
 
-def smooth_scales(config, hf, p, acts, alpha) -> dict:
+def smooth_scales(hf, p, acts, alpha) -> dict:
     """SmoothQuant's factors for the sets whose 1 / s folds into a norm or into up."""
     from pallasite.tools import calibration as cal
     return {key: np.asarray(cal.smoothquant_scales(
@@ -194,7 +194,7 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
         acts, x = layer_inputs(config, params[f"layers_{i}"], x, positions)
         p = f"model.layers.{i}."
         scales = awq_scales(config, hf, p, acts, bits, group_size, symmetric) \
-            if method == "awq" else smooth_scales(config, hf, p, acts, alpha) if w8a8 else {}
+            if method == "awq" else smooth_scales(hf, p, acts, alpha) if w8a8 else {}
         for key, s in scales.items():
             fold_scales(hf, p, key, s)
         for key, names in LINEARS.items():
