@@ -63,6 +63,12 @@ def median_s(fn, *args, reps=10):
     return common.host_ms(fn, *args, reps=reps) / 1e3
 
 
+def engine_s(fn, *args, reps=5):
+    """median_s of fn compiled with the options the engine compiles its steps with."""
+    from pallasite.serving.settings import compiler_options
+    return median_s(jax.jit(fn).lower(*args).compile(compiler_options()), *args, reps=reps)
+
+
 def fp8_matrix(key, k, n):
     from pallasite.kernels.quant_reference import FP8_MAX
     w = jax.random.normal(key, (k, n), jnp.float32)
@@ -119,8 +125,8 @@ def bench_prefill(config, params, qparams, tokens):
     ids = jax.random.randint(jax.random.key(1), (1, tokens), 0, config.vocab_size)
     f = jax.jit(lambda p, ids: forward_logits(p, config, ids)[:, -1])
     copy = lambda p: jax.tree.map(lambda a: a, p, is_leaf=quant_like)
-    t_bf16 = median_s(f, fuse_params(copy(params)), ids, reps=5)
-    t_fp8 = median_s(f, fuse_params(copy(qparams)), ids, reps=5)
+    t_bf16 = engine_s(f, fuse_params(copy(params)), ids)
+    t_fp8 = engine_s(f, fuse_params(copy(qparams)), ids)
     return dict(mode="prefill", tokens=tokens, bf16_tok_per_s=tokens / t_bf16,
                 fp8_tok_per_s=tokens / t_fp8, speedup_vs_bf16=t_bf16 / t_fp8)
 
@@ -155,8 +161,8 @@ def bench_int8(config, params, tokens):
     ids = jax.random.randint(jax.random.key(1), (1, tokens), 0, config.vocab_size)
     f = jax.jit(lambda p, ids: forward_logits(p, config, ids)[:, -1])
     copy = lambda p: jax.tree.map(lambda a: a, p, is_leaf=quant_like)
-    t_bf16 = median_s(f, fuse_params(copy(params)), ids, reps=5)
-    t_int8 = median_s(f, fuse_params(quant.quantize_params(params, "int8")), ids, reps=5)
+    t_bf16 = engine_s(f, fuse_params(copy(params)), ids)
+    t_int8 = engine_s(f, fuse_params(quant.quantize_params(params, "int8")), ids)
     records.append(dict(mode="w8a8_prefill", tokens=tokens, bf16_tok_per_s=tokens / t_bf16,
                         int8_tok_per_s=tokens / t_int8, speedup_vs_bf16=t_bf16 / t_int8))
     print(f"  w8a8 prefill: {records[-1]}", flush=True)

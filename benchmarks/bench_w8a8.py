@@ -193,7 +193,7 @@ def run_case(name, k, n, m, wts, tier, args):
     # XLA:CPU folds the rounding back into a float32 dot)
     ref_bf16 = qr.w8a8_reference(xc, wts.kn, wts.scale, product=jnp.bfloat16
                                  if jax.default_backend() == "gpu" else jnp.float32)
-    bf16_product = lambda v: v == "xla_nk_bf16out"
+    bf16_product = lambda v: v == "xla_nk_bf16out" or v in ("xla_kn", "xla_nk")
     records, timed = [], []
     for vname, (fn, kind) in variants(tier, args.tiny).items():
         fn = jax.jit(fn)

@@ -268,7 +268,10 @@ def main(args):
         raise SystemExit(f"no dense bf16 peak known for {env['gpu']!r}: add it to "
                          "benchmarks/step_budget.py PEAK_BF16")
     config, params, engine = build(args)
-    cost = step_budget.model_cost(config, itemsize=2 if not args.tiny else 4)
+    body, rate = step_budget.QUANTIZED_BODY.get(args.quantization, (None, 1.0))
+    cost = step_budget.model_cost(config, itemsize=2 if not args.tiny else 4,
+                                  kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None,
+                                  body_itemsize=body, body_rate=rate)
     t = time.perf_counter()
     engine.warmup(workers=args.workers)
     warm = dict(warmup_s=time.perf_counter() - t, compilations=engine.compilations,
@@ -312,12 +315,14 @@ def table(records) -> str:
                       f"rows at {_pct(r['decode_frac_of_roofline_ge256'])} of roofline; prefill "
                       f"MFU {_pct(r['prefill_mfu'])}; host {r['host_ms_per_step']:.2f} ms/step",
                       "| step | rows | steps | step ms | memory ms | compute ms | roofline ms "
-                      "| of roofline |", "|" + "---|" * 8]
+                      "| of roofline | host ms | wait ms |", "|" + "---|" * 10]
             for kind in ("decode", "mixed"):
                 for g in r[f"{kind}_by_batch"]:
                     lines.append(f"| {kind} | {g['rows']} | {g['steps']} | {g['step_ms']:.2f} | "
                                  f"{g['memory_ms']:.2f} | {g['compute_ms']:.2f} | "
-                                 f"{g['roofline_ms']:.2f} | {g['frac_of_roofline']:.0%} |")
+                                 f"{g['roofline_ms']:.2f} | {g['frac_of_roofline']:.0%} | "
+                                 f"{g.get('host_ms', float('nan')):.2f} | "
+                                 f"{g.get('wait_ms', float('nan')):.2f} |")
             lines.append("")
     online_rows = [r for r in records if r["mode"] == "sharegpt_online"]
     if online_rows:

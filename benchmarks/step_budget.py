@@ -2,7 +2,8 @@
 time.
 
   memory time  = (weights read + K/V read + K/V written) / copy bandwidth (measured in the run)
-  compute time = FLOPs / the GPU's dense bf16 peak
+  compute time = FLOPs / the GPU's dense bf16 peak (twice that for the products of FP8 or
+                 INT8 weights, which run on the 8-bit tensor cores)
 
 A step reads every matmul weight once (the embedding table only where it is also the output
 projection: otherwise only the scheduled tokens' rows are gathered), the K/V of every scheduled
@@ -41,10 +42,18 @@ class ModelCost:
     weight_bytes: int  # read by every step
     kv_bytes_per_token: int  # K and V of one token, all layers
     attn_flops_per_pair: int  # per (query, key) pair, all layers
+    body_rate: float = 1.0  # the body products' peak over the bf16 peak
 
 
-def model_cost(config, itemsize: int = 2, kv_itemsize: int | None = None) -> ModelCost:
-    """The costs of a dense decoder from its config (weights of `itemsize` bytes)."""
+# --quantization -> (bytes a body weight, scales included, and its products' rate over bf16)
+QUANTIZED_BODY = {"fp8": (1.0, 2.0), "w8a16": (1.0, 2.0), "w4a16": (0.5 + 2 / 128, 1.0)}
+
+
+def model_cost(config, itemsize: int = 2, kv_itemsize: int | None = None,
+               body_itemsize: float | None = None, body_rate: float = 1.0) -> ModelCost:
+    """The costs of a dense decoder from its config: weights of `itemsize` bytes, the body's
+    products `body_itemsize` bytes a weight (scales included) at `body_rate` times the bf16
+    peak (2: FP8 or INT8 on the 8-bit tensor cores)."""
     if config.num_experts:
         raise ValueError("the step budget counts dense models only (num_experts is "
                          f"{config.num_experts})")
@@ -53,8 +62,9 @@ def model_cost(config, itemsize: int = 2, kv_itemsize: int | None = None) -> Mod
     body, head = config.num_layers * per_layer, config.vocab_size * d
     norms = (2 * config.num_layers + 1) * d
     kv_bytes = 2 * config.num_layers * kv * hd * (kv_itemsize or itemsize)
-    return ModelCost(body, head, (body + head + norms) * itemsize, kv_bytes,
-                     4 * config.num_layers * h * hd)
+    body_bytes = int(body * (body_itemsize or itemsize))
+    return ModelCost(body, head, body_bytes + (head + norms) * itemsize, kv_bytes,
+                     4 * config.num_layers * h * hd, body_rate)
 
 
 def attended_pairs(start: int, length: int) -> int:
@@ -66,8 +76,9 @@ def step_bytes(cost: ModelCost, tokens: int, context_tokens: int) -> int:
     return cost.weight_bytes + cost.kv_bytes_per_token * (context_tokens + tokens)
 
 
-def step_flops(cost: ModelCost, tokens: int, attended: int, sampled_rows: int) -> int:
-    return (2 * cost.body_params * tokens + 2 * cost.head_params * sampled_rows
+def step_flops(cost: ModelCost, tokens: int, attended: int, sampled_rows: int) -> float:
+    """In bf16 FLOPs: the body's count divided by its tensor cores' rate over bf16's."""
+    return (2 * cost.body_params * tokens / cost.body_rate + 2 * cost.head_params * sampled_rows
             + cost.attn_flops_per_pair * attended)
 
 
@@ -86,7 +97,7 @@ def prefill_mfu(cost: ModelCost, entries_times, peak: float) -> float | None:
     flops = seconds = 0.0
     for entry, dt, decode_s in entries_times:
         prefill = entry["tokens"] - entry["decode_rows"]
-        flops += (2 * cost.body_params * prefill
+        flops += (2 * cost.body_params * prefill / cost.body_rate
                   + cost.attn_flops_per_pair * (entry["attended_tokens"] - entry["decode_context"]))
         seconds += max(dt - decode_s, 1e-9)
     return flops / seconds / peak if seconds else None
@@ -94,7 +105,8 @@ def prefill_mfu(cost: ModelCost, entries_times, peak: float) -> float | None:
 
 def by_batch(rows: list[tuple[dict, float, dict]], edges=(1, 16, 64, 256, 512, 1024, 1 << 30)):
     """Group (entry, measured s, budget) by the step's row count: per group the median step,
-    the mean roofline and its fraction (sum of rooflines over sum of step times)."""
+    the mean roofline and its fraction (sum of rooflines over sum of step times), and the
+    median host time and device wait of the calls that launched the steps."""
     import numpy as np
     out = []
     for lo, hi in zip(edges, edges[1:]):
@@ -108,5 +120,9 @@ def by_batch(rows: list[tuple[dict, float, dict]], edges=(1, 16, 64, 256, 512, 1
                         memory_ms=1e3 * float(np.mean([b["memory_s"] for _, _, b in group])),
                         compute_ms=1e3 * float(np.mean([b["compute_s"] for _, _, b in group])),
                         roofline_ms=1e3 * float(np.mean(roof)),
-                        frac_of_roofline=sum(roof) / sum(dts)))
+                        frac_of_roofline=sum(roof) / sum(dts),
+                        **{f"{k}_ms": 1e3 * float(np.median([e.get(f"{k}_s", np.nan)
+                                                             for e, _, _ in group]))
+                           for k in ("host", "wait")}))
     return out
+

@@ -338,9 +338,12 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, 
 
 
 # -- quantized matrix products ---------------------------------------------------------------------
-# Up to this many rows (tokens) a call is memory-bound and takes W8A16 (weights read once, in
-# their stored bytes); above it FP8 weights take W8A8 on the FP8 tensor cores.
-W8A16_MAX_ROWS = 16
+# Up to this many rows (tokens) a call takes W8A16 (weights read once, in their stored bytes);
+# above it FP8 (INT8) weights take W8A8 on the 8-bit tensor cores. cuBLASLt's W8A8 reads the
+# weights as fast from two rows on: an 8B layer's products 1.49-1.54x bf16 at 2-16 rows, where
+# the W8A16 kernel runs 1.16-1.31x; one row 1.57x against its 1.76x (H100,
+# `benchmarks/w8a8_compile.py`).
+W8A16_MAX_ROWS = 1
 _SAID = set()
 
 

@@ -80,12 +80,11 @@ def w8a8_dot(xq, xs, q, scale, *, layout: str = "kn", fast: bool = False, out=jn
 
 def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
     """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
-    accumulating in float32, both scales applied to the product. q must be float8_e4m3fn.
-    (Its product written in bf16, `w8a8_dot(out=)`, ran 1.12-1.38x bf16 where this runs
-    0.81-1.09x at M = 2048, but a serving warm-up with it did not finish in the time it had:
-    docs/BENCHMARKS.md.)"""
+    accumulating in float32 and writing its product in x's dtype, both scales applied after.
+    q must be float8_e4m3fn. (A bf16 product runs 1.33-1.50x bf16 for an 8B layer's products,
+    a float32 one 1.24-1.44x: `benchmarks/w8a8_compile.py`.)"""
     xq, xs = quantize_rows(x)
-    return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast).astype(x.dtype)
+    return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast, out=x.dtype).astype(x.dtype)
 
 
 def w8a8_reference(x, q, scale, *, layout: str = "kn", product=jnp.float32):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model import Batch, forward, init_kv_cache
+from .settings import compiler_options
 
 
 def layout(T: int, S: int, P: int) -> dict[str, int]:
@@ -48,7 +49,7 @@ class DraftModel:
         fn = jax.jit(partial(self._fn, shape=(T, S, P)), donate_argnums=1)
         n = sum(layout(T, S, P).values())
         self._exe[key] = fn.lower(self.params, self.kv,
-                                  jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
+                                  jax.ShapeDtypeStruct((n,), jnp.int32)).compile(compiler_options())
         self.compilations += 1
         return self._exe[key]
 

@@ -41,6 +41,7 @@ from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .kv_window import freeable_window
 from .scheduler import FINISHED, RequestError, Scheduler, Sequence
+from .settings import compiler_options
 from .speculative import SpeculativeConfig, make_speculator
 from .warmup import default_page_buckets, warm_up
 
@@ -258,9 +259,12 @@ class Engine:
             wait += wait_s
         self._inflight = launched if self.overlap else None
         if len(rows):
+            host = time.perf_counter() - t0 - wait
             self.totals["steps"] += 1
             self.totals["wait_s"] += wait
-            self.totals["host_s"] += time.perf_counter() - t0 - wait
+            self.totals["host_s"] += host
+            if launched[2] is not None:  # the step log: this call's host time and device wait
+                launched[2].update(host_s=host, wait_s=wait)
         return outputs
 
     def _launch(self, rows):
@@ -493,13 +497,13 @@ class Engine:
                         spec(len(sampling.FLOAT_FIELDS) * S + extra[1], jnp.float32))
 
     def _compile_now(self, key):
-        self._exe[key] = self._lower(key).compile()
+        self._exe[key] = self._lower(key).compile(compiler_options())
         self.compilations += 1
         return self._exe[key]
 
     def _compile_sampler(self, S: int, mode: str, *guided):
         key = (S, mode, *guided)
-        self._samplers[key] = self._lower_sampler(*key).compile()
+        self._samplers[key] = self._lower_sampler(*key).compile(compiler_options())
         self.compilations += 1
         return self._samplers[key]
 

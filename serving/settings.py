@@ -93,6 +93,20 @@ def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages
 
 
 # -- the persistent compilation cache ---------------------------------------------------------
+TRITON_GEMM_ENV = "PALLASITE_TRITON_GEMM"  # "1": XLA's Triton GEMMs back on
+
+
+def compiler_options() -> dict:
+    """XLA options for the engine's programs. On a GPU, XLA's Triton GEMMs are off: with them on,
+    XLA autotunes each FP8 product's Triton tiles at every token bucket (170 s to compile one
+    8B layer at 8192 rows), then runs W8A8 at 1.03-1.29x bf16 where cuBLASLt runs it at
+    1.33-1.50x; bf16 products time the same either way (H100, `benchmarks/w8a8_compile.py`)."""
+    import os
+    if jax.default_backend() != "gpu" or os.environ.get(TRITON_GEMM_ENV) == "1":
+        return {}
+    return {"xla_gpu_enable_triton_gemm": False}
+
+
 CACHE_ENV = "PALLASITE_CACHE_DIR"  # a folder; empty: no cache
 
 

@@ -256,7 +256,7 @@ def warm_up(engine, workers: int | None = None):
     modules) run each once on an all-padding batch, which writes no page and no slot. Leaves a
     summary in `engine.warmup_report`."""
     import jax
-    from .settings import enable_compilation_cache
+    from .settings import compiler_options, enable_compilation_cache
     t0, cache_dir, before = time.perf_counter(), enable_compilation_cache(), engine.compilations
     steps = step_keys(engine.token_buckets, engine.page_buckets, engine.max_num_seqs,
                       engine.page_size)
@@ -272,7 +272,7 @@ def warm_up(engine, workers: int | None = None):
             t = time.perf_counter()
             lo = lower(*key)
             tracing.append(time.perf_counter() - t)
-            return lo.compile()
+            return lo.compile(compiler_options())
 
         jobs = [partial(build, engine._lower, k) for k in keys] + [
             partial(build, engine._lower_sampler, *k) for k in samplers]

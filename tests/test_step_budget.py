@@ -20,6 +20,14 @@ def test_tiny_model_costs():
     assert cost.attn_flops_per_pair == 4 * 2 * 4
 
 
+def test_8bit_weights_read_half_and_run_twice_as_fast():
+    bf16, fp8 = sb.model_cost(TINY, itemsize=2), sb.model_cost(TINY, 2, 1, *sb.QUANTIZED_BODY["fp8"])
+    assert fp8.weight_bytes == bf16.weight_bytes - 576  # the body: one byte a weight
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2
+    # the body's FLOPs at twice the peak; the head and attention at the bf16 peak
+    assert sb.step_flops(fp8, 3, 18, 3) == 576 * 3 + 2 * 80 * 3 + 32 * 18
+
+
 def test_decode_and_mixed_steps():
     cost = sb.model_cost(TINY, itemsize=2)
     # Decode: 3 rows at contexts 5, 6, 7 (each query sees its whole context).
