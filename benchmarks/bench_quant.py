@@ -63,10 +63,11 @@ def median_s(fn, *args, reps=10):
     return common.host_ms(fn, *args, reps=reps) / 1e3
 
 
-def engine_s(fn, *args, reps=5):
-    """median_s of fn compiled with the options the engine compiles its steps with."""
+def engine_s(fn, params, ids, reps=5):
+    """median_s of fn compiled with the options the engine compiles a step of its tokens with."""
     from pallasite.serving.settings import compiler_options
-    return median_s(jax.jit(fn).lower(*args).compile(compiler_options()), *args, reps=reps)
+    exe = jax.jit(fn).lower(params, ids).compile(compiler_options(ids.size))
+    return median_s(exe, params, ids, reps=reps)
 
 
 def fp8_matrix(key, k, n):

@@ -340,10 +340,11 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, 
 # -- quantized matrix products ---------------------------------------------------------------------
 # Up to this many rows (tokens) a call takes W8A16 (weights read once, in their stored bytes);
 # above it FP8 (INT8) weights take W8A8 on the 8-bit tensor cores. cuBLASLt's W8A8 reads the
-# weights as fast from two rows on: an 8B layer's products 1.49-1.54x bf16 at 2-16 rows, where
-# the W8A16 kernel runs 1.16-1.31x; one row 1.57x against its 1.76x (H100,
-# `benchmarks/w8a8_compile.py`).
-W8A16_MAX_ROWS = 1
+# weights about as fast: an 8B layer's products 1.49-1.54x bf16 at 4-16 rows, where the W8A16
+# kernel runs 1.16-1.18x; 1.52x at two rows against 1.31x, 1.57x at one against 1.76x (H100,
+# `benchmarks/w8a8_compile.py`). Two rows stay W8A16: those steps keep XLA's Triton GEMMs
+# (`serving/settings.py` compiler_options), whose FP8 autotuning takes minutes.
+W8A16_MAX_ROWS = 2
 _SAID = set()
 
 

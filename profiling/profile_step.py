@@ -218,7 +218,8 @@ def profile_case(engine, config, name, spec, graph_exes, args, w, copy_tbps, dea
     tokens = sum(q for q, _ in seqs)
     case = dict(batch=len(seqs), tokens=tokens, context=max(c for _, c in seqs), bucket=list(key),
                 **time_steps(step, *w["steps"]))
-    case["bytes"] = step_bytes(engine.params, config, sum(c for _, c in seqs))
+    case["bytes"] = step_bytes(engine.params, config, sum(c for _, c in seqs),
+                               engine.kv_cache_dtype)
     peak = peak_bf16(jax.devices()[0].device_kind)
     if copy_tbps and peak:  # the larger of reading the bytes and the weights' FLOPs at peak
         flops = 2 * tokens * case["bytes"]["layer_weights"] / engine.params["embed"].itemsize

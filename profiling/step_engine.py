@@ -110,9 +110,12 @@ def compile_all(engine, keys, prefill_key, keep_graphs: bool):
     jobs += [(("graphs", k), engine._lower(k), KEEP_GRAPHS) for k in keys if keep_graphs
              and k != prefill_key]
 
+    from pallasite.serving.settings import compiler_options
+
     def compile_one(job):
-        try:
-            return job[1].compile(job[2]) if job[2] else job[1].compile()
+        try:  # with the engine's own options for the step's size
+            tokens = job[0][1][0] if job[0][0] != "smp" else None
+            return job[1].compile(compiler_options(tokens) | (job[2] or {}))
         except Exception as e:  # only the optional graph-keeping compile may fail
             if job[0][0] != "graphs":
                 raise
@@ -230,13 +233,15 @@ def engine_loop(engine, prompt_len: int, tokens: int) -> dict:
                 host_ms_per_step=engine.stats()["host_ms_per_step"])
 
 
-def step_bytes(params, config, tokens) -> dict:
+def step_bytes(params, config, tokens, kv_dtype=None) -> dict:
     """What a step must read: the weights (the embedding table only through its gathered rows,
-    unless it is also the output projection) and the K/V of its contexts (`tokens` in all)."""
+    unless it is also the output projection) and the K/V of its contexts (`tokens` in all, in
+    `kv_dtype`, by default the embedding's)."""
     import jax
+    import numpy as np
     layers = sum(x.nbytes for k, v in params.items() if k.startswith("layers_")
                  for x in jax.tree.leaves(v))
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
-        params["embed"].dtype.itemsize * tokens
+        np.dtype(kv_dtype or params["embed"].dtype).itemsize * tokens
     return dict(layer_weights=layers, lm_head=head.nbytes, kv=kv, total=layers + head.nbytes + kv)

@@ -48,8 +48,8 @@ class DraftModel:
         S = min(T, self.max_num_seqs)
         fn = jax.jit(partial(self._fn, shape=(T, S, P)), donate_argnums=1)
         n = sum(layout(T, S, P).values())
-        self._exe[key] = fn.lower(self.params, self.kv,
-                                  jax.ShapeDtypeStruct((n,), jnp.int32)).compile(compiler_options())
+        lowered = fn.lower(self.params, self.kv, jax.ShapeDtypeStruct((n,), jnp.int32))
+        self._exe[key] = lowered.compile(compiler_options(T))
         self.compilations += 1
         return self._exe[key]
 

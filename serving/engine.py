@@ -497,13 +497,13 @@ class Engine:
                         spec(len(sampling.FLOAT_FIELDS) * S + extra[1], jnp.float32))
 
     def _compile_now(self, key):
-        self._exe[key] = self._lower(key).compile(compiler_options())
+        self._exe[key] = self._lower(key).compile(compiler_options(key[0]))
         self.compilations += 1
         return self._exe[key]
 
     def _compile_sampler(self, S: int, mode: str, *guided):
         key = (S, mode, *guided)
-        self._samplers[key] = self._lower_sampler(*key).compile(compiler_options())
+        self._samplers[key] = self._lower_sampler(*key).compile()
         self.compilations += 1
         return self._samplers[key]
 

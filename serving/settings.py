@@ -93,16 +93,22 @@ def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages
 
 
 # -- the persistent compilation cache ---------------------------------------------------------
-TRITON_GEMM_ENV = "PALLASITE_TRITON_GEMM"  # "1": XLA's Triton GEMMs back on
+TRITON_GEMM_ENV = "PALLASITE_TRITON_GEMM"  # "1": XLA's Triton GEMMs kept at every step size
+TRITON_GEMM_MAX_TOKENS = 2  # kernels.W8A16_MAX_ROWS too: no W8A8 product meets Triton
 
 
-def compiler_options() -> dict:
-    """XLA options for the engine's programs. On a GPU, XLA's Triton GEMMs are off: with them on,
+def compiler_options(tokens: int | None = None) -> dict:
+    """XLA options for an engine program of `tokens` rows (None: no matrix products to speak
+    of). On a GPU, steps past TRITON_GEMM_MAX_TOKENS turn XLA's Triton GEMMs off: with them,
     XLA autotunes each FP8 product's Triton tiles at every token bucket (170 s to compile one
-    8B layer at 8192 rows), then runs W8A8 at 1.03-1.29x bf16 where cuBLASLt runs it at
-    1.33-1.50x; bf16 products time the same either way (H100, `benchmarks/w8a8_compile.py`)."""
+    8B layer at 8192 rows) and runs W8A8 at 1.03-1.29x bf16 where cuBLASLt runs it at
+    1.33-1.50x; bf16 products time the same either way. Batch-1 steps keep them: there cuBLAS
+    turns the one-row bf16 x bf16 -> float32 logits into a float32 copy of the LM head and a
+    GEMV (1.7 ms a step against 0.35; H100, `benchmarks/w8a8_compile.py`,
+    `profiling/profile_step.py`)."""
     import os
-    if jax.default_backend() != "gpu" or os.environ.get(TRITON_GEMM_ENV) == "1":
+    if (jax.default_backend() != "gpu" or os.environ.get(TRITON_GEMM_ENV) == "1"
+            or (tokens or 0) <= TRITON_GEMM_MAX_TOKENS):
         return {}
     return {"xla_gpu_enable_triton_gemm": False}
 

@@ -268,13 +268,13 @@ def warm_up(engine, workers: int | None = None):
     with CompileCounter() as counter:
         tracing = []  # seconds each job spent tracing and lowering (under the GIL)
 
-        def build(lower, *key):
+        def build(lower, *key, tokens=None):
             t = time.perf_counter()
             lo = lower(*key)
             tracing.append(time.perf_counter() - t)
-            return lo.compile(compiler_options())
+            return lo.compile(compiler_options(tokens))
 
-        jobs = [partial(build, engine._lower, k) for k in keys] + [
+        jobs = [partial(build, engine._lower, k, tokens=k[0]) for k in keys] + [
             partial(build, engine._lower_sampler, *k) for k in samplers]
         compiled = compile_all(jobs, names, workers)
         engine._exe.update(zip(keys, (c for c, _ in compiled[:len(keys)])))

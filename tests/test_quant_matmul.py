@@ -91,8 +91,8 @@ def test_the_path_is_chosen_by_rows_and_gpu(monkeypatch):
     assert kernels.quant_mode(rows(512), q) == "w8a16"  # CPU: no FP8 tensor cores
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernels, "has_fp8_tensor_cores", lambda: True)
-    assert kernels.quant_mode(rows(1), q) == "w8a16"  # one row: the W8A16 kernel
-    assert kernels.quant_mode(rows(2), q) == "w8a8"
+    assert kernels.quant_mode(rows(2), q) == "w8a16"  # two rows: the W8A16 kernel
+    assert kernels.quant_mode(rows(4), q) == "w8a8"
     i8 = q.astype(jnp.int8)
     assert kernels.quant_mode(rows(512), i8) == "w8a8"  # INT8 tensor cores
     assert kernels.quant_mode(rows(512), i8, jnp.zeros((1, 64), jnp.int8)) == "w8a16"
