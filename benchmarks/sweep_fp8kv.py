@@ -52,6 +52,10 @@ VARIANTS = [
     _v("f16_swap_qk", 16, 128, 3), _v("f16_swap_qk", 16, 64, 4),
     _v("fma", 1, 64, 3), _v("fma", 1, 64, 4), _v("fma", 1, 64, 3, 8),
     _v("fma_rows", 1, 128, 3), _v("fma_rows", 1, 64, 4), _v("fma_rows", 1, 128, 3, 8),
+    # shared memory per program: fewer stages or keys let more programs share an SM, for the
+    # short contexts of a serving step
+    _v("f16", 16, 128, 2), _v("f16", 16, 64, 2), _v("f16", 16, 64, 3), _v("f16", 16, 32, 2),
+    _v("f16", 16, 128, 2, 8), _v("f16", 16, 256, 2),
 ]
 
 
@@ -131,6 +135,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="time only the float8 variants whose name "
                     "holds this text (the two defaults always run)")
+    ap.add_argument("--shapes", default="", help="comma-separated batch sizes of SHAPES to run "
+                    "(default: all)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in Pallas's interpreter: checks the script, not the GPU")
     args = ap.parse_args()
@@ -138,7 +144,10 @@ def main():
     t0 = time.perf_counter()
     log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     shapes = []
+    pick = {int(b) for b in args.shapes.split(",") if b}
     for name, B, lo, hi in SMOKE_SHAPES if args.smoke else SHAPES:
+        if pick and B not in pick and not args.smoke:
+            continue
         log(name)
         shapes.append(sweep_shape(log, name, B, lo, hi, args.smoke, args.only))
     head = common.run_info(device=not args.smoke) | dict(seconds=time.perf_counter() - t0)

@@ -20,7 +20,9 @@ _DEFAULT = {
     # Decode over float8 pages (paged.py `fp8_dot`): tiles converted to f16 in one step, f16
     # MMAs. H100, 2026-11-25 (benchmarks/sweep_fp8kv.py): the fastest of 9 variants at B=64/4k,
     # B=8/8k and 768 ShareGPT-like rows; the CUDA-core products ("fma", "fma_rows") lost 1.5-10x.
-    "decode_fp8": dict(block_rows=16, block_k=128, num_warps=4, num_stages=3, prefetch_pages=True,
+    # Two stages, 2026-11-26: 0.3135 / 0.0858 / 0.3814 ms at those shapes against three's 0.3168
+    # / 0.0898 / 0.3936 (64-key tiles win only at 768 rows, 0.347, and lose 1.06-1.5x elsewhere).
+    "decode_fp8": dict(block_rows=16, block_k=128, num_warps=4, num_stages=2, prefetch_pages=True,
                        fp8_dot="f16"),
     # Mosaic GPU decode (Hopper; "decode_backend" says where it is the default). H100 and H200
     # sweeps of 2026-11-23 (benchmarks/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
