@@ -125,3 +125,32 @@ def test_settled_heap_collects_less_often():
         assert gc.get_count()[0] >= 3000 and made
     finally:
         gc.set_threshold(*before)
+
+
+def test_steps_compile_with_the_options_for_their_size(monkeypatch):
+    """Past two tokens a GPU step turns XLA's Triton GEMMs off; the warm-up and a step compiled
+    late ask for the options of their own bucket."""
+    from pallasite import kernels
+    from pallasite.serving import engine as engine_module
+    monkeypatch.delenv(settings.TRITON_GEMM_ENV, raising=False)
+    assert settings.compiler_options(8192) == {}  # CPU: XLA's own
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    off = {"xla_gpu_enable_triton_gemm": False}
+    assert [settings.compiler_options(t) for t in (None, 1, 2, 3, 8192)] == [{}, {}, {}, off, off]
+    monkeypatch.setenv(settings.TRITON_GEMM_ENV, "1")
+    assert settings.compiler_options(8192) == {}
+    # no W8A8 product lands in a step that keeps Triton GEMMs (their FP8 autotuning is slow)
+    assert kernels.W8A16_MAX_ROWS == settings.TRITON_GEMM_MAX_TOKENS
+    monkeypatch.undo()
+
+    asked = []
+    record = lambda tokens=None: asked.append(tokens) or {}
+    monkeypatch.setattr(settings, "compiler_options", record)
+    monkeypatch.setattr(engine_module, "compiler_options", record)
+    eng = Engine(CONFIG, PARAMS, page_size=4, max_model_len=32, max_num_seqs=2,
+                 max_num_batched_tokens=8, num_pages=32, token_buckets=[2, 8], page_buckets=[8])
+    eng.warmup(workers=1)
+    assert sorted(t for t in asked if t is not None) == [2, 8]
+    asked.clear()
+    eng._compile_now((2, 8))
+    assert asked == [2]
