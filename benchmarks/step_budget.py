@@ -45,8 +45,9 @@ class ModelCost:
     body_rate: float = 1.0  # the body products' peak over the bf16 peak
 
 
-# --quantization -> (bytes a body weight, scales included, and its products' rate over bf16)
-QUANTIZED_BODY = {"fp8": (1.0, 2.0), "w8a16": (1.0, 2.0), "w4a16": (0.5 + 2 / 128, 1.0)}
+# --quantization -> (bytes a body weight, scales included, and its products' rate over bf16):
+# FP8 runs W8A8 on the FP8 tensor cores; the packed integer modes run bf16 products
+QUANTIZED_BODY = {"fp8": (1.0, 2.0), "w8a16": (1.0, 1.0), "w4a16": (0.5 + 2 / 128, 1.0)}
 
 
 def model_cost(config, itemsize: int = 2, kv_itemsize: int | None = None,
@@ -125,4 +126,3 @@ def by_batch(rows: list[tuple[dict, float, dict]], edges=(1, 16, 64, 256, 512, 1
                                                              for e, _, _ in group]))
                            for k in ("host", "wait")}))
     return out
-
