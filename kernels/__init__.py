@@ -428,8 +428,8 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
     reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`) or the
     Pallas kernels (`w8a8_matmul.py`, `w8a8_mgpu.py`), as `w8a8` (or `PALLASITE_W8A8_IMPL`)
-    picks (`w8a8_impl`); INT8 weights through XLA's INT8 dot. `layout="nk"`: q is stored transposed, [N, K] (how FP8 weights are
-    stored: `model/quant.py` k_last)."""
+    picks (`w8a8_impl`); INT8 weights through XLA's INT8 dot. `layout="nk"`: q is stored
+    transposed, [N, K] (how FP8 weights are stored: `model/quant.py` k_last)."""
     from . import quant_reference as qr
     if quant_mode(x, q, zero, mode) == "w8a8":
         if q.dtype == jax.numpy.int8:  # SmoothQuant W8A8: XLA's INT8 GEMM (cuBLASLt)

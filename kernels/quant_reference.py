@@ -41,12 +41,19 @@ def w8a16_reference(x, q, scale, zero=None):
     return jnp.sum(part * scale[None], axis=1).astype(x.dtype)
 
 
+def _row_scaled(x, qmax):
+    """x in float32 divided by its rows' scales (amax / qmax, 1 for a zero row), and those
+    scales [M, 1]."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    s = jnp.where(amax > 0, amax / qmax, 1.0)
+    return x / s, s
+
+
 def quantize_rows(x):
     """Dynamic per-token (row) FP8 quantization: (xq [M, K] e4m3, scale [M, 1] float32)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    s = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    xq = jnp.clip(x.astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return xq, s
+    xs, s = _row_scaled(x, FP8_MAX)
+    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
 
 
 # XLA turns on cuBLASLt's FP8 "fast accumulation" for an FP8 dot at DEFAULT precision: Hopper's
@@ -101,9 +108,8 @@ def w8a8_reference(x, q, scale, *, layout: str = "kn", product=jnp.float32):
 
 def quantize_rows_int8(x):
     """Dynamic per-token (row) symmetric INT8: (xq [M, K] int8, scale [M, 1] float32)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    s = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
-    return jnp.clip(jnp.round(x.astype(jnp.float32) / s), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
+    xs, s = _row_scaled(x, INT8_MAX)
+    return jnp.clip(jnp.round(xs), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
 
 
 def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax
 
+from ..kernels import W8A16_MAX_ROWS
+
 CPU = dict(max_num_seqs=32, max_num_batched_tokens=512)
 GPU_MAX_SEQS, GPU_BUDGET = 1024, 8192
 TOKENS_PER_SEQ = 256  # KV tokens per sequence slot the GPU sizing plans for
@@ -92,9 +94,9 @@ def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages
                                                                  first_bucket))
 
 
-# -- the persistent compilation cache ---------------------------------------------------------
+# -- XLA's options per program --------------------------------------------------------------
 TRITON_GEMM_ENV = "PALLASITE_TRITON_GEMM"  # "1": XLA's Triton GEMMs kept at every step size
-TRITON_GEMM_MAX_TOKENS = 2  # kernels.W8A16_MAX_ROWS too: no W8A8 product meets Triton
+TRITON_GEMM_MAX_TOKENS = W8A16_MAX_ROWS  # so that no W8A8 product meets Triton's autotuning
 
 
 def compiler_options(tokens: int | None = None) -> dict:
@@ -113,6 +115,7 @@ def compiler_options(tokens: int | None = None) -> dict:
     return {"xla_gpu_enable_triton_gemm": False}
 
 
+# -- the persistent compilation cache ---------------------------------------------------------
 CACHE_ENV = "PALLASITE_CACHE_DIR"  # a folder; empty: no cache
 
 
