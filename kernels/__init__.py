@@ -306,7 +306,12 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, 
     w_gate/w_up [E, D, F], w_down [E, F, D] -> [M, D]. The Pallas path lays the rows out once
     in expert-aligned blocks and runs its three grouped products there (`grouped_matmul.py`).
     `glu(gate, up)` replaces silu(gate) * up; `biases` (b_gate [E, F], b_up [E, F], b_down
-    [E, D]) are added per expert (GPT-OSS)."""
+    [E, D]) are added per expert (GPT-OSS). Packed integer experts (`grouped_int.IntExperts`,
+    any of the three) take `grouped_int.py`'s kernel."""
+    from . import grouped_int as gi
+    if any(isinstance(w, gi.IntExperts) for w in (w_gate, w_up, w_down)):
+        return _grouped_int_mlp(x, group_sizes, (w_gate, w_up, w_down), glu, biases, impl,
+                                interpret, blocks)
     if glu is not None or biases is not None:  # the Pallas path runs only SwiGLU without biases
         return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down,
                                                glu=glu or reference.silu_glu, biases=biases)
@@ -335,6 +340,18 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, 
         return gm.grouped_matmul_padded(a, w, block_group, scale, interpret=interpret, **blocks)
     h = jax.nn.silu(mm(x_pad, w_gate)) * mm(x_pad, w_up)
     return gm.unpad_groups(mm(h, w_down), dest)
+
+
+def _grouped_int_mlp(x, group_sizes, ws, glu, biases, impl, interpret, blocks):
+    """Experts with packed INT4/INT8 weights: on GPU always the grouped kernel (it reads only
+    the packed weights of experts that have rows; dequantizing every expert for XLA's
+    ragged_dot would read and write all of them each step), where its tiles fit; the
+    dequantized jnp reference elsewhere."""
+    from . import grouped_int as gi
+    if interpret or (_use_pallas(impl, interpret) and gi.supported(ws)):
+        return gi.grouped_int_mlp(x, group_sizes, *ws, glu=glu, biases=biases,
+                                  interpret=interpret, **blocks)
+    return gi.grouped_int_mlp_reference(x, group_sizes, *ws, glu=glu, biases=biases)
 
 
 # -- quantized matrix products ---------------------------------------------------------------------
