@@ -211,9 +211,12 @@ def route_tokens(config: ModelConfig, x, router, router_bias=None):
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, glu=None, biases=None):
     """SwiGLU (or `glu`, with per-expert `biases`) over tokens already sorted by expert: one
-    grouped matmul per projection. Quantized experts pass as (values, scales [E, G, F]) pairs:
-    the kernels dequantize them."""
-    if quant.is_quantized(w_gate):
+    grouped matmul per projection. Quantized experts pass as (values, scales [E, G, F]) pairs,
+    packed integer ones (W4A16, W8A16) as `kernels.grouped_int.IntExperts`: the kernels
+    dequantize them."""
+    if any(quant.is_packed(w) for w in (w_gate, w_up, w_down)):
+        w_gate, w_up, w_down = (quant.grouped_operand(w) for w in (w_gate, w_up, w_down))
+    elif quant.is_quantized(w_gate):
         if glu is not None or biases is not None:
             raise ValueError("quantized experts take only SwiGLU without biases (not GPT-OSS's)")
         w_gate, w_up, w_down = (quant.grouped_operand(w) for w in (w_gate, w_up, w_down))

@@ -331,12 +331,13 @@ def _read_raw(name: str, files: dict[str, Path], handles: dict) -> np.ndarray:
 def _quantize_in_place(value, sharding, quantization, axes):
     """FP8 of a placed weight on the devices holding it: each its shard, the per-channel amax
     reduced across shards of the contraction axes. The input is dropped once this returns.
-    Integer modes (w4a16, w8a16) quantize dense linears RTN and repack them on one device."""
+    Integer modes (w4a16, w8a16) quantize linears RTN (MoE experts one by one) and repack them
+    on one device."""
     if quantization != "fp8":
         from .quant_int import quantize_weight
         if sharding is not None:
             raise CheckpointError(f"quantization={quantization!r} on a mesh is not supported yet")
-        return value if axes[0] != 0 else quantize_weight(value, axes[1], quantization)
+        return quantize_weight(value, axes[1], quantization, lead=axes[0])
     shapes = jax.eval_shape(lambda w: quant.quantize_linear(w, axes), value)
     return _quantizer(axes, quant.sharding_for(shapes, sharding))(value)
 

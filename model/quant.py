@@ -37,7 +37,8 @@ kernels take: the blocks of the flattened axes must stay rectangular (an axis wi
 followed by whole or evenly-blocked axes), which every layout above satisfies.
 The kernels see plain arrays only: `kernels.quant_matmul(x [M, K], q [K, N], scale [G, N],
 zero)` (G = K / block_k; it picks W8A16 or W8A8, `kernels/__init__.py`) and, for stacked
-experts, `kernels.grouped_mlp` with (q, scale [E, G, N]) pairs (`grouped_operand`).
+experts, `kernels.grouped_mlp` with (q, scale [E, G, N]) pairs, or packed integer experts as
+`kernels.grouped_int.IntExperts` (`grouped_operand`).
 """
 
 from __future__ import annotations
@@ -253,9 +254,14 @@ def linear(x, w, in_axes: int = 1, **kw):
     return y.reshape(*lead, *out_shape)
 
 
-def grouped_operand(w: QArray):
-    """Stacked experts [E, K, N] as the (values, float32 scales [E, G, N]) pair
-    `kernels.grouped_mlp` takes (G = 1: per output channel)."""
+def grouped_operand(w):
+    """Stacked experts [E, K, N] as `kernels.grouped_mlp` takes them: a QArray as the (values,
+    float32 scales [E, G, N]) pair (G = 1: per output channel), packed integer experts
+    (`quant_int.PackedInt`) as `kernels.grouped_int.IntExperts`, a plain array as itself."""
+    if is_packed(w):
+        return w.grouped_operand()
+    if not is_quantized(w):
+        return w
     if w.zero is not None:
         raise NotImplementedError(f"grouped experts with zero points ({w.scheme})")
     m = matrix(w, in_axes=1, lead=1)

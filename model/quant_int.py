@@ -4,14 +4,19 @@ integer checkpoint formats (`int_formats.py`) into it at load.
 
 `PackedInt` stands in the params where the plain weight stood, like `quant.QArray`, and
 `quant.linear` hands it the call. Unlike a QArray its values are not in the weight's shape:
-they are repacked once at load into the kernel's tiles (`kernels/int_matmul.py`), as Marlin
+they are repacked once at load into the kernel's tiles (`kernels/w4a16_matmul.py`), as Marlin
 repacks, so the weight is the [K, N] matrix of the flattened input and output axes:
 
   words   int32 [K_pad * bits / 32, N], 32 / bits codes a word in the kernel's bit planes
   scale   float32 [K_pad / group_size, N]
   zero    bfloat16 [K_pad / group_size, N] (unsigned code of 0), None: 2**(bits - 1)
   perm    int32 [K] or None: act order, stored row i is input row perm[i]
-  shape, in_axes, bits, group_size   static
+  shape, in_axes, bits, group_size, lead   static
+
+Stacked MoE experts ([E, in, out], `lead` 1) hold one such matrix an expert, stacked on a
+leading axis (words [E, K_pad * bits / 32, N], scale and zero [E, groups, N], perm [E, K]):
+they do not multiply through `linear` but through the grouped kernel
+(`kernels/grouped_int.py`), which takes them as `grouped_operand()` gives them.
 
 Placing a PackedInt on a mesh of several devices is not supported yet (its rows are tiles,
 not the weight's axes).
@@ -27,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import kernels
+from ..kernels import grouped_int as gi
 from ..kernels import w4a16_matmul as im
 from .errors import CheckpointError
 from .int_formats import IntLinear
@@ -46,10 +52,16 @@ class PackedInt:
     in_axes: int = dataclasses.field(default=1, metadata=dict(static=True))
     bits: int = dataclasses.field(default=4, metadata=dict(static=True))
     group_size: int = dataclasses.field(default=128, metadata=dict(static=True))
+    lead: int = dataclasses.field(default=0, metadata=dict(static=True))  # 1: stacked experts
 
     @property
     def ndim(self):
         return len(self.shape)
+
+    @property
+    def k(self) -> int:
+        """Input rows of one matrix (an expert's, for stacked experts)."""
+        return math.prod(self.shape[self.lead:self.lead + self.in_axes])
 
     @property
     def nbytes(self) -> int:
@@ -58,22 +70,33 @@ class PackedInt:
 
     def linear(self, x, in_axes: int):
         """x [..., in...] times this weight -> [..., out...] in x's dtype."""
+        if self.lead:
+            raise ValueError(f"packed experts {self.shape} multiply through the grouped kernel "
+                             "(grouped_operand), not linear")
         if in_axes != self.in_axes:
             raise ValueError(f"packed weight {self.shape} takes {self.in_axes} input axes, "
                              f"called with {in_axes}")
-        k = math.prod(self.shape[:in_axes])
         lead = x.shape[:x.ndim - in_axes]
-        y = kernels.int_matmul(x.reshape(-1, k), self.words, self.scale, self.zero, self.perm,
-                               bits=self.bits, group_size=self.group_size)
+        y = kernels.int_matmul(x.reshape(-1, self.k), self.words, self.scale, self.zero,
+                               self.perm, bits=self.bits, group_size=self.group_size)
         return y.reshape(*lead, *self.shape[in_axes:])
+
+    def grouped_operand(self) -> gi.IntExperts:
+        """Stacked experts as the operand `kernels.grouped_mlp` takes."""
+        if not self.lead:
+            raise ValueError(f"packed weight {self.shape} is not a stack of experts")
+        return gi.IntExperts(self.words, self.scale, self.zero, self.perm, self.bits,
+                             self.group_size)
 
     def dequantize(self, dtype=jnp.float32):
         """The plain weight in its own shape (tests, reference)."""
-        k = math.prod(self.shape[:self.in_axes])
-        w = im.dequantize(self.words, self.scale, self.zero, bits=self.bits,
-                          group_size=self.group_size, k=k)
-        if self.perm is not None:
-            w = w[jnp.argsort(self.perm)]
+        if self.lead:
+            w = gi.dequantize(self.grouped_operand(), self.k)
+        else:
+            w = im.dequantize(self.words, self.scale, self.zero, bits=self.bits,
+                              group_size=self.group_size, k=self.k)
+            if self.perm is not None:
+                w = w[jnp.argsort(self.perm)]
         return w.reshape(self.shape).astype(dtype)
 
 
@@ -88,6 +111,37 @@ def pack_linear(lin: IntLinear, shape: tuple, in_axes: int) -> PackedInt:
     perm = None if lin.perm is None else jnp.asarray(lin.perm, jnp.int32)
     return PackedInt(jnp.asarray(words), jnp.asarray(scale), zero, perm, tuple(shape), in_axes,
                      lin.bits, g)
+
+
+def pack_experts(lins: list, shape: tuple, in_axes: int, name: str = "experts") -> PackedInt:
+    """One IntLinear an expert ([K, N] codes each) as stacked packed experts, for a param of
+    `shape` [E, in..., out...]. The experts must share bits and group size; where some carry
+    zero points (or an act-order permutation) and others do not, the others get the symmetric
+    zero 2**(bits - 1) (the identity permutation)."""
+    e, k, n = shape[0], math.prod(shape[1:1 + in_axes]), math.prod(shape[1 + in_axes:])
+    if len(lins) != e:
+        raise ValueError(f"{name}: {len(lins)} quantized experts for a param {shape}")
+    first = lins[0]
+    for i, lin in enumerate(lins):
+        if lin.codes.shape != (k, n):
+            raise ValueError(f"{name}: expert {i}'s quantized weight of shape "
+                             f"{lin.codes.shape} does not fit a param {shape} ([{k}, {n}] an "
+                             "expert)")
+        if (lin.bits, lin.group_size) != (first.bits, first.group_size):
+            raise ValueError(f"{name}: expert {i} has {lin.bits} bits in groups of "
+                             f"{lin.group_size}, expert 0 {first.bits} in groups of "
+                             f"{first.group_size}")
+    any_zero = any(lin.zero is not None for lin in lins)
+    zeros = [lin.zero if lin.zero is not None or not any_zero
+             else np.full_like(lin.scale, 2 ** (lin.bits - 1)) for lin in lins]
+    words, scale, zero, g = gi.pack_experts([lin.codes for lin in lins],
+                                            [lin.scale for lin in lins], zeros,
+                                            bits=first.bits, group_size=first.group_size)
+    perm = None
+    if any(lin.perm is not None for lin in lins):
+        perm = jnp.asarray(np.stack([np.arange(k) if lin.perm is None else lin.perm
+                                     for lin in lins]), jnp.int32)
+    return PackedInt(words, scale, zero, perm, tuple(shape), in_axes, first.bits, g, lead=1)
 
 
 def quantize_rtn(w, *, bits: int = 4, group_size: int = 128, symmetric: bool = True) -> IntLinear:
@@ -114,21 +168,27 @@ def quantize_rtn(w, *, bits: int = 4, group_size: int = 128, symmetric: bool = T
                      None if symmetric else zero.astype(np.float32), bits, g)
 
 
-def quantize_weight(w, in_axes: int, mode: str) -> PackedInt:
-    """One float linear weight (param shape, `in_axes` input axes) quantized RTN, packed."""
+def quantize_weight(w, in_axes: int, mode: str, lead: int = 0) -> PackedInt:
+    """One float linear weight (param shape, `in_axes` input axes) quantized RTN, packed;
+    with `lead` 1, stacked experts [E, in..., out...], each expert quantized on its own."""
     bits, group = MODES[mode]
     shape = tuple(w.shape)
-    k = math.prod(shape[:in_axes])
+    k = math.prod(shape[lead:lead + in_axes])
     if group != -1 and k % group:
         group = -1  # a K that groups do not tile takes one scale per output channel
-    lin = quantize_rtn(np.asarray(w, np.float32).reshape(k, -1), bits=bits, group_size=group)
+    w = np.asarray(w, np.float32)
+    if lead:
+        return pack_experts([quantize_rtn(we.reshape(k, -1), bits=bits, group_size=group)
+                             for we in w.reshape(-1, *shape[lead:])], shape, in_axes)
+    lin = quantize_rtn(w.reshape(k, -1), bits=bits, group_size=group)
     return pack_linear(lin, shape, in_axes)
 
 
 def quantize_params(params, mode: str | None = "w4a16"):
-    """Every dense linear weight of a params pytree quantized RTN and packed (random models,
-    benchmarks, quantize-on-load). MoE experts stay as they are. Any `--quantization` value is
-    taken: None passes the params through, "fp8" goes to `quant.quantize_params`."""
+    """Every linear weight of a params pytree quantized RTN and packed, MoE experts one by
+    one into stacked packed experts (random models, benchmarks, quantize-on-load). Any
+    `--quantization` value is taken: None passes the params through, "fp8" goes to
+    `quant.quantize_params`."""
     from . import quant
     if quant.check_quantization(mode) in (None, "fp8"):
         return quant.quantize_params(params, mode)
@@ -136,9 +196,9 @@ def quantize_params(params, mode: str | None = "w4a16"):
     def one(path, leaf):
         keys = tuple(getattr(k, "key", k) for k in path)
         axes = quant.linear_axes(keys)
-        if axes is None or axes[0] != 0:
+        if axes is None:
             return leaf
-        return quantize_weight(leaf, axes[1], mode)
+        return quantize_weight(leaf, axes[1], mode, lead=axes[0])
     return jax.tree_util.tree_map_with_path(one, params)
 
 
@@ -153,7 +213,9 @@ FORMAT_TENSORS = {
 
 class IntCheckpoint:
     """Which params of a checkpoint folder are stored as integer-quantized linears, and how to
-    read each into a PackedInt. `int_checkpoint` builds one (None for other checkpoints)."""
+    read each into a PackedInt. `int_checkpoint` builds one (None for other checkpoints).
+    MoE experts stored one module an expert (Mixtral's `experts.E.w1`, Qwen-MoE's
+    `experts.E.gate_proj`) are read expert by expert into stacked packed experts."""
 
     def __init__(self, quant_cfg, config, sources, expected, files):
         from . import quant
@@ -162,7 +224,8 @@ class IntCheckpoint:
         method = "compressed-tensors" if isinstance(quant_cfg, CompressedTensorsConfig) \
             else quant_cfg.method
         suffixes = FORMAT_TENSORS[method]
-        self.linears = {}  # param path -> (module, shape, in_axes, tensor names)
+        # param path -> (HF modules (one an expert for experts), shape, in_axes, tensor names)
+        self.linears = {}
         for path, (names, _) in sources.items():
             axes = quant.linear_axes(path)
             if axes is None:
@@ -171,25 +234,49 @@ class IntCheckpoint:
             stored = [[f"{m}.{s}" for s in suffixes if f"{m}.{s}" in files] for m in modules]
             if not any(stored):
                 continue  # kept in floating point (ignored / not converted)
-            if axes[0] != 0:
-                raise CheckpointError(f"{modules[0]}: integer-quantized experts ({method}) are "
-                                      "not supported yet")
-            self.linears[path] = (modules[0], tuple(_get(expected, path).shape), axes[1],
-                                  stored[0])
+            shape = tuple(_get(expected, path).shape)
+            if axes[0] == 0:
+                self.linears[path] = ([modules[0]], shape, axes[1], stored[0])
+                continue
+            if len(modules) != shape[0] or len(set(modules)) != len(modules):
+                raise CheckpointError(f"{modules[0]}: integer-quantized experts ({method}) "
+                                      "stored in one tensor for all experts are not supported; "
+                                      "only one module an expert")
+            bare = [m for m, st in zip(modules, stored) if not st]
+            if bare:
+                raise CheckpointError(f"{bare[0]} is stored in floating point while other "
+                                      f"experts of {'.'.join(path)} are integer-quantized "
+                                      f"({method}); all of a projection's experts must be")
+            self.linears[path] = (modules, shape, axes[1], [n for st in stored for n in st])
         self.method = method
 
     def names(self) -> set:
         return {n for *_, names in self.linears.values() for n in names}
 
     def load(self, path, get) -> PackedInt:
+        from . import quant
         from .int_formats import read_linear
-        module, shape, in_axes, names = self.linears[path]
-        k, n = math.prod(shape[:in_axes]), math.prod(shape[in_axes:])
-        lin = read_linear(self.quant, get, lambda name: name in names, module, (k, n))
-        if lin is None:
-            raise CheckpointError(f"{module} holds {names} but the quantization_config does not "
-                                  "quantize it")
-        return pack_linear(lin, shape, in_axes)
+        modules, shape, in_axes, names = self.linears[path]
+        lead = quant.linear_axes(path)[0]
+        k = math.prod(shape[lead:lead + in_axes])
+        n = math.prod(shape[lead + in_axes:])
+        held = set(names)
+        has = lambda name: name in held
+        lins = []
+        for module in modules:
+            lin = read_linear(self.quant, get, has, module, (k, n))
+            if lin is None:
+                held = [x for x in names if x.startswith(module + ".")]
+                raise CheckpointError(f"{module} holds {held} but the quantization_config does "
+                                      "not quantize it")
+            lins.append(lin)
+        if not lead:
+            return pack_linear(lins[0], shape, in_axes)
+        try:
+            return pack_experts(lins, shape, in_axes, name=modules[0].rpartition(".experts.")[0]
+                                + ".experts")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
 
 def _get(tree, path):
@@ -220,8 +307,7 @@ def describe(params) -> str:
     for leaf in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, PackedInt)
                                 or quant.is_quantized(w)):
         if isinstance(leaf, PackedInt):
-            k = math.prod(leaf.shape[:leaf.in_axes])
-            kinds.add(f"w{leaf.bits}a16 " + ("channel" if leaf.group_size >= k
+            kinds.add(f"w{leaf.bits}a16 " + ("channel" if leaf.group_size >= leaf.k
                                              else f"g{leaf.group_size}"))
         elif quant.is_quantized(leaf):  # "fp8", or "w8a8 int8" (SmoothQuant's checkpoints)
             kinds.add("w8a8 int8" if leaf.scheme == "int8" else leaf.scheme)
