@@ -56,6 +56,9 @@ VARIANTS = [
     # short contexts of a serving step
     _v("f16", 16, 128, 2), _v("f16", 16, 64, 2), _v("f16", 16, 64, 3), _v("f16", 16, 32, 2),
     _v("f16", 16, 128, 2, 8), _v("f16", 16, 256, 2),
+    # q K^T on the float8 tensor cores (q as two e4m3 terms): K's tiles are never converted
+    _v("e4m3", 16, 128, 2), _v("e4m3", 16, 128, 3), _v("e4m3", 16, 64, 2), _v("e4m3", 16, 64, 3),
+    _v("e4m3", 16, 256, 2),
 ]
 
 

@@ -44,6 +44,10 @@ scaled. `fp8_dot` says how float8 tiles meet q:
   live rows (4 for Llama-3-8B), which the MMAs pad to 16 or 64; here `block_rows` may be as
   small as G, so no padded row is computed. Keep tiles small (product [rows, keys, D] lives in
   registers): rows * block_k * D / (32 * num_warps) values a thread.
+- "e4m3": q K^T on the float8 tensor cores, K's tiles as stored (never converted): q is
+  split into two e4m3 terms with per-row scales, hi + lo, which together hold about as many
+  mantissa bits as bf16, and the two products are summed with their scales. V's tiles go the
+  "f16" way.
 - "fma_rows": the same products one row at a time, as 2-D [keys, D] operations on the tiles
   as loaded (q's row broadcast over the keys, P's row over D), so the big tiles keep the layout
   of their loads and only [rows, keys] and [rows, D] values change layout; rows passes a tile.
@@ -102,7 +106,7 @@ def _gather(*idx):
     return tuple(jnp.broadcast_to(i, shape) for i in idx)
 
 
-FP8_DOTS = ("q", "f16", "f16_swap", "f16_swap_qk", "fma", "fma_rows")
+FP8_DOTS = ("q", "f16", "f16_swap", "f16_swap_qk", "fma", "fma_rows", "e4m3")
 
 
 def rows_per_block(block_rows, group, fp8_dot="q", float8=False):
@@ -119,6 +123,24 @@ def _swapped_scores(q, k, scale, softcap):
 def _swapped_pv(p, v):
     """P V as (V^T P^T)^T: the tile v is the MMA's left operand."""
     return plgpu.dot(v, p.astype(v.dtype), trans_a=True, trans_b=True).T
+
+
+def _e4m3_terms(q):
+    """q [R, D] as two e4m3 terms with per-row float32 scales: q ~ hi * s_hi + lo * s_lo."""
+    def term(x):
+        s = jnp.max(jnp.abs(x), axis=1, keepdims=True) * (1.0 / 448.0)
+        s = jnp.where(s == 0.0, 1.0, s)
+        return (x / s).astype(jnp.float8_e4m3fn), s
+    hi, s_hi = term(q)
+    lo, s_lo = term(q - hi.astype(jnp.float32) * s_hi)
+    return hi, s_hi, lo, s_lo
+
+
+def _e4m3_scores(q, k, scale, softcap):
+    """`flash.scores` with q as `_e4m3_terms` and k a float8 tile: two float8 MMAs."""
+    hi, s_hi, lo, s_lo = q
+    s = plgpu.dot(hi, k, trans_b=True) * s_hi + plgpu.dot(lo, k, trans_b=True) * s_lo
+    return base2_logits(s, scale, softcap)
 
 
 def _fma_scores(q, k, scale, softcap, by_row=False):
@@ -198,6 +220,9 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
         if fp8_dot.startswith("f16_swap"):
             score = _swapped_scores
             pv = _swapped_pv if fp8_dot == "f16_swap" else None
+    elif float8 and fp8_dot == "e4m3":
+        tile_dtype, score = jnp.float16, _e4m3_scores
+        q = _e4m3_terms(q.astype(jnp.float32))
     elif float8 and fp8_dot.startswith("fma"):
         by_row = fp8_dot == "fma_rows"
         tile_dtype, q = jnp.float32, q.astype(jnp.float32)
@@ -226,7 +251,8 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
             pages, next_pages = pages, load_pages(j + 1)
         else:
             pages = next_pages = load_pages(j)
-        k, v = (convert(x_ref[pages].reshape(block_k, D)) for x_ref in (k_ref, v_ref))
+        k, v = (x_ref[pages].reshape(block_k, D) for x_ref in (k_ref, v_ref))
+        k, v = k if score is _e4m3_scores else convert(k), convert(v)
         sc = score(q, k, scale, softcap)
         mask = None
         if masked:

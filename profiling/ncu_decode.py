@@ -7,6 +7,9 @@ beside the timed call, at the two decode targets (batch 1 / context 32k, batch 6
         python -m profiling.ncu_decode
     python -m profiling.ncu_decode --summarize k.csv  # kernels per call, microseconds, bytes read
 
+`--float8` profiles the Triton decode over bf16 pages and over float8 pages by `fp8_dot`
+instead (B=64 at 4k, B=768 at 320), for Nsight's sections (occupancy, stalls, instructions).
+
 Calls: our decode through `kernels.paged_attention` with each backend, JAX's Pallas paged kernel,
 and an XLA sum over K and V (the floor of reading them once). Under ncu each call runs once
 between cuProfilerStart/Stop, after a marker kernel named for it. GPU only.
@@ -21,6 +24,7 @@ import ctypes
 import io
 
 CASES = {"b1_32k": (1, 32768), "b64_4k": (64, 4096)}
+FLOAT8_CASES = {"b64_4k": (64, 4096), "b768_320": (768, 320)}
 H, KV, D = 32, 8, 128
 
 
@@ -37,6 +41,26 @@ def calls():
         "jax_paged": jax_paged_reference,
         "xla_read": read,
     }
+
+
+def float8_calls():
+    """`--float8`: the Triton decode over bf16 pages and over their float8 form, by fp8_dot."""
+    from pallasite import kernels as K
+    from pallasite.kernels import paged, tuning
+    tiles = {k: v for k, v in tuning.params("decode_fp8", 16).items() if k != "fp8_dot"}
+    one = lambda dot: lambda q, kp, vp, lens, table, sc: paged.paged_attention(
+        q, kp, vp, lens, table, **sc, **tiles, fp8_dot=dot)
+    return {"bf16": lambda q, kp, vp, lens, table, sc: K.paged_attention(
+        q, kp, vp, lens, table, backend="triton"),
+        "fp8_f16": one("f16"), "fp8_e4m3": one("e4m3")}
+
+
+def float8_inputs(batch, ctx):
+    """q, pages and scales: bf16 for the call named "bf16", float8 for the others."""
+    import jax
+    from benchmarks.sweep_fp8kv import inputs as fp8_inputs
+    q, pages16, pages8, sc, lens, table = fp8_inputs(jax.random.PRNGKey(0), batch, ctx, ctx)
+    return {"bf16": (q, *pages16, lens, table, {}), "fp8": (q, *pages8, lens, table, sc)}
 
 
 def inputs(batch, ctx):
@@ -60,12 +84,13 @@ def marker(name):
                                   name=name))
 
 
-def profiled():
+def profiled(float8=False):
     import jax
     cuda = ctypes.CDLL("libcuda.so.1")
-    for case, (batch, ctx) in CASES.items():
-        args = inputs(batch, ctx)
-        for name, fn in calls().items():
+    for case, (batch, ctx) in (FLOAT8_CASES if float8 else CASES).items():
+        both = float8_inputs(batch, ctx) if float8 else None
+        for name, fn in (float8_calls() if float8 else calls()).items():
+            args = both["bf16" if name == "bf16" else "fp8"] if float8 else inputs(batch, ctx)
             f, mark = jax.jit(fn), marker(f"marker_{case}_{name}")
             jax.block_until_ready((f(*args), mark()))
             cuda.cuProfilerStart()
@@ -123,13 +148,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--summarize", metavar="CSV")
+    ap.add_argument("--float8", action="store_true",
+                    help="profile the Triton decode over bf16 and float8 pages instead")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
     elif args.time:
         timed()
     else:
-        profiled()
+        profiled(args.float8)
 
 
 if __name__ == "__main__":

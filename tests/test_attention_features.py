@@ -195,7 +195,8 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
 
 @pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("f16_swap", True),
                                             ("f16_swap_qk", False), ("fma", True),
-                                            ("fma_rows", True), ("fma_rows", False)])
+                                            ("fma_rows", True), ("fma_rows", False),
+                                            ("e4m3", True), ("e4m3", False)])
 def test_paged_fp8_dot_paths(fp8_dot, decode):
     """The float8 paths other than q's dtype ("f16" MMAs plain or transposed, "fma"/"fma_rows"
     CUDA-core products
@@ -271,7 +272,7 @@ def test_options_lower_for_gpu():
     q, f8 = sds((8, 32, 128), jnp.bfloat16), sds((8, 64, 16, 128), jnp.float8_e4m3fn)
     i32, f32 = (lambda *shape: sds(shape, jnp.int32)), (lambda *shape: sds(shape, jnp.float32))
     for decode, fp8_dot in ((True, "q"), (False, "q"), (True, "f16"), (True, "fma"),
-                            (True, "fma_rows"), (False, "fma_rows")):
+                            (True, "fma_rows"), (False, "fma_rows"), (True, "e4m3")):
         text = paged.ragged_paged_attention.trace(
             q, f8, f8, i32(9), i32(8), i32(8, 8), sliding_window=100, logit_softcap=30.0,
             sinks=f32(32), k_scale=f32(8), v_scale=f32(8), num_splits=2, block_rows=1,
