@@ -1,0 +1,161 @@
+"""Where an engine step's host time goes on the GPU, part by part, under XLA's command-buffer
+settings (Llama-3-8B shapes, random weights, through `LLM`).
+
+    python -m benchmarks.dispatch --out DIR            # GPU: one child process per variant
+    python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
+
+Each variant is `weights:flags` (weights bf16 or fp8; flags a name in FLAGS, set as XLA_FLAGS
+in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
+64-sequence `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
+packing, the forward program's call, the sampler's call, accepting the samples, and the step's
+host time as the engine counts it (its device wait taken out). A call's time is what the host
+spends launching it: the device runs behind it. Records go to OUT/dispatch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# XLA_FLAGS per variant. XLA captures runs of kernels into CUDA graphs ("command buffers") by
+# default; "none" launches every kernel from the host, "all" also captures lone kernels.
+FLAGS = {
+    "default": "",
+    "none": "--xla_gpu_enable_command_buffer=",
+    "all": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
+           "--xla_gpu_graph_min_graph_size=1",
+}
+PARTS = ("schedule", "pack", "forward_call", "sampler_call", "dispatch", "accept")
+
+
+def timed(fn, into: list):
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        into.append(time.perf_counter() - t)
+        return out
+    return call
+
+
+def instrument(engine) -> dict:
+    """Wrap the engine's parts (compiled programs included) to record each call's host time."""
+    times = {p: [] for p in PARTS}
+    engine.scheduler.schedule_step = timed(engine.scheduler.schedule_step, times["schedule"])
+    engine.batch.pack = timed(engine.batch.pack, times["pack"])
+    engine._dispatch = timed(engine._dispatch, times["dispatch"])
+    engine._accept = timed(engine._accept, times["accept"])
+    for table, part in ((engine._exe, "forward_call"), (engine._samplers, "sampler_call")):
+        for key, exe in list(table.items()):
+            table[key] = timed(exe, times[part])
+    return times
+
+
+def summary(times: dict, engine, steps0: int, host0: float) -> dict:
+    steps = engine.totals["steps"] - steps0
+    out = {f"{p}_us": 1e6 * float(np.median(v)) for p, v in times.items() if v}
+    out["host_ms_per_step"] = 1e3 * (engine.totals["host_s"] - host0) / max(steps, 1)
+    out["steps"] = steps
+    return out
+
+
+def run_variant(tiny: bool, weights: str) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.bench_quant import LLAMA3_8B, TINY
+    from pallasite.model import config_from_dict, init_params, quant
+    from pallasite.serving.llm import LLM, SamplingParams
+
+    config = config_from_dict(TINY if tiny else LLAMA3_8B)
+    params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
+    if weights == "fp8":
+        params = quant.quantize_params(params)
+    prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, 64)
+    pages = -(-(prompt_len + new) // 16)
+    llm = LLM.from_params(config, params, None, max_num_seqs=batch,
+                          max_num_batched_tokens=prompt_len, num_pages=batch * pages + 8,
+                          token_buckets=[1, 2, batch, prompt_len], page_buckets=[pages],
+                          max_model_len=prompt_len + new)
+    del params
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
+    sampling = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, sampling)  # compiles whatever warm-up left cold
+    list(llm.stream(prompts[0], sampling))
+    records = []
+    for case in ("batch1", f"batch{batch}"):
+        times = instrument(engine)
+        steps0, host0 = engine.totals["steps"], engine.totals["host_s"]
+        t = time.perf_counter()
+        if case == "batch1":
+            stamps = [time.perf_counter() for _ in llm.stream(prompts[0], sampling)]
+            step_ms = 1e3 * float(np.median(np.diff(stamps[1:])))
+        else:
+            llm.generate(prompts, sampling)
+            step_ms = None
+        rec = dict(case=case, weights=weights, wall_s=time.perf_counter() - t,
+                   stream_ms_per_token=step_ms, **summary(times, engine, steps0, host0))
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+        for table in (engine._exe, engine._samplers):  # unwrap for the next case
+            for key, fn in list(table.items()):
+                table[key] = fn.__closure__[0].cell_contents
+    llm.close()
+    return records
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--tiny", action="store_true", help="small shapes (CPU dry run)")
+    p.add_argument("--variants", default="bf16:default,fp8:default,fp8:none,fp8:all")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        weights, flags = args.child.split(":")
+        from benchmarks import common
+        recs = [common.run_info() | r | dict(xla_flags=flags)
+                for r in run_variant(args.tiny, weights)]
+        print("RECORDS " + json.dumps(recs), flush=True)
+        return
+    from benchmarks import common
+    records = []
+    for variant in args.variants.split(","):
+        flags = variant.split(":")[1]
+        env = dict(os.environ)
+        xla = " ".join(f for f in (env.get("XLA_FLAGS", ""), FLAGS[flags]) if f)
+        if xla:
+            env["XLA_FLAGS"] = xla
+        cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
+        t = time.time()
+        proc = subprocess.run(cmd + (["--tiny"] if args.tiny else []), env=env,
+                              capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECORDS ")]
+        print(f"{variant}: rc {proc.returncode}, {time.time() - t:.0f} s", flush=True)
+        if not lines:
+            print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
+            continue
+        for r in json.loads(lines[-1][len("RECORDS "):]):
+            print("  " + json.dumps(r), flush=True)
+            records.append(r)
+    head = common.run_info(device=False) | dict(model="tiny" if args.tiny else "llama3-8b-shaped")
+    # the children's own records name the GPU and JAX version
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dispatch.json").write_text(json.dumps([head | r for r in records], indent=1))
+    for r in records:
+        parts = ", ".join(f"{k[:-3]} {r[k]:.0f}" for k in r if k.endswith("_us"))
+        tok = f"{r['stream_ms_per_token']:.2f} ms/token; " if r["stream_ms_per_token"] else ""
+        print(f"{r['weights']}:{r['xla_flags']} {r['case']}: {tok}host {r['host_ms_per_step']:.2f}"
+              f" ms/step; us: {parts}")
+
+
+if __name__ == "__main__":
+    main()
