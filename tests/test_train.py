@@ -62,6 +62,24 @@ def test_batches_are_a_function_of_seed_and_step(model_dir, corpus):
     assert not np.array_equal(Batches(data.train, 4, 2, seed=2)(0)["inputs"], a(0)["inputs"])
 
 
+def test_train_extra_joins_the_training_rows_only(model_dir, corpus, tmp_path):
+    """Extra documents (a draft's generated text) add training rows; the held-out rows stay
+    exactly those of the data alone."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    encode = lambda text: tok.encode(text).ids
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"text": f"generated text number {i} " * 6}) + "\n"
+                             for i in range(20)))
+    base = build_dataset([corpus], encode, 0, 32, seed=3, eval_fraction=0.1)
+    more = build_dataset([corpus], encode, 0, 32, seed=3, eval_fraction=0.1, train_extra=[extra])
+    for field in base.eval:
+        np.testing.assert_array_equal(more.eval[field], base.eval[field], err_msg=field)
+    assert len(more.train["inputs"]) > len(base.train["inputs"])
+    assert more.num_docs == base.num_docs + 20
+    n = len(base.train["inputs"])  # the extra rows come first, then the data's own
+    np.testing.assert_array_equal(more.train["inputs"][-n:], base.train["inputs"])
+
+
 def tiny_trainer(model_dir, corpus, steps, lr=3e-3, mesh=(1, 1, 1)):
     config = load_config(model_dir)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -17,6 +17,9 @@ import sys
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", required=True, help="folder with config.json and tokenizer.json")
     p.add_argument("--data", nargs="+", required=True, help=".txt files or .jsonl ({\"text\"})")
+    p.add_argument("--train-extra", nargs="+", default=None,
+                   help="more files whose documents join the training rows only (the held-out "
+                        "rows stay those of --data)")
     p.add_argument("--out", required=True, help="run folder: checkpoints, metrics, export")
     p.add_argument("--scratch", action="store_true", help="random init even if DIR has weights")
     p.add_argument("--seq-len", type=int, default=None,

@@ -101,13 +101,20 @@ class Dataset:
 
 
 def build_dataset(paths, encode, eos_id: int, seq_len: int, seed: int = 0,
-                  eval_fraction: float = 0.05) -> Dataset:
-    """Read, tokenize, shuffle documents by `seed`, pack, and hold out the last rows for eval."""
+                  eval_fraction: float = 0.05, train_extra=()) -> Dataset:
+    """Read, tokenize, shuffle documents by `seed`, pack, and hold out the last rows for eval.
+    Documents of `train_extra` join the training rows only: the held-out rows stay as they are."""
     docs = tokenize(read_documents(paths), encode, eos_id)
     order = np.random.default_rng(seed).permutation(len(docs))
     rows = pack([docs[i] for i in order], seq_len)
+    n_eval = int(np.ceil(len(rows["inputs"]) * eval_fraction)) if eval_fraction > 0 else 0
+    if train_extra:
+        extra = tokenize(read_documents(train_extra), encode, eos_id)
+        more = pack([extra[i] for i in np.random.default_rng(seed).permutation(len(extra))],
+                    seq_len)
+        rows = {k: np.concatenate([more[k], v]) for k, v in rows.items()}  # held out: the end
+        docs = docs + extra
     n = len(rows["inputs"])
-    n_eval = int(np.ceil(n * eval_fraction)) if eval_fraction > 0 else 0
     if n - n_eval < 1:
         raise DataError(f"the data makes {n} row(s) of {seq_len} tokens: too few to hold out "
                         f"{n_eval} for evaluation (lower --eval-fraction or add data)")

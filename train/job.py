@@ -56,7 +56,7 @@ def load_data(args, say):
     # Documents are tokenized exactly as the server tokenizes a prompt (BOS included or not).
     tokenizer = Tokenizer.from_pretrained(model_dir)
     data = build_dataset(args.data, tokenizer.encode, config.eos_token_ids[0], args.seq_len,
-                         args.seed, args.eval_fraction)
+                         args.seed, args.eval_fraction, args.train_extra or ())
     say(f"data: {data.num_docs} documents, {data.num_tokens} tokens, {len(data.train['inputs'])} "
         f"train / {len(data.eval['inputs'])} eval rows of {args.seq_len}")
     if args.epochs:
