@@ -92,9 +92,12 @@ def grouped_int_matmul_reference(x, group_sizes, w: IntExperts):
     return y.astype(x.dtype)
 
 
-def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, num_tiles: int):
+def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, num_tiles: int,
+            tiles_per_split: int):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     e = group_ref[pl.program_id(0)]
+    lo = pl.program_id(2) * tiles_per_split
+    hi = jnp.minimum(lo + tiles_per_split, num_tiles)
     per, mask, tile = 32 // bits, (1 << bits) - 1, im.tile_rows(bits)
     block_n = o_ref.shape[1]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
@@ -117,7 +120,7 @@ def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, n
                 ws = (raw.astype(jnp.float32) - zero).astype(xs.dtype)  # small ints: exact
                 acc = acc + plgpu.dot(xs, ws) * s_ref[e, pl.ds(g, 1), cols]
             return acc
-        acc = lax.fori_loop(0, num_tiles, body, jnp.zeros(o_ref.shape, jnp.float32))
+        acc = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape, jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -146,14 +149,20 @@ def supported(ws) -> bool:
     return True
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "num_warps",
-                                             "num_stages", "interpret"))
+def splits_for(live_blocks: int, col_tiles: int, num_tiles: int, target_programs: int = 264):
+    """Split-K for few live row blocks (decode): about two programs an SM in all."""
+    return int(max(1, min(target_programs // max(live_blocks * col_tiles, 1), num_tiles, 16)))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
 def grouped_int_matmul_padded(x_pad, words, scale, zero, block_group, *, bits: int,
-                              group_size: int, block_n: int = 128, num_warps: int = 4,
-                              num_stages: int = 3, interpret: bool = False):
+                              group_size: int, block_n: int = 128, num_splits: int = 1,
+                              num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x_pad [R, K_pad] in pad_groups' layout (columns in each row's expert's stored order,
     K padded with zero columns to the packed tile) times the packed experts -> [R, N] in x's
-    dtype, zeros in empty blocks."""
+    dtype, zeros in empty blocks. `num_splits` > 1 cuts K among that many programs a block,
+    whose float32 partial products are summed after."""
     rows, k_pad = x_pad.shape
     experts, word_rows, n = words.shape
     block_m = rows // block_group.shape[0]
@@ -163,26 +172,36 @@ def grouped_int_matmul_padded(x_pad, words, scale, zero, block_group, *, bits: i
                          f"fit bits={bits}, block_m={block_m}, block_n={block_n}")
     im.check_group(group_size, k_pad)
     groups = scale.shape[1]
-    kernel = functools.partial(_kernel, bits=bits, group_size=group_size,
-                               num_tiles=k_pad // im.tile_rows(bits))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    num_tiles = k_pad // im.tile_rows(bits)
+    num_splits = max(1, min(num_splits, num_tiles))
+    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, num_tiles=num_tiles,
+                               tiles_per_split=-(-num_tiles // num_splits))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
     in_specs = [whole((block_group.shape[0],)),
-                pl.BlockSpec((block_m, k_pad), lambda i, j: (i, 0)),
+                pl.BlockSpec((block_m, k_pad), lambda i, j, s: (i, 0)),
                 whole((experts, word_rows, n)), whole((experts, groups, n))]
     args = [block_group, x_pad, words, scale]
     if zero is not None:
         in_specs.append(whole((experts, groups, n)))
         args.append(zero)
-    return pl.pallas_call(
+    split = num_splits > 1
+    out = pl.pallas_call(
         kernel,
-        grid=(block_group.shape[0], n // block_n),
+        grid=(block_group.shape[0], n // block_n, num_splits),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n), x_pad.dtype),
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((num_splits, rows, n),
+                                       jnp.float32 if split else x_pad.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="grouped_int_matmul",
     )(*args)
+    return out.sum(0).astype(x_pad.dtype) if split else out[0]
+
+
+def live_blocks(m: int, experts: int, block_m: int) -> int:
+    """The most row blocks M rows can fill: each expert with rows starts a block of its own."""
+    return -(-m // block_m) + min(experts, m)
 
 
 def row_experts(block_group, block_m: int):
@@ -203,10 +222,15 @@ def _operand_rows(x_pad, w: IntExperts, block_group):
     return x_pad if k == w.k_pad else jnp.pad(x_pad, ((0, 0), (0, w.k_pad - k)))
 
 
-def _matmul_padded(x_pad, w, block_group, *, interpret, **blocks):
+def _matmul_padded(x_pad, w, block_group, *, interpret, live_blocks=None, **blocks):
     """One product on the padded layout: packed experts, or plain [E, K, N] weights (the
-    bf16 grouped kernel)."""
+    bf16 grouped kernel). `live_blocks`: at most this many row blocks hold rows (split-K
+    fills the GPU when they are few)."""
     if isinstance(w, IntExperts):
+        if "num_splits" not in blocks and live_blocks is not None:
+            col_tiles = w.n // block_n_for(w.n, blocks.get("block_n", 128))
+            blocks = dict(blocks, num_splits=splits_for(
+                live_blocks, col_tiles, w.k_pad // im.tile_rows(w.bits)))
         return grouped_int_matmul_padded(_operand_rows(x_pad, w, block_group), w.words,
                                          w.scale, w.zero, block_group, bits=w.bits,
                                          group_size=w.group_size, interpret=interpret,
@@ -221,7 +245,8 @@ def grouped_int_matmul(x, group_sizes, w: IntExperts, *, block_m: int | None = N
     [M, N] in x's dtype."""
     block_m = block_m or gm.block_m_for(x.shape[0], w.words.shape[0])
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
-    y = _matmul_padded(x_pad, w, block_group, interpret=interpret, **blocks)
+    y = _matmul_padded(x_pad, w, block_group, interpret=interpret,
+                       live_blocks=live_blocks(x.shape[0], w.words.shape[0], block_m), **blocks)
     return gm.unpad_groups(y, dest)
 
 
@@ -235,7 +260,9 @@ def grouped_int_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=No
     experts_n = (w_gate.words if isinstance(w_gate, IntExperts) else w_gate).shape[0]
     block_m = block_m or gm.block_m_for(x.shape[0], experts_n)
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
-    mm = lambda a, w: _matmul_padded(a, w, block_group, interpret=interpret, **blocks)
+    live = live_blocks(x.shape[0], experts_n, block_m)
+    mm = lambda a, w: _matmul_padded(a, w, block_group, interpret=interpret, live_blocks=live,
+                                     **blocks)
     gate, up = mm(x_pad, w_gate), mm(x_pad, w_up)
     if biases is not None:
         experts = row_experts(block_group, block_m)
