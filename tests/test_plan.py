@@ -435,7 +435,12 @@ def test_integer_weights_are_priced_as_the_code_stores_them():
     moe_shapes = pm.shapes_of(moe, plan_)
     experts = lambda wl: pm.memory(moe, moe_shapes, plan_, cluster, wl).weights
     assert experts(pi.Workload()) - experts(pi.Workload(quantization="w4a16")) == \
-        pytest.approx(moe_shapes.device["dense"] * (2 - 17 / 32))  # the experts stay bf16
+        pytest.approx((moe_shapes.device["dense"] + moe_shapes.device["experts"])
+                      * (2 - 17 / 32))  # the experts are packed too
+    # packed experts take their grouped kernel even at one token, reading INT4 bytes
+    step = {q: pm.decode_step(moe, moe_shapes, plan_, cluster, pi.Workload(quantization=q), 1,
+                              1024) for q in (None, "w4a16")}
+    assert step["w4a16"].hbm_bytes < step[None].hbm_bytes - moe_shapes.device["dense"]
     args = plan.parser().parse_args(["llama-3-8b", "--quantization", "w4a16"])
     assert plan.workload(args).quantization == "w4a16"
     rec = psearch.evaluate(config, MeshPlan(1, 2, 1), pi.Cluster(pi.GPUS["h100"], 2),

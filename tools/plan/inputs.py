@@ -124,6 +124,9 @@ CONSTANTS = {
                          "pages: the engine's default (serving/llm.py default_num_pages)"),
     "eff_grouped": (0.3, "the Pallas grouped matmul of the MoE experts reaches 21% to 39% of its "
                          "floor at 256 to 2048 tokens (benchmarks/bench_moe.py, docs/BENCHMARKS.md)"),
+    "eff_grouped_int": (0.1, "the grouped INT4 kernel of packed experts reaches 3% to 23% of its "
+                             "INT4 floor at 1 to 256 tokens (benchmarks/bench_moe.py --bits 4, "
+                             "docs/BENCHMARKS.md, H100 2026-11-26)"),
     "eff_link": (0.48, "all-reduce bandwidth / NVLink one way: a 64 MiB all-reduce alone over "
                        "2x H200 in 328.6 us, 214 GB/s after the 15 us latency "
                        "(docs/benchmarks/sharding.json, run 2026-11-23-B; see GPUS)"),
@@ -205,13 +208,13 @@ class Workload:
     def bytes_of(self, kind: str) -> float:
         """Bytes an element of a parameter kind ("dense", "experts", "head", "embed") takes, as
         quantize-on-load stores it: FP8 the linear layers (experts too) in one byte (float32
-        per-channel scales add <0.1%); W4A16 the dense ones in half a byte plus a float32 scale
-        per group of 128 (symmetric: no zero points), W8A16 in one; integer modes leave the
-        experts as they are (`quant_int.quantize_params`). The LM head and the embedding stay
-        in the weights' dtype."""
+        per-channel scales add <0.1%); W4A16 the linear layers (experts too, one by one:
+        `quant_int.quantize_params`) in half a byte plus a float32 scale per group of 128
+        (symmetric: no zero points), W8A16 in one. The LM head and the embedding stay in the
+        weights' dtype."""
         if self.quantization == "fp8" and kind in ("dense", "experts"):
             return 1
-        if self.quantization in INT_BYTES and kind == "dense":
+        if self.quantization in INT_BYTES and kind in ("dense", "experts"):
             return INT_BYTES[self.quantization]
         return self.weight_bytes
 

@@ -224,17 +224,21 @@ def experts_time(config: ModelConfig, shapes: Shapes, plan: MeshPlan, gpu, wl: W
     grouped matmul reads only the experts routed to, each row meeting one expert, at
     eff_grouped of its floor; XLA's ragged_dot runs as a dense product of every row of its
     buffer (padding included) with every local expert (measured: its time is that weight read
-    plus those FLOPs, one after the other)."""
+    plus those FLOPs, one after the other). Packed integer experts always take their grouped
+    kernel (`kernels/grouped_int.py`), at eff_grouped_int of its floor."""
     t, e, k, E = plan.tensor, plan.expert, config.num_experts_per_tok, config.num_experts
     local = shapes.device.get("experts", 0)  # elements of this device's experts
     buffer_rows, pallas = expert_rows(config, plan, tokens)
+    packed = wl.quantization in INT_BYTES
+    pallas = pallas or packed
     bw = gpu.hbm_tbps * 1e12 * const("eff_hbm_weights")
     rate = gpu.bf16_tflops * 1e12
     if pallas:
         rows = tokens * k / e  # the rows routed to this device's experts (uniform routing)
         read = local * experts_touched(config, tokens) * wl.bytes_of("experts")
         flops = 2 * rows * local * e / E  # each row meets one expert's weights
-        t_exp = max(read / bw, flops / rate) / const("eff_grouped")
+        t_exp = max(read / bw, flops / rate) / const("eff_grouped_int" if packed
+                                                       else "eff_grouped")
     else:
         flops = 2 * buffer_rows * local  # each row meets every local expert's weights
         read = local * wl.bytes_of("experts")
