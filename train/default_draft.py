@@ -7,9 +7,11 @@ A 4-layer Llama, hidden 256, tied embeddings: 4.0M parameters, 8 MB in bf16.
 It is distilled from the default model (`pallasite train --teacher`): trained on the target's
 next-token distributions rather than on the text's next tokens, since a draft's proposals are
 worth only as much as they agree with what the target picks; the exported params are those of
-the lowest held-out KL, and the run logs the held-out argmax agreement.
+the lowest held-out KL, and the run logs the held-out argmax agreement. Its training rows also
+hold the target's own greedy continuations of 4000 training documents' beginnings
+(`--generated`), the kind of text a draft proposes for.
 
-    python -m pallasite.train.default_draft --out /tmp/draft_run --install   # GPU, ~3 minutes
+    python -m pallasite.train.default_draft --out /tmp/draft_run --install   # GPU, ~4 minutes
     python -m pallasite.train.default_draft --out /tmp/draft_smoke --smoke   # CPU check
 
 --install copies the export to model/default_model/draft/, where
@@ -32,11 +34,17 @@ DRAFT = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size
              rope_theta=10000.0, tie_word_embeddings=True, hidden_act="silu")
 
 
-def make_draft_dir(path: Path, target: Path) -> Path:
+def draft_config(hidden: int, layers: int, intermediate: int) -> dict:
+    """DRAFT resized: heads of 64, one KV head."""
+    return dict(DRAFT, hidden_size=hidden, num_hidden_layers=layers,
+                intermediate_size=intermediate, num_attention_heads=hidden // 64)
+
+
+def make_draft_dir(path: Path, target: Path, draft: dict = DRAFT) -> Path:
     """config.json (the target's vocabulary and special tokens) + the target's tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
     theirs = json.loads((target / "config.json").read_text())
-    config = dict(DRAFT, **{k: theirs[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
+    config = dict(draft, **{k: theirs[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (target / name).is_file():
@@ -44,19 +52,46 @@ def make_draft_dir(path: Path, target: Path) -> Path:
     return path
 
 
+def write_generated(path: Path, corpus: Path, target: Path, max_prompts: int, new_tokens: int,
+                    seed: int = 0, eval_fraction: float = 0.05) -> dict:
+    """The target's own greedy continuations of the beginnings of training documents, as a
+    corpus. Speculation proposes for text the target writes, which is more predictable than
+    the documentation it learned from; a draft that also learns that text agrees with it more.
+    Only documents wholly inside the training rows (the same shuffle as `build_dataset`, with
+    room to spare before the held-out end) give prompts, so no held-out text leaks in."""
+    import numpy as np
+    from pallasite.serving.llm import LLM, SamplingParams
+    from pallasite.train.data import read_documents
+    llm = LLM(str(target))
+    docs = read_documents([corpus])
+    ids = [llm.tokenizer.encode(d) for d in docs]
+    order = np.random.default_rng(seed).permutation(len(docs))
+    ends = np.cumsum([len(ids[i]) + 1 for i in order])
+    train = [ids[i] for i, end in zip(order, ends) if end < (1 - 2 * eval_fraction) * ends[-1]]
+    prompts = [d[:min(48, len(d) // 2)] for d in train if len(d) >= 24][:max_prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
+    llm.close()
+    with open(path, "w") as f:
+        for p, o in zip(prompts, outs):
+            f.write(json.dumps({"text": llm.tokenizer.decode(p + o.token_ids)}) + "\n")
+    return {"generated_documents": len(prompts),
+            "generated_tokens": sum(len(o.token_ids) for o in outs)}
+
+
 def training_args(model_dir: Path, corpus: Path, run_dir: Path, smoke: bool, seconds: float,
-                  teacher: Path):
+                  teacher: Path, epochs: int = 16, extra: Path | None = None):
     # Soft targets carry far more than one token each and overfit much later than the text's
     # tokens (the hard-label draft's held-out loss was best at 9 of 24 epochs): 16 epochs, the
     # best held-out KL exported.
     size = (["--seq-len", "128", "--batch-size", "4", "--steps", "3", "--warmup", "1",
              "--eval-every", "3", "--eval-batches", "1"] if smoke else
-            ["--seq-len", "1024", "--batch-size", "16", "--epochs", "16", "--warmup", "100",
+            ["--seq-len", "1024", "--batch-size", "16", "--epochs", str(epochs), "--warmup", "100",
              "--eval-every", "25", "--eval-batches", "8"])
     return ["--model", str(model_dir), "--data", str(corpus), "--out", str(run_dir), "--scratch",
             "--teacher", str(teacher), "--distill-weight", "1.0", *size, "--lr", "2e-3", "--min-lr-ratio", "0.05", "--weight-decay", "0.1",
             "--log-every", "10", "--save-every", "0", "--export-best", "--export-dtype",
-            "bfloat16", "--time-budget", str(int(seconds))]
+            "bfloat16", "--time-budget", str(int(seconds))] + (
+                ["--train-extra", str(extra)] if extra else [])
 
 
 def best_agreement(metrics: Path) -> dict:
@@ -75,11 +110,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="a few steps (CPU check)")
-    parser.add_argument("--minutes", type=float, default=3.0, help="time budget of the run")
+    parser.add_argument("--minutes", type=float, default=4.0, help="time budget of the run")
     parser.add_argument("--target", default=str(DEFAULT_DIR), help="the target model's folder")
     parser.add_argument("--corpus", help="a prepared corpus.jsonl (default: build it here)")
     parser.add_argument("--install", action="store_true",
                         help="copy the export to TARGET/draft (the shipped draft)")
+    parser.add_argument("--epochs", type=int, default=16)
+    parser.add_argument("--generated", type=int, default=4000, metavar="N",
+                        help="also train on the target's greedy continuations of N training "
+                             "documents' beginnings (0: none; --smoke: 8)")
+    parser.add_argument("--generated-tokens", type=int, default=192)
+    parser.add_argument("--hidden", type=int, default=DRAFT["hidden_size"])
+    parser.add_argument("--layers", type=int, default=DRAFT["num_hidden_layers"])
+    parser.add_argument("--intermediate", type=int, default=DRAFT["intermediate_size"])
     args = parser.parse_args(argv)
     from pallasite.train.default_model import summarize, write_corpus
     from pallasite.train.cli import main as train_main
@@ -88,14 +131,19 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     corpus = Path(args.corpus) if args.corpus else out / "corpus.jsonl"
     corpus_info = {} if args.corpus else write_corpus(corpus)
-    model_dir = make_draft_dir(out / "model", Path(args.target))
+    extra = out / "generated.jsonl" if args.generated else None
+    if extra:
+        n, tokens = (8, 16) if args.smoke else (args.generated, args.generated_tokens)
+        corpus_info |= write_generated(extra, corpus, Path(args.target), n, tokens)
+    draft = draft_config(args.hidden, args.layers, args.intermediate)
+    model_dir = make_draft_dir(out / "model", Path(args.target), draft)
     cmd = training_args(model_dir, corpus, out / "run", args.smoke, args.minutes * 60,
-                        Path(args.target))
+                        Path(args.target), args.epochs, extra)
     if train_main(cmd) != 0:
         sys.exit("the draft's training run failed")
     export = out / "run" / "export"
     summary = {**summarize(out / "run" / "metrics.jsonl", time.perf_counter() - t0),
-               **best_agreement(out / "run" / "metrics.jsonl"), "corpus": corpus_info, "config": DRAFT,
+               **best_agreement(out / "run" / "metrics.jsonl"), "corpus": corpus_info, "config": draft,
                "command": "python -m pallasite.train.default_draft " + " ".join(
                    argv if argv is not None else sys.argv[1:])}
     (export / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
