@@ -2,9 +2,12 @@
 compressed-tensors packing by the library itself), from random integer codes, and a plain
 numpy dequantization of each to compare the readers against."""
 
+import json
+
 import numpy as np
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from safetensors.numpy import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -88,3 +91,46 @@ def ct_config(bits=4, g=128, sym=True, strategy="group", ignore=("lm_head",), ac
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": None}},
             "ignore": list(ignore)}
+
+
+# Writers with groups of 32 and their quantization_config: AWQ, and GPTQ with act order.
+GROUP32 = {
+    "awq": (lambda rng, p, k, n: awq_linear(rng, p, k, n, 32),
+            {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+             "zero_point": True}),
+    "gptq": (lambda rng, p, k, n: gptq_linear(rng, p, k, n, 32, act_order=True),
+             {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+              "sym": True}),
+}
+
+
+def write_pair(float_dir, root, fmt, formats, quantized, seed=0):
+    """(quantized folder, its float twin): every linear whose module name `quantized(module)`
+    takes is written in `formats[fmt]` (a writer and its quantization_config), the twin holding
+    its numpy dequantization; tokenizer files are copied to both."""
+    make, quant_cfg = formats[fmt]
+    rng = np.random.default_rng(seed)
+    base = load_file(float_dir / "model.safetensors")
+    raw = json.loads((float_dir / "config.json").read_text())
+    quant, twin = dict(base), dict(base)
+    for name in sorted(base):
+        module = name.removesuffix(".weight")
+        if not quantized(module):
+            continue
+        n, k = base[name].shape
+        tensors, w = make(rng, module + ".", k, n)
+        del quant[name]
+        quant.update(tensors)
+        twin[name] = np.ascontiguousarray(w.T, np.float32)
+    folders = []
+    for sub, tensors, cfg in (("quant", quant, {**raw, "quantization_config": quant_cfg}),
+                              ("twin", twin, raw)):
+        out = root / f"{fmt}_{sub}"
+        out.mkdir()
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(cfg))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if (float_dir / f).exists():
+                (out / f).write_bytes((float_dir / f).read_bytes())
+        folders.append(out)
+    return folders

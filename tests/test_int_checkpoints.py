@@ -3,17 +3,15 @@ folders load through `load_hf` into packed weights whose logits equal those of t
 numpy-dequantized float twin, and a compressed-tensors folder generates the twin's greedy text
 through `LLM(path)`."""
 
-import json
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.numpy import load_file, save_file
 
+import int_fixtures
 import tok_fixtures
-from int_fixtures import awq_linear, compressed_linear, ct_config, gptq_linear
+from int_fixtures import compressed_linear, ct_config
 from pallasite.model import forward_logits, load_hf
 from pallasite.model.loader import CheckpointError
 from pallasite.model.quant_int import PackedInt, describe
@@ -24,12 +22,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 FORMATS = {
     "compressed": (lambda rng, p, k, n: compressed_linear(rng, p, k, n, 32, sym=False),
                    ct_config(g=32, sym=False)),
-    "awq": (lambda rng, p, k, n: awq_linear(rng, p, k, n, 32),
-            {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
-             "zero_point": True}),
-    "gptq": (lambda rng, p, k, n: gptq_linear(rng, p, k, n, 32, act_order=True),
-             {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
-              "sym": True}),
+    **int_fixtures.GROUP32,
 }
 
 
@@ -49,32 +42,8 @@ def float_dir(tmp_path_factory):
 
 def write_pair(float_dir, root, fmt):
     """(quantized folder, its float twin) with every decoder linear in `fmt`."""
-    make, quant_cfg = FORMATS[fmt]
-    rng = np.random.default_rng(0)
-    base = load_file(float_dir / "model.safetensors")
-    raw = json.loads((float_dir / "config.json").read_text())
-    quant, twin = dict(base), dict(base)
-    for name in base:
-        module = name.removesuffix(".weight")
-        if not module.endswith(LINEARS):
-            continue
-        n, k = base[name].shape
-        tensors, w = make(rng, module + ".", k, n)
-        del quant[name]
-        quant.update(tensors)
-        twin[name] = np.ascontiguousarray(w.T, np.float32)
-    folders = []
-    for sub, tensors, cfg in (("quant", quant, {**raw, "quantization_config": quant_cfg}),
-                              ("twin", twin, raw)):
-        out = root / f"{fmt}_{sub}"
-        out.mkdir()
-        save_file(tensors, out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps(cfg))
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            if (float_dir / f).exists():
-                (out / f).write_bytes((float_dir / f).read_bytes())
-        folders.append(out)
-    return folders
+    return int_fixtures.write_pair(float_dir, root, fmt, FORMATS,
+                                   lambda module: module.endswith(LINEARS))
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])

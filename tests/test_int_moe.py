@@ -6,7 +6,6 @@ GPTQ and compressed-tensors checkpoints whose experts are stored one module an e
 and compared with their numpy-dequantized float twins; an engine generating greedy tokens from
 one; and the errors a broken expert tensor gives."""
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hf_models
-from int_fixtures import awq_linear, compressed_linear, ct_config, gptq_linear
+import int_fixtures
+from int_fixtures import compressed_linear, ct_config, gptq_linear
 from pallasite import kernels
 from pallasite.kernels import grouped_int as gi
 from pallasite.kernels.reference import grouped_mlp_reference
@@ -167,12 +167,7 @@ def test_quantize_params_packs_the_experts(mode):
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 ROUTERS = ["lm_head", r"re:.*block_sparse_moe\.gate$", r"re:.*mlp\.gate$"]
 FORMATS = {
-    "awq": (lambda rng, p, k, n: awq_linear(rng, p, k, n, 32),
-            {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
-             "zero_point": True}),
-    "gptq": (lambda rng, p, k, n: gptq_linear(rng, p, k, n, 32, act_order=True),
-             {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
-              "sym": True}),
+    **int_fixtures.GROUP32,
     "gptq8": (lambda rng, p, k, n: gptq_linear(rng, p, k, n, -1, bits=8, sym=False),
               {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False,
                "sym": False}),
@@ -198,29 +193,8 @@ def float_dirs(tmp_path_factory):
 def write_pair(float_dir, root, fmt, seed=0):
     """(quantized folder, its float twin) with the attention projections and every expert
     stored in `fmt`, one module an expert."""
-    make, quant_cfg = FORMATS[fmt]
-    rng = np.random.default_rng(seed)
-    base = load_file(float_dir / "model.safetensors")
-    raw = json.loads((float_dir / "config.json").read_text())
-    quantized, twin = dict(base), dict(base)
-    for name in sorted(base):
-        module = name.removesuffix(".weight")
-        if not (module.endswith(ATTN) or ".experts." in module):
-            continue
-        n, k = base[name].shape
-        tensors, w = make(rng, module + ".", k, n)
-        del quantized[name]
-        quantized.update(tensors)
-        twin[name] = np.ascontiguousarray(w.T, np.float32)
-    folders = []
-    for sub, tensors, cfg in (("quant", quantized, {**raw, "quantization_config": quant_cfg}),
-                              ("twin", twin, raw)):
-        out = root / f"{fmt}_{sub}"
-        out.mkdir()
-        save_file(tensors, out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps(cfg))
-        folders.append(out)
-    return folders
+    return int_fixtures.write_pair(float_dir, root, fmt, FORMATS, lambda module: (
+        module.endswith(ATTN) or ".experts." in module), seed)
 
 
 TOKENS = jnp.asarray([[3, 17, 5, 99, 42, 7, 1, 120, 64, 8, 33]])
