@@ -44,17 +44,27 @@ def timed(fn, into: list):
     return call
 
 
-def instrument(engine) -> dict:
-    """Wrap the engine's parts (compiled programs included) to record each call's host time."""
+def instrument(engine):
+    """Wrap the engine's parts (compiled programs included) to record each call's host time.
+    Returns the times by part and a function that puts the unwrapped programs back."""
     times = {p: [] for p in PARTS}
     engine.scheduler.schedule_step = timed(engine.scheduler.schedule_step, times["schedule"])
     engine.batch.pack = timed(engine.batch.pack, times["pack"])
     engine._dispatch = timed(engine._dispatch, times["dispatch"])
     engine._accept = timed(engine._accept, times["accept"])
-    for table, part in ((engine._exe, "forward_call"), (engine._samplers, "sampler_call")):
+    tables = ((engine._exe, "forward_call"), (engine._samplers, "sampler_call"))
+    saved = [dict(table) for table, _ in tables]
+    for table, part in tables:
         for key, exe in list(table.items()):
             table[key] = timed(exe, times[part])
-    return times
+
+    def restore():
+        for (table, _), old in zip(tables, saved):
+            table.update(old)
+        for obj, name in ((engine.scheduler, "schedule_step"), (engine.batch, "pack"),
+                          (engine, "_dispatch"), (engine, "_accept")):
+            del obj.__dict__[name]  # the class's method again
+    return times, restore
 
 
 def summary(times: dict, engine, steps0: int, host0: float) -> dict:
@@ -91,7 +101,7 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
     list(llm.stream(prompts[0], sampling))
     records = []
     for case in ("batch1", f"batch{batch}"):
-        times = instrument(engine)
+        times, restore = instrument(engine)
         steps0, host0 = engine.totals["steps"], engine.totals["host_s"]
         t = time.perf_counter()
         if case == "batch1":
@@ -104,9 +114,7 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
                    stream_ms_per_token=step_ms, **summary(times, engine, steps0, host0))
         print(json.dumps(rec), flush=True)
         records.append(rec)
-        for table in (engine._exe, engine._samplers):  # unwrap for the next case
-            for key, fn in list(table.items()):
-                table[key] = fn.__closure__[0].cell_contents
+        restore()
     llm.close()
     return records
 
@@ -146,10 +154,10 @@ def main(argv=None):
             print("  " + json.dumps(r), flush=True)
             records.append(r)
     head = common.run_info(device=False) | dict(model="tiny" if args.tiny else "llama3-8b-shaped")
-    # the children's own records name the GPU and JAX version
+    # the children's records name the GPU and JAX version; the command is this one
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dispatch.json").write_text(json.dumps([head | r for r in records], indent=1))
+    (out / "dispatch.json").write_text(json.dumps([r | head for r in records], indent=1))
     for r in records:
         parts = ", ".join(f"{k[:-3]} {r[k]:.0f}" for k in r if k.endswith("_us"))
         tok = f"{r['stream_ms_per_token']:.2f} ms/token; " if r["stream_ms_per_token"] else ""
