@@ -233,6 +233,7 @@ def test_errors_are_openai_error_objects(client, server):
 def test_models_health_metrics(base_url, client):
     assert [m.id for m in client.models.list().data] == ["default"]
     assert http_get(base_url + "/health") == (200, '{"status":"serving"}')
+    client.completions.create(model="default", prompt="x", max_tokens=1)  # whatever ran before
     status, metrics = http_get(base_url + "/metrics")
     assert status == 200 and 'method="Completions"' in metrics
 
