@@ -94,3 +94,53 @@ def test_smoothquant_w8a8_beats_no_smoothing_and_serves(model_dir, tmp_path, mon
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
     with pytest.raises(ValueError, match="smoothquant is 8-bit"):
         q.quantize(model_dir, tmp_path / "x", method="smoothquant", bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_experts_quantize_beat_rtn_and_load(tmp_path, family):
+    """MoE checkpoints: every expert is quantized (GPTQ on the rows routed to it, AWQ with one
+    scale for all experts' gate/up and one per expert's down), AWQ and GPTQ beat RTN on the
+    experts, the router stays float (and in `ignore`), and the folder loads as packed experts
+    whose logits stay near the float model's."""
+    import jax.numpy as jnp
+    import hf_models
+    from pallasite.model import forward_logits, load_hf
+    from pallasite.model.quant_int import PackedInt
+    tok = tok_fixtures.byte_level(400)
+    sizes = dict(moe_intermediate_size=64) if family == "qwen3_moe" else {}  # groups of 32
+    model = hf_models.build(family, config=dict(vocab_size=tok.get_vocab_size(), **sizes))
+    with torch.no_grad():  # outlier input channels of the experts, for AWQ to find
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[:3] *= 8
+    fp = tmp_path / "fp"
+    model.save_pretrained(fp)
+    tok_fixtures.save(tok, fp)
+    err = {}
+    for m in ("rtn", "awq", "gptq"):
+        lin = run(fp, tmp_path / m, m)["linears"]
+        err[m] = np.mean([r["rel_err"] for r in lin if ".experts." in r["linear"]])
+    assert err["awq"] < 0.95 * err["rtn"] and err["gptq"] < 0.9 * err["rtn"], err
+    cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    assert len(cfg["ignore"]) == 2 and cfg["ignore"][1].endswith(r"gate$")
+    _, fw = load_hf(fp, dtype=jnp.float32)
+    config, qp = load_hf(tmp_path / "rtn", dtype=jnp.float32)
+    for name in ("w_gate", "w_up", "w_down"):  # written and read back as packed experts
+        w, want = qp["layers_1"]["moe"][name], np.asarray(fw["layers_1"]["moe"][name])
+        assert isinstance(w, PackedInt) and w.lead == 1
+        assert np.linalg.norm(w.dequantize() - want) / np.linalg.norm(want) < 0.15
+    np.testing.assert_array_equal(qp["layers_1"]["moe"]["router"], fw["layers_1"]["moe"]["router"])
+    # At 8 bits the logits show the folds are right: AWQ's scale on the norm reaches the
+    # router too (without it the error is ten times RTN's), each expert's down scale lands
+    # in its own up.
+    ids = np.arange(1, 33)[None]
+    want = forward_logits(fw, config, ids)
+    logits_err = {}
+    for m in ("rtn", "awq", "gptq"):
+        q.quantize(fp, tmp_path / f"{m}8", method=m, bits=8, group_size=32, samples=4,
+                   seq_len=64, progress=False)
+        got = forward_logits(load_hf(tmp_path / f"{m}8", dtype=jnp.float32)[1], config, ids)
+        logits_err[m] = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert logits_err["rtn"] < 0.1 and max(logits_err.values()) < 1.5 * logits_err["rtn"], \
+        logits_err
+    with pytest.raises(ValueError, match="W8A8 mixture-of-experts"):
+        q.quantize(fp, tmp_path / "x", method="smoothquant", bits=8, group_size=-1)

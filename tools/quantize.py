@@ -20,6 +20,8 @@ a file given) and takes each linear's input activations, from the float model:
   with 1 / s folded into the norm before q/k/v and gate/up and into up for down (llm-compressor's
   mappings), so activation outliers move into the weights.
 Embeddings, norms and the lm_head stay in floating point (the `ignore` list names lm_head).
+MoE models (EXPERTS: Mixtral, Qwen3-MoE; weight-only) quantize every expert as its own module,
+calibrated on the rows routed to it; the router stays float (and in `ignore`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
            "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
            "down": ("mlp.down_proj",)}
+# MoE families whose experts are plain SwiGLU MLPs stored one module an expert: the block's
+# name, its experts' gate, up and down names, and the router (kept in floating point).
+EXPERTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), r"re:.*block_sparse_moe\.gate$"),
+           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), r"re:.*mlp\.gate$")}
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -106,9 +112,13 @@ def _layer_inputs(config, lp, x, positions):
     o_in = attend(q, k, v)[0]
     h = x + jnp.einsum("...hk,hkd->...d", o_in, lp["attn"]["wo"])
     xm = norm(lp["mlp_norm"], h)
+    out, _ = Block(c, dt).apply({"params": lp}, x, positions)
+    if "moe" in lp:  # the experts' input and each token's routed experts
+        from pallasite.model.layers import route_tokens
+        experts = route_tokens(c, xm.reshape(-1, xm.shape[-1]), lp["moe"]["router"])[1]
+        return {"qkv": xn, "o": o_in, "experts": xm, "routed": experts}, out
     mlp = lp["mlp"]
     d_in = jax.nn.silu(xm @ mlp["w_gate"]) * (xm @ mlp["w_up"])
-    out, _ = Block(c, dt).apply({"params": lp}, x, positions)
     return {"qkv": xn, "o": o_in, "gate_up": xm, "down": d_in}, out
 
 
@@ -116,15 +126,16 @@ def layer_inputs(config, lp, x, positions):
     """The input activations of one layer's linears (flattened to [n, K]) and its output."""
     acts, out = _layer_inputs(config, lp, x, positions)
     flat = lambda a: np.asarray(a, np.float32).reshape(x.shape[0] * x.shape[1], -1)
-    return {k: flat(a) for k, a in acts.items()}, out
+    return {k: np.asarray(a) if k == "routed" else flat(a) for k, a in acts.items()}, out
 
 
 def _quantize_set(method, x, ws, bits, g, symmetric):
     """Quantize weights [K, N] sharing input x (already multiplied by AWQ's s, if any):
-    per weight (dequantized, scale, zero)."""
+    per weight (dequantized, scale, zero). GPTQ with no input rows (an expert no calibration
+    token reached) rounds to nearest."""
     from pallasite.tools import calibration as cal
     kw = dict(bits=bits, group_size=g, symmetric=symmetric)
-    if method == "gptq":
+    if method == "gptq" and len(x):
         xs = jnp.asarray(x)
         h = xs.T @ xs
         out = [cal.gptq(jnp.asarray(w), h, **kw) for w in ws]
@@ -148,18 +159,49 @@ def per_token_int8(x):
     return np.asarray(xq, np.float32) * np.asarray(xs)
 
 
-def awq_scales(config, hf, p, acts, bits, group_size, symmetric) -> dict:
-    """AWQ's search for each linear set of one layer (o only where 1 / s can go into v)."""
+def awq_scales(config, hf, p, acts, bits, group_size, symmetric, sets=None) -> dict:
+    """AWQ's search for each linear set of one layer (o only where 1 / s can go into v).
+    `sets`: key -> module names, LINEARS by default."""
     from pallasite.tools import calibration as cal
     out = {}
-    for key, names in LINEARS.items():
-        if key == "o" and config.num_kv_heads != config.num_heads:
+    for key, names in (sets or LINEARS).items():
+        if (key == "o" and config.num_kv_heads != config.num_heads) or not len(acts[key]) \
+                or key.startswith("gate_up."):  # an expert's gate/up take the shared scale
             continue
         ws = [jnp.asarray(hf[p + n + ".weight"].T) for n in names]
         g = ws[0].shape[0] if group_size == -1 else group_size
         out[key] = np.asarray(cal.awq_search(jnp.asarray(acts[key]), ws, bits=bits,
                                              group_size=g, symmetric=symmetric)[0])
     return out
+
+
+def expert_sets(config, acts) -> tuple[dict, dict]:
+    """One MoE layer's linear sets beside attention's, and each set's input rows: all the
+    experts' gate and up share the norm's output (one AWQ scale, folded into the norm, as
+    AutoAWQ does); each expert's down takes the SwiGLU of the rows routed to it (its own
+    scale, folded into its up). Each expert's gate/up quantize on its routed rows alone
+    (its GPTQ Hessian), under the key "gate_up.E"."""
+    block, (gate, up, down), _ = EXPERTS[config.model_type]
+    name = lambda e, n: f"{block}.experts.{e}.{n}"
+    sets = {k: LINEARS[k] for k in ("qkv", "o")}
+    sets["gate_up"] = tuple(name(e, n) for e in range(config.num_experts) for n in (gate, up))
+    inputs = {k: acts[k] for k in ("qkv", "o")} | {"gate_up": acts["experts"]}
+    for e in range(config.num_experts):
+        rows = np.flatnonzero((acts["routed"] == e).any(axis=1))
+        sets[f"gate_up.{e}"] = (name(e, gate), name(e, up))
+        sets[f"down.{e}"] = (name(e, down),)
+        inputs[f"gate_up.{e}"] = acts["experts"][rows]
+    return sets, inputs
+
+
+def expert_down_inputs(config, hf, p, inputs):
+    """Each expert's down input: the SwiGLU of its routed rows, from the float weights."""
+    block, (gate, up, _), _ = EXPERTS[config.model_type]
+    for e in range(config.num_experts):
+        x = inputs[f"gate_up.{e}"]
+        w = lambda n: hf[f"{p}{block}.experts.{e}.{n}.weight"].T
+        g = x @ w(gate)
+        inputs[f"down.{e}"] = g / (1 + np.exp(-g)) * (x @ w(up))
 
 
 def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmetric=True,
@@ -173,9 +215,10 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
     from pallasite.train.export import hf_tensors
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config, params = load_hf(model_dir, dtype=jnp.float32)
-    if config.is_moe:
-        raise ValueError(f"quantize: mixture-of-experts models ({config.model_type}) are not "
-                         "supported yet")
+    if config.is_moe and (w8a8 or config.model_type not in EXPERTS):
+        raise ValueError(f"quantize: {'W8A8 ' if w8a8 else ''}mixture-of-experts models "
+                         f"({config.model_type}) are not supported (weight-only: "
+                         f"{', '.join(EXPERTS)})")
     if group_size != -1 and (group_size % 32 or group_size <= 0):
         raise ValueError(f"quantize: --group-size {group_size} must be -1 or a multiple of 32")
     hf = hf_tensors(params, config)
@@ -193,45 +236,66 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
     for i in layers:
         acts, x = layer_inputs(config, params[f"layers_{i}"], x, positions)
         p = f"model.layers.{i}."
-        scales = awq_scales(config, hf, p, acts, bits, group_size, symmetric) \
+        sets = None
+        if "routed" in acts:
+            sets, acts = expert_sets(config, acts)
+            expert_down_inputs(config, hf, p, acts)
+        scales = awq_scales(config, hf, p, acts, bits, group_size, symmetric, sets) \
             if method == "awq" else smooth_scales(hf, p, acts, alpha) if w8a8 else {}
         for key, s in scales.items():
-            fold_scales(hf, p, key, s)
-        for key, names in LINEARS.items():
+            fold_scales(hf, p, key, s, (sets or LINEARS)[key])
+        for key, names in (sets or LINEARS).items():
+            if sets and key == "gate_up":
+                continue  # quantized expert by expert, on each one's routed rows
             ws = [hf[p + n + ".weight"].T for n in names]  # [K, N], after the folds
             k = ws[0].shape[0]
             g = k if group_size == -1 else group_size
             if k % g:
                 raise ValueError(f"quantize: {p + names[0]} has {k} inputs, not a multiple of "
                                  f"--group-size {g}")
-            s = scales.get(key)
+            s = scales.get(key.split(".")[0] if key.startswith("gate_up.") else key)
             xin = acts[key] if s is None else acts[key] / s
             outs = _quantize_set(method, xin, ws if s is None else [w * s[:, None] for w in ws],
                                  bits, g, symmetric)
             x_run = per_token_int8(xin) if w8a8 else xin
             for n, w, (deq, scale, zero) in zip(names, ws, outs):
+                quantized[p + n] = (deq, scale, zero, g)
+                if not len(xin):  # an expert no calibration token reached
+                    continue
                 want = acts[key] @ w
                 err = float(np.linalg.norm(x_run @ deq - want) /
                             max(np.linalg.norm(want), 1e-30))
                 report.append(dict(linear=p + n, rel_err=err))
-                quantized[p + n] = (deq, scale, zero, g)
+    ignore = ["lm_head"] + ([EXPERTS[config.model_type][2]] if config.is_moe else [])
     write_folder(model_dir, out_dir, config, hf, quantized, bits=bits, symmetric=symmetric,
-                 group_size=group_size, w8a8=w8a8)
+                 group_size=group_size, w8a8=w8a8, ignore=ignore)
     return dict(linears=report, method=method, bits=bits, group_size=group_size)
 
 
-def fold_scales(hf, p, key, s):
-    """Move AWQ's (or SmoothQuant's) 1 / s into the op before the linear set; the set's
-    weights take s."""
+def fold_scales(hf, p, key, s, names=()):
+    """Move AWQ's (or SmoothQuant's) 1 / s into the op before the linear set `names`; the
+    set's weights take s. An expert's down folds into that expert's up."""
     if key == "qkv":
         hf[p + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"] / s
     elif key == "gate_up":
         hf[p + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"] / s
-    elif key == "down":
-        hf[p + "mlp.up_proj.weight"] = hf[p + "mlp.up_proj.weight"] / s[:, None]
+        if names and ".experts." in names[0]:  # the router reads that norm too: it takes s
+            router = p + names[0].split(".experts.")[0] + ".gate.weight"
+            hf[router] = hf[router] * s[None, :]
+    elif key.startswith("down"):
+        up = p + ("mlp.up_proj" if key == "down" else _expert_up(names[0])) + ".weight"
+        hf[up] = hf[up] / s[:, None]
     elif key == "o":
         v = p + "self_attn.v_proj.weight"
         hf[v] = hf[v] / s[:, None]
+
+
+def _expert_up(down: str) -> str:
+    """An expert's up module from its down module's name."""
+    for block, (_, up, dn), _ in EXPERTS.values():
+        if down.startswith(block + ".experts.") and down.endswith("." + dn):
+            return down[:-len(dn)] + up
+    raise ValueError(f"quantize: no up projection known for {down}")
 
 
 def pack_along_last(values: np.ndarray, bits: int) -> np.ndarray:
@@ -267,7 +331,7 @@ def int_quantized(deq, scale) -> dict:
             "weight_scale": np.ascontiguousarray(scale.T, np.float32)}
 
 
-def quantization_config(bits, group_size, symmetric, w8a8=False) -> dict:
+def quantization_config(bits, group_size, symmetric, w8a8=False, ignore=("lm_head",)) -> dict:
     try:
         from compressed_tensors import __version__ as version
     except ImportError:
@@ -285,11 +349,11 @@ def quantization_config(bits, group_size, symmetric, w8a8=False) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": acts, "output_activations": None,
                                           "format": fmt}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None}
+            "ignore": list(ignore), "kv_cache_scheme": None}
 
 
 def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, group_size,
-                 w8a8=False):
+                 w8a8=False, ignore=("lm_head",)):
     from safetensors.flax import save_file
     raw = json.loads((model_dir / "config.json").read_text())
     dtype = {"float16": jnp.float16, "float32": jnp.float32}.get(
@@ -303,7 +367,7 @@ def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, 
             tensors[f"{module}.{key}"] = jnp.asarray(a)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    raw["quantization_config"] = quantization_config(bits, group_size, symmetric, w8a8)
+    raw["quantization_config"] = quantization_config(bits, group_size, symmetric, w8a8, ignore)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "special_tokens_map.json", "chat_template.jinja"):
