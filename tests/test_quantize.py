@@ -144,3 +144,11 @@ def test_moe_experts_quantize_beat_rtn_and_load(tmp_path, family):
         logits_err
     with pytest.raises(ValueError, match="W8A8 mixture-of-experts"):
         q.quantize(fp, tmp_path / "x", method="smoothquant", bits=8, group_size=-1)
+
+
+def test_moe_families_without_plain_experts_are_refused(tmp_path):
+    import hf_models
+    hf_models.save("gpt_oss", tmp_path / "oss")
+    with pytest.raises(ValueError, match=r"mixture-of-experts models \(gpt_oss\) are not "
+                                         r"supported \(weight-only: mixtral, qwen3_moe\)"):
+        q.quantize(tmp_path / "oss", tmp_path / "out", method="rtn", progress=False)
