@@ -254,6 +254,7 @@ def main(args):
     start = time.perf_counter()
     deadline = start + args.time_limit
     from pallasite.kernels import choose_impl
+    from pallasite.model import quant
     from .common import copy_bandwidth, run_info
     env = dict(**run_info(), attention=choose_impl(),
                model="tiny" if args.tiny else "llama3-8b-shaped",
@@ -277,7 +278,10 @@ def main(args):
     warm = dict(warmup_s=time.perf_counter() - t, compilations=engine.compilations,
                 max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.scheduler.budget,
                 pages_total=engine.pages.num_pages, token_buckets=engine.token_buckets,
-                copy_tbps=bw / 1e12, copy_how=how, peak_tflops=peak / 1e12)
+                copy_tbps=bw / 1e12, copy_how=how, peak_tflops=peak / 1e12,
+                # what the weights and the KV pool hold on the device (quantized: as stored)
+                weight_bytes=quant.weight_bytes(engine.params),
+                kv_pool_bytes=sum(x.nbytes for x in jax.tree.leaves(engine.state[0])))
     print(json.dumps(warm), flush=True)
     env.update(warm)
     records = []
