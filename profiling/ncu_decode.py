@@ -84,10 +84,12 @@ def marker(name):
                                   name=name))
 
 
-def profiled(float8=False):
+def profiled(float8=False, only=None):
     import jax
     cuda = ctypes.CDLL("libcuda.so.1")
     for case, (batch, ctx) in (FLOAT8_CASES if float8 else CASES).items():
+        if only and case not in only:
+            continue
         both = float8_inputs(batch, ctx) if float8 else None
         for name, fn in (float8_calls() if float8 else calls()).items():
             args = both["bf16" if name == "bf16" else "fp8"] if float8 else inputs(batch, ctx)
@@ -150,13 +152,16 @@ def main():
     ap.add_argument("--summarize", metavar="CSV")
     ap.add_argument("--float8", action="store_true",
                     help="profile the Triton decode over bf16 and float8 pages instead")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated case names to profile (default: all); under ncu "
+                         "every CUDA call is slower, and the 768-row inputs took past 400 s")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
     elif args.time:
         timed()
     else:
-        profiled(args.float8)
+        profiled(args.float8, args.cases and args.cases.split(","))
 
 
 if __name__ == "__main__":
