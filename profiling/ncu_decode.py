@@ -154,7 +154,8 @@ def main():
                     help="profile the Triton decode over bf16 and float8 pages instead")
     ap.add_argument("--cases", default=None,
                     help="comma-separated case names to profile (default: all); under ncu "
-                         "every CUDA call is slower, and the 768-row inputs took past 400 s")
+                         "every CUDA call is slower: a whole --float8 run did not finish in "
+                         "400 s")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
