@@ -9,7 +9,12 @@ W8A16 (bf16-style activations, FP8 weights: the decode path) and W8A8 (activatio
 per token too: the prefill path on FP8 tensor cores), and reports perplexity, its change and
 top-1 agreement with the reference. Then greedy samples with and without FP8 weights.
 
+With `--int4 rtn,awq,gptq` the same scores for INT4 weights (group 128) written by
+`pallasite quantize` with each method, calibrated on the model's own training text (CPython's
+help topics: in its domain, and not the held-out text).
+
     python -m benchmarks.quant_quality --out /tmp/quant_quality   # CPU, about 2 minutes
+    python -m benchmarks.quant_quality --out /tmp/q --int4 rtn,awq,gptq   # CPU, some minutes more
 """
 
 from __future__ import annotations
@@ -100,6 +105,21 @@ def summary(scores, ref=None) -> dict:
     return row
 
 
+def int4_params(folder, methods, workdir: Path, samples: int = 16, seq_len: int = 512) -> dict:
+    """method -> params of the INT4 (group 128) folder `pallasite quantize` writes with it,
+    calibrated on the model's own help topics."""
+    from pallasite.model import load_hf
+    from pallasite.tools import quantize as q
+    from pallasite.train.default_model import help_topics
+    text = "\n\n".join(help_topics())
+    out = {}
+    for method in methods:
+        q.quantize(folder, workdir / method, method=method, bits=4, group_size=128, text=text,
+                   samples=samples, seq_len=seq_len, progress=False)
+        out[method] = load_hf(workdir / method, dtype=jnp.float32)[1]
+    return out
+
+
 def greedy(fn, params, tokenizer, prompt: str, n: int, width: int = 96) -> str:
     ids = tokenizer.encode(prompt)
     start = len(ids)
@@ -117,6 +137,8 @@ def main(argv=None):
     p.add_argument("--sources", default="cpython-tests,numpy", help=", ".join(SOURCES))
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--sample-tokens", type=int, default=40)
+    p.add_argument("--int4", default="", help="also INT4 g128 weights by these `pallasite "
+                   "quantize` methods (comma-separated: rtn, awq, gptq)")
     args = p.parse_args(argv)
     from pallasite.model import default_model_path, forward_logits, load_hf, quant
     from pallasite.model.tokenizer import Tokenizer
@@ -135,6 +157,8 @@ def main(argv=None):
         return call
 
     t0 = time.time()
+    int4 = int4_params(folder, args.int4.split(","), Path(args.out) / "int4") if args.int4 \
+        else {}
     fns = {mode: forward(mode) for mode in ("w8a16", "w8a8")}
     results, sources = {}, {}
     for key in args.sources.split(","):
@@ -152,6 +176,9 @@ def main(argv=None):
         for mode in ("w8a16", "w8a8"):
             results[key][f"fp8 weights, {mode}"] = summary(score(fns[mode], qparams, windows),
                                                            ref)
+        for method, p4 in int4.items():
+            results[key][f"int4 g128 weights, {method}"] = summary(
+                score(fns["w8a16"], p4, windows), ref)
     os.environ.pop("PALLASITE_QUANT_MATMUL")
     samples = []
     for prompt in PROMPTS:
@@ -163,7 +190,10 @@ def main(argv=None):
     record = {"model": "embedded default model", "held_out": sources,
               "tokens_per_document": args.tokens, "results": results, "greedy": samples,
               "weight_bytes": {"reference_bf16": quant.weight_bytes(params) // 2,
-                               "fp8": quant.weight_bytes(qparams)},
+                               "fp8": quant.weight_bytes(qparams),
+                               **{f"int4_{m}": quant.weight_bytes(p4) for m, p4 in int4.items()}},
+              "int4_calibration": "CPython's help topics (the training text), 16 x 512 tokens"
+              if int4 else None,
               "jax_version": jax.__version__, "backend": jax.default_backend(),
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
