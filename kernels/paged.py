@@ -75,6 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .flash import base2_logits, finish, online_softmax_step, scores
+from .quant_reference import FP8_MAX
 from .reference import NEG_INF, head_scale
 
 LOG2E = math.log2(math.e)
@@ -128,7 +129,7 @@ def _swapped_pv(p, v):
 def _e4m3_terms(q):
     """q [R, D] as two e4m3 terms with per-row float32 scales: q ~ hi * s_hi + lo * s_lo."""
     def term(x):
-        s = jnp.max(jnp.abs(x), axis=1, keepdims=True) * (1.0 / 448.0)
+        s = jnp.max(jnp.abs(x), axis=1, keepdims=True) * (1.0 / FP8_MAX)
         s = jnp.where(s == 0.0, 1.0, s)
         return (x / s).astype(jnp.float8_e4m3fn), s
     hi, s_hi = term(q)

@@ -9,6 +9,8 @@ rows a padded row costs compute that the step's weight and K/V reads no longer h
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from ..kernels import W8A16_MAX_ROWS
@@ -108,7 +110,6 @@ def compiler_options(tokens: int | None = None) -> dict:
     turns the one-row bf16 x bf16 -> float32 logits into a float32 copy of the LM head and a
     GEMV (1.7 ms a step against 0.35; H100, `benchmarks/w8a8_compile.py`,
     `profiling/profile_step.py`)."""
-    import os
     if (jax.default_backend() != "gpu" or os.environ.get(TRITON_GEMM_ENV) == "1"
             or (tokens or 0) <= TRITON_GEMM_MAX_TOKENS):
         return {}
@@ -122,7 +123,6 @@ CACHE_ENV = "PALLASITE_CACHE_DIR"  # a folder; empty: no cache
 def default_cache_dir() -> str:
     """$PALLASITE_CACHE_DIR if set (empty: off), else the per-user cache folder
     ($XDG_CACHE_HOME, or ~/.cache)/pallasite/xla."""
-    import os
     if CACHE_ENV in os.environ:
         return os.environ[CACHE_ENV]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -135,7 +135,6 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     "" turns it off. A folder the caller already gave JAX is kept unless $PALLASITE_CACHE_DIR
     is set. Every program is stored whatever its compile time, so a second start compiles
     nothing."""
-    import os
     current = jax.config.jax_compilation_cache_dir
     if current and path is None and CACHE_ENV not in os.environ:
         return current

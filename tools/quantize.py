@@ -175,33 +175,25 @@ def awq_scales(config, hf, p, acts, bits, group_size, symmetric, sets=None) -> d
     return out
 
 
-def expert_sets(config, acts) -> tuple[dict, dict]:
+def expert_sets(config, hf, p, acts) -> tuple[dict, dict]:
     """One MoE layer's linear sets beside attention's, and each set's input rows: all the
     experts' gate and up share the norm's output (one AWQ scale, folded into the norm, as
-    AutoAWQ does); each expert's down takes the SwiGLU of the rows routed to it (its own
-    scale, folded into its up). Each expert's gate/up quantize on its routed rows alone
-    (its GPTQ Hessian), under the key "gate_up.E"."""
+    AutoAWQ does); each expert's down takes the SwiGLU of the rows routed to it, from the
+    float weights (its own scale, folded into its up). Each expert's gate/up quantize on its
+    routed rows alone (its GPTQ Hessian), under the key "gate_up.E"."""
+    from pallasite.kernels.reference import silu_glu
     block, (gate, up, down), _ = EXPERTS[config.model_type]
     name = lambda e, n: f"{block}.experts.{e}.{n}"
     sets = {k: LINEARS[k] for k in ("qkv", "o")}
     sets["gate_up"] = tuple(name(e, n) for e in range(config.num_experts) for n in (gate, up))
     inputs = {k: acts[k] for k in ("qkv", "o")} | {"gate_up": acts["experts"]}
     for e in range(config.num_experts):
-        rows = np.flatnonzero((acts["routed"] == e).any(axis=1))
-        sets[f"gate_up.{e}"] = (name(e, gate), name(e, up))
-        sets[f"down.{e}"] = (name(e, down),)
-        inputs[f"gate_up.{e}"] = acts["experts"][rows]
+        x = acts["experts"][np.flatnonzero((acts["routed"] == e).any(axis=1))]
+        w = lambda n: hf[f"{p}{name(e, n)}.weight"].T
+        sets[f"gate_up.{e}"], sets[f"down.{e}"] = (name(e, gate), name(e, up)), (name(e, down),)
+        inputs[f"gate_up.{e}"] = x
+        inputs[f"down.{e}"] = np.asarray(silu_glu(x @ w(gate), x @ w(up)))
     return sets, inputs
-
-
-def expert_down_inputs(config, hf, p, inputs):
-    """Each expert's down input: the SwiGLU of its routed rows, from the float weights."""
-    block, (gate, up, _), _ = EXPERTS[config.model_type]
-    for e in range(config.num_experts):
-        x = inputs[f"gate_up.{e}"]
-        w = lambda n: hf[f"{p}{block}.experts.{e}.{n}.weight"].T
-        g = x @ w(gate)
-        inputs[f"down.{e}"] = g / (1 + np.exp(-g)) * (x @ w(up))
 
 
 def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmetric=True,
@@ -238,8 +230,7 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
         p = f"model.layers.{i}."
         sets = None
         if "routed" in acts:
-            sets, acts = expert_sets(config, acts)
-            expert_down_inputs(config, hf, p, acts)
+            sets, acts = expert_sets(config, hf, p, acts)
         scales = awq_scales(config, hf, p, acts, bits, group_size, symmetric, sets) \
             if method == "awq" else smooth_scales(hf, p, acts, alpha) if w8a8 else {}
         for key, s in scales.items():
@@ -253,7 +244,7 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
             if k % g:
                 raise ValueError(f"quantize: {p + names[0]} has {k} inputs, not a multiple of "
                                  f"--group-size {g}")
-            s = scales.get(key.split(".")[0] if key.startswith("gate_up.") else key)
+            s = scales.get("gate_up" if key.startswith("gate_up.") else key)
             xin = acts[key] if s is None else acts[key] / s
             outs = _quantize_set(method, xin, ws if s is None else [w * s[:, None] for w in ws],
                                  bits, g, symmetric)
