@@ -13,7 +13,8 @@ device memory poisoned (NaN), so an unwritten output shows; a variant that fails
 to match (relative error > 1e-3) is recorded and not timed. Times are the median over --reps
 calls of the GPU time of the kernels one call launches (one profiler trace per case, the L2
 flushed before every call; `benchmarks/common.py`), the split-K reduction included. Variants
-run in tiers: the first tier over every case, then the second; --time-limit stops between
+run in tiers: the first tier over every case, then the second (tier 3: the INT4 kernel's
+per-group forms beside its best per-slab ones); --time-limit stops between
 variants and writes what it has. Writes DIR/sweep_quant.json (every record) and prints the best
 variant per kernel, shape and M (TB/s on the weight and scale bytes, fraction of the copy
 ceiling, speed-up over bf16) and the `kernels/tuning.py` QUANT_MATMUL entries they make.
@@ -69,6 +70,8 @@ def fp8_variants(m, k, n, tier):
         if extra.get("reduce", "dot") != "dot":
             kw["block_m"] = 1
         return kw
+    if tier == 3:  # the INT4 kernel's tier only
+        return []
     if tier == 1:
         out = [wm.blocks_for(m, k, n) | dict(num_warps=4, num_stages=4),
                v(128, 256, 264, 4, 4), v(128, 256, 264, 4, 4, swap=True, dot_dtype="float16"),
@@ -119,10 +122,27 @@ def int4_variants(m, k, n, tier):
 
     def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False):
         bn = min(bn, n)
-        bm = pl.next_power_of_2(m) if reduce != "dot" else im.block_m_for(m)
+        bm = im.block_m_for(m) if reduce in im.MMA_REDUCES else pl.next_power_of_2(m)
         splits = im.splits_for(-(-m // bm) * bm, n, num_tiles, bm, bn, target)
         return dict(block_n=bn, num_splits=splits, num_warps=warps, num_stages=stages,
                     unpack=unpack, reduce=reduce, swap=swap)
+    if tier == 3:  # a group's slabs summed first, beside the best per-slab forms before
+        if m == 1:
+            return [v(64, 1056, 4, 3, reduce="acc"), v(32, 2112, 4, 3, reduce="acc")] + [
+                v(bn, target, warps, 3, reduce="acc_group") for bn, target, warps in
+                ((64, 1056, 4), (32, 2112, 4), (128, 528, 4), (64, 528, 4), (64, 1056, 8),
+                 (32, 1056, 2))]
+        if m <= 8:
+            return [v(64, 1056, 4, 3, reduce="acc"), v(64, 1056, 4, 3, reduce="acc_group"),
+                    v(32, 2112, 4, 3, reduce="acc_group"), v(128, 528, 4, 3, reduce="acc_group"),
+                    v(128, 264, 4, 3), v(128, 264, 4, 3, reduce="dot_group"),
+                    v(128, 264, 4, 3, reduce="dot_group", swap=True)]
+        return [v(128, 264, 4, 3), v(128, 264, 4, 3, unpack="convert")] + [
+            v(bn, target, warps, stages, reduce="dot_group", swap=swap, unpack=unpack)
+            for bn, target, warps, stages, swap, unpack in (
+                (128, 264, 4, 3, False, "magic"), (128, 264, 4, 3, True, "magic"),
+                (64, 528, 4, 3, False, "magic"), (256, 264, 8, 3, False, "magic"),
+                (128, 264, 4, 4, False, "magic"), (128, 264, 4, 3, False, "convert"))]
     if tier == 1:
         out = [v(128, 264, 4, 3, unpack="convert"), v(128, 264, 4, 3),
                v(128, 264, 4, 3, swap=True), v(64, 528, 4, 3)]
@@ -217,9 +237,10 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
     if args.tiny:  # a few of each kind, so that every code path runs once in interpret mode
         keep = lambda kern, n: [j for j in jobs if j[0] == kern][:n] + [
             j for j in jobs if j[0] == kern and j[1].get("reduce") == "sum"][:1] + [
-            j for j in jobs if j[0] == kern and j[1].get("reduce") == "acc"][:1]
+            j for j in jobs if j[0] == kern and j[1].get("reduce") == "acc"][:1] + [
+            j for j in jobs if j[0] == kern and j[1].get("reduce", "").endswith("group")][:2]
         jobs = (keep("fp8", 2) + keep("fp8_nk", 1) + keep("int4", 2) if tier == 1
-                else keep("fp8", 2)[1:2])
+                else keep("int4", 0) if tier == 3 else keep("fp8", 2)[1:2])
     jobs = [j for j in jobs if j[0] in args.kernels.split(",")]
     records, timed = [], []
     for kernel, kw, fn, wargs in jobs:

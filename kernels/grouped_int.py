@@ -12,9 +12,11 @@ the experts are stacked on a leading axis (`IntExperts`):
 Rows are laid out as `grouped_matmul.pad_groups` lays them out (each expert's rows in blocks of
 `block_m` that hold one expert). A program multiplies one row block by one column tile of its
 expert's weights: per K tile it reads SLAB rows of words and gets 32 // bits weight slabs from
-them with one shift and one mask each, subtracts the zero point in the activations' dtype
-(small integers: exact), and multiplies the slab's float32 product by its group's scale (every
-slab lies in one group). Programs of empty blocks write zeros and read no weights, so the
+them with one shift and one mask each. The MMAs of the slabs of one group are chained, and the
+group's zero and scale are applied once to their sum: INT4 codes with bf16 activations unpack
+as bf16 128 + c by their bit pattern (no conversion) and 128 + zero comes off with the row sums
+of x; otherwise the zero is subtracted from each slab in the activations' dtype (small
+integers: exact). Programs of empty blocks write zeros and read no weights, so the
 weights read follow the experts that have rows.
 
 Act order: each padded row's columns are gathered into its expert's stored order before the
@@ -24,6 +26,7 @@ product (one XLA gather, as the dense path gathers x's columns).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -93,14 +96,39 @@ def grouped_int_matmul_reference(x, group_sizes, w: IntExperts):
 
 
 def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, num_tiles: int,
-            tiles_per_split: int):
+            tiles_per_split: int, per_group: bool):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     e = group_ref[pl.program_id(0)]
     lo = pl.program_id(2) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, num_tiles)
     per, mask, tile = 32 // bits, (1 << bits) - 1, im.tile_rows(bits)
+    span = math.gcd(group_size, tile) // SLAB if per_group else 1  # slabs summed before scaling
+    magic = per_group and bits == 4 and x_ref.dtype == jnp.bfloat16
     block_n = o_ref.shape[1]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
+
+    def zero_of(g):
+        return (2.0 ** (bits - 1) if z_ref is None
+                else z_ref[e, pl.ds(g, 1), cols].astype(jnp.float32))
+
+    def chunk(words, t, c, acc):
+        """Slabs c * span ... of tile t (one group): their MMAs chained, then zero and scale."""
+        g = (t * tile + c * span * SLAB) // group_size
+        part, xsum = None, 0.0
+        for j in range(c * span, (c + 1) * span):  # bit plane j holds the tile's rows j * SLAB
+            xs = x_ref[:, pl.ds(t * tile + j * SLAB, SLAB)]
+            raw = (words >> (bits * j)) & mask
+            if magic:  # bf16 128 + c; 128 + zero comes off the group's sum
+                ws = lax.bitcast_convert_type((raw | im.BF16_MAGIC).astype(jnp.int16),
+                                              jnp.bfloat16)
+                xsum = xsum + jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+            else:
+                ws = (raw.astype(jnp.float32) - zero_of(g)).astype(xs.dtype)  # small ints: exact
+            p = plgpu.dot(xs, ws)
+            part = p if part is None else part + p
+        if magic:
+            part = part - xsum * (im.BF16_BIAS + zero_of(g))
+        return acc + part * s_ref[e, pl.ds(g, 1), cols]
 
     @pl.when(e < 0)
     def _():
@@ -110,15 +138,8 @@ def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, n
     def _():
         def body(t, acc):
             words = w_ref[e, pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), cols]
-            for j in range(per):  # bit plane j holds the tile's rows j * SLAB ...
-                k0 = t * tile + j * SLAB
-                g = k0 // group_size
-                xs = x_ref[:, pl.ds(k0, SLAB)]
-                zero = (2.0 ** (bits - 1) if z_ref is None
-                        else z_ref[e, pl.ds(g, 1), cols].astype(jnp.float32))
-                raw = (words >> (bits * j)) & mask
-                ws = (raw.astype(jnp.float32) - zero).astype(xs.dtype)  # small ints: exact
-                acc = acc + plgpu.dot(xs, ws) * s_ref[e, pl.ds(g, 1), cols]
+            for c in range(per // span):
+                acc = chunk(words, t, c, acc)
             return acc
         acc = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape, jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
@@ -155,14 +176,18 @@ def splits_for(live_blocks: int, col_tiles: int, num_tiles: int, target_programs
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "per_group",
+                                             "interpret"))
 def grouped_int_matmul_padded(x_pad, words, scale, zero, block_group, *, bits: int,
                               group_size: int, block_n: int = 128, num_splits: int = 1,
-                              num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+                              num_warps: int = 4, num_stages: int = 3, per_group: bool = True,
+                              interpret: bool = False):
     """x_pad [R, K_pad] in pad_groups' layout (columns in each row's expert's stored order,
     K padded with zero columns to the packed tile) times the packed experts -> [R, N] in x's
     dtype, zeros in empty blocks. `num_splits` > 1 cuts K among that many programs a block,
-    whose float32 partial products are summed after."""
+    whose float32 partial products are summed after. `per_group` chains the MMAs of a group's
+    slabs and applies its zero and scale once (INT4 codes then unpack as bf16 128 + c); off,
+    each slab's product is scaled on its own."""
     rows, k_pad = x_pad.shape
     experts, word_rows, n = words.shape
     block_m = rows // block_group.shape[0]
@@ -175,7 +200,7 @@ def grouped_int_matmul_padded(x_pad, words, scale, zero, block_group, *, bits: i
     num_tiles = k_pad // im.tile_rows(bits)
     num_splits = max(1, min(num_splits, num_tiles))
     kernel = functools.partial(_kernel, bits=bits, group_size=group_size, num_tiles=num_tiles,
-                               tiles_per_split=-(-num_tiles // num_splits))
+                               tiles_per_split=-(-num_tiles // num_splits), per_group=per_group)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
     in_specs = [whole((block_group.shape[0],)),
                 pl.BlockSpec((block_m, k_pad), lambda i, j, s: (i, 0)),

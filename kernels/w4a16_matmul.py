@@ -22,6 +22,7 @@ gathers the activations' columns into the same order.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +124,10 @@ def int_matmul_reference(x, words, scale, zero=None, perm=None, *, bits: int, gr
 # 128 + c for c < 128 (8 significant bits hold 128..255), f32 0x4B000000 | c is 2**23 + c.
 BF16_MAGIC, BF16_BIAS = 0x4300, 128.0
 F32_MAGIC, F32_BIAS = 0x4B000000, 2.0 ** 23
+F32_ONE = 0x3F800000  # 1.0: a code in the top mantissa bits makes 1 + c / 2**bits
 UNPACKS = ("convert", "magic")
-REDUCES = ("dot", "sum", "acc")
+MMA_REDUCES = ("dot", "dot_group")
+REDUCES = MMA_REDUCES + ("sum", "acc", "acc_group")
 
 
 def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles, unpack,
@@ -202,6 +205,95 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
             o_ref[pl.ds(r, 1), :] = acc
 
 
+def _one_plus(words, j: int, bits: int):
+    """Bit plane j of the words as float32 1 + c / 2**bits: the code moved into the top of the
+    mantissa under the bits of 1.0 (a shift, an AND and an OR; no conversion)."""
+    top = 23 - bits
+    shift = top - bits * j
+    moved = words << shift if shift >= 0 else words >> -shift
+    return lax.bitcast_convert_type((moved & (((1 << bits) - 1) << top)) | F32_ONE, jnp.float32)
+
+
+def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles,
+                  unpack, reduce, swap):
+    """The per-group forms: the slabs of one group are summed first, and the group's zero and
+    scale are applied once to that sum (not once a slab). "dot_group" chains the slabs' MMAs
+    into one product; "acc_group" (up to 8 rows) does one float32 FMA a weight on 1 + c/2**bits
+    into each row's [SLAB, block_n] sum, so x . (c - z) = 2**bits (x . w' - (1 + z/2**bits) sum x)."""
+    z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
+    per, mask, tile = 32 // bits, (1 << bits) - 1, tile_rows(bits)
+    span = math.gcd(group_size, tile) // SLAB  # slabs a chunk, all of them in one group
+    lo = pl.program_id(2) * tiles_per_split
+    hi = jnp.minimum(lo + tiles_per_split, num_tiles)
+    bm, bn = o_ref.shape[-2:]
+    one_d = len(x_ref.shape) == 1
+
+    def zero_of(g):
+        return 2.0 ** (bits - 1) if z_ref is None else z_ref[pl.ds(g, 1), :].astype(jnp.float32)
+
+    def x_rows(k0):  # each row's SLAB columns from k0, float32
+        if one_d:
+            return [x_ref[pl.ds(k0, SLAB)].astype(jnp.float32)]
+        return [x_ref[r, pl.ds(k0, SLAB)].astype(jnp.float32) for r in range(bm)]
+
+    def fma_chunk(words, t, c, accs, corrs):
+        part, xsum = None, None
+        for j in range(c * span, (c + 1) * span):
+            w, xs = _one_plus(words, j, bits), x_rows(t * tile + j * SLAB)
+            prods = [x[:, None] * w for x in xs]
+            part = prods if part is None else [p + q for p, q in zip(part, prods)]
+            sums = [jnp.sum(x) for x in xs]
+            xsum = sums if xsum is None else [a + b for a, b in zip(xsum, sums)]
+        g = (t * tile + c * span * SLAB) // group_size
+        scale = s_ref[pl.ds(g, 1), :]
+        off = (1.0 + zero_of(g) / 2 ** bits) * scale
+        return ([a + p * scale for a, p in zip(accs, part)],
+                [q + x * off for q, x in zip(corrs, xsum)])
+
+    def mma_chunk(words, t, c, acc):
+        part, xsum = None, 0.0
+        g = (t * tile + c * span * SLAB) // group_size
+        for j in range(c * span, (c + 1) * span):
+            xs = x_ref[:, pl.ds(t * tile + j * SLAB, SLAB)]
+            raw = (words >> (bits * j)) & mask
+            if unpack == "magic":  # bf16 128 + c; 128 + zero comes off the group's sum
+                w = lax.bitcast_convert_type((raw | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+                xsum = xsum + jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+            else:
+                w = (raw.astype(jnp.float32) - zero_of(g)).astype(xs.dtype)  # small ints: exact
+            p = plgpu.dot(w, xs, trans_a=True, trans_b=True) if swap else plgpu.dot(xs, w)
+            part = p if part is None else part + p
+        scale = s_ref[pl.ds(g, 1), :]
+        if unpack == "magic":
+            part = part - (xsum.T if swap else xsum) * _t(BF16_BIAS + zero_of(g), swap)
+        return acc + part * _t(scale, swap)
+
+    def body(t, carry):
+        words = w_ref[pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), :]
+        for c in range(per // span):
+            carry = (mma_chunk(words, t, c, carry) if reduce == "dot_group"
+                     else fma_chunk(words, t, c, *carry))
+        return carry
+
+    if reduce == "dot_group":
+        acc = lax.fori_loop(lo, hi, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        o_ref[...] = (acc.T if swap else acc).astype(o_ref.dtype).reshape(o_ref.shape)
+        return
+    init = ([jnp.zeros((SLAB, bn), jnp.float32)] * bm, [jnp.zeros((1, bn), jnp.float32)] * bm)
+    accs, corrs = lax.fori_loop(lo, hi, body, init)
+    for r, (acc, corr) in enumerate(zip(accs, corrs)):
+        out = (2.0 ** bits * (jnp.sum(acc, axis=0, keepdims=True) - corr)).astype(o_ref.dtype)
+        if one_d:
+            o_ref[...] = out.reshape(o_ref.shape)
+        else:
+            o_ref[pl.ds(r, 1), :] = out
+
+
+def _t(a, swap: bool):
+    """A [1, N] row (or a float) as the swapped product's [N, 1] column."""
+    return a.T if swap and hasattr(a, "T") else a
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n",
                                              "num_splits", "num_warps", "num_stages", "unpack",
                                              "reduce", "swap", "interpret"))
@@ -215,7 +307,8 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     zero off after the dot; "convert" converts int -> f32 -> x's dtype. `reduce="sum"` (up
     to 8 rows, each its own accumulator) multiplies and sums in float32 instead of a padded MMA;
     "acc" keeps each row's products in a [SLAB, block_n] float32 accumulator and sums it once
-    after the loop. `swap` computes
+    after the loop. "dot_group" and "acc_group" are "dot" and "acc" with a group's slabs summed
+    before its zero and scale are applied (`_group_kernel`). `swap` computes
     w^T x^T, so the unpacked slab (block_n rows) is the MMA's left operand, as Hopper's
     warpgroup MMA wants, and the few rows of x its narrow right one."""
     m, k_pad = x.shape
@@ -224,21 +317,23 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     if unpack not in UNPACKS or reduce not in REDUCES:
         raise ValueError(f"int matmul: unpack={unpack!r} must be one of {UNPACKS}, "
                          f"reduce={reduce!r} one of {REDUCES}")
-    if unpack == "magic" and reduce == "dot" and (bits != 4 or x.dtype != jnp.bfloat16):
+    if unpack == "magic" and reduce in MMA_REDUCES and (bits != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"int matmul: unpack='magic' takes 4 bits and bf16 x, not bits={bits}"
                          f", {x.dtype}")
-    if reduce != "dot" and block_m > 8:
+    if reduce not in MMA_REDUCES and block_m > 8:
         raise ValueError(f"int matmul: reduce={reduce!r} takes block_m <= 8, not {block_m}")
     if m % block_m or n % block_n or k_pad != words.shape[0] * (32 // bits):
         raise ValueError(f"int matmul: x {x.shape} and words {words.shape} do not fit "
                          f"block_m={block_m}, block_n={block_n}, bits={bits}")
     num_tiles = k_pad // tile_rows(bits)
     per_split = -(-num_tiles // num_splits)
-    kernel = functools.partial(_kernel, bits=bits, group_size=group_size,
-                               tiles_per_split=per_split, num_tiles=num_tiles, unpack=unpack,
-                               reduce=reduce, swap=swap and reduce == "dot")
+    grouped = reduce in ("dot_group", "acc_group")
+    kernel = functools.partial(_group_kernel if grouped else _kernel, bits=bits,
+                               group_size=group_size, tiles_per_split=per_split,
+                               num_tiles=num_tiles, unpack=unpack, reduce=reduce,
+                               swap=swap and reduce in MMA_REDUCES)
     groups = scale.shape[0]
-    x_block = (None, k_pad) if reduce != "dot" and block_m == 1 else (block_m, k_pad)
+    x_block = (None, k_pad) if reduce not in MMA_REDUCES and block_m == 1 else (block_m, k_pad)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, 0)),
                 pl.BlockSpec((words.shape[0], block_n), lambda i, j, s: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j, s: (0, j))]
@@ -277,7 +372,7 @@ def params_for(m: int, k_pad: int, n: int, bits: int) -> dict:
     from . import tuning
     p = tuning.quant_params("w4a16", m, k_pad, n) if bits == 4 else None
     if p is not None and n % min(p.get("block_n", 128), n) == 0 and (
-            p.get("reduce", "dot") == "dot" or m <= 8) and (
+            p.get("reduce", "dot") in MMA_REDUCES or m <= 8) and (
             p.get("unpack", "convert") == "convert" or bits == 4):
         return p
     return dict(block_n=128)
@@ -304,7 +399,7 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         compiler = tuned | compiler
     if compiler.get("unpack") == "magic" and x2.dtype != jnp.bfloat16:
         compiler = compiler | dict(unpack="convert")  # its bit patterns are bf16's
-    if compiler.get("reduce", "dot") != "dot":  # each row its own accumulator
+    if compiler.get("reduce", "dot") not in MMA_REDUCES:  # each row its own accumulator
         block_m = pl.next_power_of_2(m)
     block_m = block_m or block_m_for(m)
     m_pad = -(-m // block_m) * block_m

@@ -64,16 +64,18 @@ def numpy_grouped(x, sizes, w):
     return out
 
 
-@pytest.mark.parametrize("m,e,k,n,bits,group,asym,perm,dtype,block_m,splits", [
-    (37, 4, 320, 64, 4, 64, True, True, jnp.float32, 16, None),  # act order; K padded
-    (21, 5, 256, 128, 4, 32, False, False, jnp.bfloat16, 16, None),
-    (50, 3, 256, 64, 4, 128, True, False, jnp.float32, 64, None),
-    (19, 4, 192, 32, 8, -1, False, False, jnp.float32, 16, None),  # per channel
-    (33, 6, 384, 64, 8, 64, True, True, jnp.bfloat16, 16, None),
-    (9, 3, 1280, 32, 4, 128, True, False, jnp.float32, 16, 3),  # 5 K tiles in splits of 2, 2, 1
+@pytest.mark.parametrize("m,e,k,n,bits,group,asym,perm,dtype,block_m,extra", [
+    (37, 4, 320, 64, 4, 64, True, True, jnp.float32, 16, {}),  # act order; K padded
+    (21, 5, 256, 128, 4, 32, False, False, jnp.bfloat16, 16, {}),
+    (50, 3, 256, 64, 4, 128, True, False, jnp.float32, 64, {}),
+    (19, 4, 192, 32, 8, -1, False, False, jnp.float32, 16, {}),  # per channel
+    (33, 6, 384, 64, 8, 64, True, True, jnp.bfloat16, 16, {}),
+    (9, 3, 1280, 32, 4, 128, True, False, jnp.float32, 16, dict(num_splits=3)),  # 5 K tiles
+    (40, 3, 768, 64, 4, 384, True, False, jnp.bfloat16, 16, dict(num_splits=2)),  # bf16 128 + c
+    (26, 4, 512, 64, 4, 128, True, False, jnp.bfloat16, 16, dict(per_group=False)),
 ])
 def test_kernel_equals_reference_and_numpy(m, e, k, n, bits, group, asym, perm, dtype, block_m,
-                                           splits):
+                                           extra):
     rng = np.random.default_rng(m + k + bits)
     w, dense = random_experts(rng, e, k, n, bits, group, asym, perm)
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
@@ -81,7 +83,7 @@ def test_kernel_equals_reference_and_numpy(m, e, k, n, bits, group, asym, perm, 
     want = numpy_grouped(np.asarray(x, np.float32), sizes, dense)
     ref = gi.grouped_int_matmul_reference(x, jnp.asarray(sizes), w)
     got = gi.grouped_int_matmul(x, jnp.asarray(sizes), w, block_m=block_m, interpret=True,
-                                **({} if splits is None else {"num_splits": splits}))
+                                **extra)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = (1e-5 if dtype == jnp.float32 else 1e-2) * np.abs(want).max()
     np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=tol)

@@ -1,6 +1,6 @@
 """The quantized matmuls' tuning variants (interpret mode) against their jnp references: the
 W8A16 kernel's f16 MMA and one-row multiply-and-sum, the INT4 kernel's bit-pattern unpack (zero
-taken off after the dot) and one-row sum; the tuned-tiles table; and W8A8's FP8 dot without
+taken off after the dot), one-row sum and per-group forms; the tuned-tiles table; and W8A8's FP8 dot without
 fast accumulation."""
 
 import jax
@@ -70,6 +70,35 @@ def test_int4_variants_equal_numpy(m, asym, kw):
     want = np.asarray(x, np.float32) @ w
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2 * np.abs(want).max())
     ref = im.int_matmul_reference(x, jnp.asarray(words), s, z, bits=4, group_size=g)
+    assert rel_err(got, ref) <= 1e-3
+
+
+@pytest.mark.parametrize("m,bits,k,group,asym,kw", [
+    (1, 4, 512, 64, True, dict(reduce="acc_group")),          # two groups a tile
+    (2, 4, 768, 384, False, dict(reduce="acc_group")),        # a group across tiles
+    (3, 8, 512, 32, True, dict(reduce="acc_group")),          # a group a slab
+    (1, 8, 320, 320, True, dict(reduce="acc_group")),         # channel-wise, K padded
+    (5, 4, 512, 128, True, dict(reduce="dot_group", unpack="magic")),
+    (4, 4, 768, 384, True, dict(reduce="dot_group", unpack="magic", swap=True)),
+    (17, 8, 512, 64, True, dict(reduce="dot_group")),
+    (3, 4, 512, 128, False, dict(reduce="dot_group", swap=True)),
+])
+def test_per_group_forms_equal_numpy(m, bits, k, group, asym, kw):
+    """A group's slabs summed before its zero and scale: the same product as numpy's."""
+    rng = np.random.default_rng(m * bits + k)
+    n, groups = 128, -(-k // group)
+    codes = rng.integers(0, 2 ** bits, (k, n))
+    scale = rng.uniform(0.5, 1.5, (groups, n)).astype(np.float32) / 2 ** bits
+    zero = rng.integers(0, 2 ** bits, (groups, n)).astype(np.float32) if asym else None
+    words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group)
+    rows = np.arange(k) // group
+    w = (codes - (zero[rows] if asym else 2 ** (bits - 1))) * scale[rows]
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    got = im.int_matmul(x, jnp.asarray(words), s, z, bits=bits, group_size=g, block_n=64,
+                        num_splits=2, interpret=True, **kw)
+    want = np.asarray(x, np.float32) @ w
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2 * np.abs(want).max())
+    ref = im.int_matmul_reference(x, jnp.asarray(words), s, z, bits=bits, group_size=g)
     assert rel_err(got, ref) <= 1e-3
 
 
