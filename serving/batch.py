@@ -79,60 +79,65 @@ class BatchState:
         if not isinstance(step, Step):
             step = Step.from_chunks(step)
         ps, n, seqs = self.page_size, len(step), step.seqs
-        slot, start = step.slots.astype(np.int32), step.start.astype(np.int32)
-        length, samples = step.length.astype(np.int32), step.samples
+        slot, start, length, samples = step.slots, step.start, step.length, step.samples
         ctx = start + length
         N = int(length.sum())
         T = next(b for b in self.token_buckets if b >= N)
         P = next(b for b in self.page_buckets if b >= -(-int(ctx.max()) // ps))
         S = min(T, self.max_num_seqs)
+        # Each piece is written in place, in one buffer laid out as int_layout says.
+        sizes = list(int_layout(T, S, P).values())
+        ints_all = np.empty(sum(sizes), np.int32)
+        tok, pos, kv_slot, src, qstart, ctx_lens, last, table = np.split(
+            ints_all, np.cumsum(sizes)[:-1])
 
         # The token axis: each chunk's tokens back to back, then padding (no KV write).
-        tok, src = np.zeros(T, np.int32), np.full(T, -1, np.int32)
-        pos, kv_slot = np.zeros(T, np.int32), np.full(T, -1, np.int32)
         ends = np.cumsum(length)
         row = np.repeat(np.arange(n), length)  # chunk of each token
         p = np.arange(N) - np.repeat(ends - length - start, length)
-        pos[:N] = p
-        kv_slot[:N] = self.page_table[slot[row], p // ps] * ps + p % ps
+        pos[:N], pos[N:] = p, 0
+        W = self.page_table.shape[1]
+        kv_slot[:N] = self.page_table.ravel()[slot[row] * W + p // ps] * ps + p % ps
+        kv_slot[N:] = -1
         # Tokens the host knows; a chunk whose newest token is still on the device reads it
         # from the slot's last sample (every decode row, when the host runs a step ahead).
-        have = np.clip(step.known.astype(np.int32) - start, 0, length)
+        have = np.minimum(np.maximum(step.known - start, 0), length)
+        tok[:] = 0
         some = np.flatnonzero(have)
         if len(some):
             st, hv = start[some].tolist(), have[some].tolist()
-            tok[:N][p - start[row] < have[row]] = list(itertools.chain.from_iterable(
-                seqs[i].tokens[a:a + h] for i, a, h in zip(some.tolist(), st, hv)))
+            tok[:N][p - start[row] < have[row]] = np.fromiter(itertools.chain.from_iterable(
+                seqs[i].tokens[a:a + h] for i, a, h in zip(some.tolist(), st, hv)), np.int32,
+                sum(hv))
         late = have < length
+        src[:] = -1
         src[ends[late] - 1] = slot[late]
 
-        qstart = np.full(S + 1, N, np.int32)
-        qstart[0], qstart[1:n + 1] = 0, ends
-        ctx_lens, last = np.zeros(S, np.int32), np.zeros(S, np.int32)
-        ctx_lens[:n], last[:n] = ctx, ends - 1
-        table = np.zeros((S, P), np.int32)
-        w = min(P, self.page_table.shape[1])  # a page bucket may be wider than any table
-        table[:n, :w] = self.page_table[slot, :w]
+        qstart[0], qstart[1:n + 1], qstart[n + 1:] = 0, ends, N
+        ctx_lens[:n], ctx_lens[n:] = ctx, 0
+        last[:n], last[n:] = ends - 1, 0
         # Only the pages of the context: a prefill chunk's sequence may hold pages past it (a
-        # decode row's pages end at its context).
+        # decode row's pages end at its context), and none reaches past the longest context.
+        table = table.reshape(S, P)
+        w = min(-(-int(ctx.max()) // ps), W)  # a page bucket may be wider than any table
+        table[:n, :w], table[:n, w:], table[n:] = self.page_table[slot, :w], 0, 0
         wide = np.flatnonzero((length > 1) | ~samples)
         if len(wide):
             used = np.arange(P)[None, :] < -(-ctx[wide, None] // ps)
             table[wide] = np.where(used, table[wide], 0)
 
         # The sampler's rows: gathered from the slots; padding rows are neutral and draw nothing.
-        floats = np.repeat(self.neutral[0], S, axis=1)
-        ints = np.repeat(self.neutral[1], S, axis=1)
-        floats[:, :n], ints[:, :n] = self.floats[:, slot], self.ints[:, slot]
+        floats = np.empty((len(self.floats), S), self.floats.dtype)
+        sample_ints = np.empty((1 + len(self.ints)) * S, self.ints.dtype)
+        sample_row, ints = sample_ints[:S], sample_ints[S:].reshape(-1, S)
+        floats[:, :n], floats[:, n:] = self.floats[:, slot], self.neutral[0]
+        ints[:, :n], ints[:, n:] = self.ints[:, slot], self.neutral[1]
         ints[INDEX, :n] = ctx - self.prompt_len[slot]  # the output index being drawn
-        sample_row = np.full(S, -1, np.int32)
-        sample_row[:n] = np.where(samples, slot, -1)
+        sample_row[:n], sample_row[n:] = np.where(samples, slot, -1), -1
         drawn = slot[samples]
         mode = int(self.mode[drawn].max()) if len(drawn) else 0
-        ints_all = np.concatenate([tok, pos, kv_slot, src, qstart, ctx_lens, last, table.ravel()])
-        return Packed(ints=ints_all, sample_ints=np.concatenate([sample_row, ints.ravel()]),
-                      floats=floats.ravel(), key=(T, P), mode=sampling.MODES[mode], n=n,
-                      stats=(start, length, samples))
+        return Packed(ints=ints_all, sample_ints=sample_ints, floats=floats.ravel(), key=(T, P),
+                      mode=sampling.MODES[mode], n=n, stats=(start, length, samples))
 
     @staticmethod
     def describe(packed: Packed) -> dict:
