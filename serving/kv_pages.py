@@ -146,19 +146,22 @@ class KVPages:
         tokens whose K/V are written (or queued to be written ahead of any reader) in its pages.
         Cheap when no page filled up since the last call (the common decode step). `keys`: as
         for `share_prefix`."""
-        done, table = self.digests[seq], self.tables[seq]
-        full = min(len(tokens), len(tokens) if upto is None else upto, len(table) * self.page_size
-                   ) // self.page_size
-        if full <= len(done):
-            return
-        keys = chain_digests(list(done) if keys is None else keys, self.root, tokens,
-                             self.page_size, full)
+        self.cache_pages_of([(seq, tokens, len(tokens) if upto is None else upto, keys)])
+
+    def cache_pages_of(self, items):
+        """`cache_full_pages` for each (seq, tokens, upto, keys) of `items` (a step's rows)."""
+        ps, root, digests, tables = self.page_size, self.root, self.digests, self.tables
         cache, key_of = self.cache, self.key_of
-        for i in range(len(done), full):
-            key, page = keys[i], table[i]
-            if page != DROPPED and key not in cache and page not in key_of:
-                cache[key], key_of[page] = page, key
-            done.append(key)
+        for seq, tokens, upto, keys in items:
+            done, table = digests[seq], tables[seq]
+            first, full = len(done), min(len(tokens), upto, len(table) * ps) // ps
+            if full <= first:
+                continue
+            keys = chain_digests(list(done) if keys is None else keys, root, tokens, ps, full)
+            for key, page in zip(keys[first:full], table[first:full]):
+                if page != DROPPED and key not in cache and page not in key_of:
+                    cache[key], key_of[page] = page, key
+            done += keys[first:full]
 
     def free(self, seq):
         """Drop `seq`'s references. Unreferenced cached pages join the LRU tail-first, so a

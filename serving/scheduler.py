@@ -227,13 +227,11 @@ class Scheduler:
         # Later steps may share the pages these chunks fill: the device runs steps in order,
         # so their K/V are written before any later step reads them. A decode row's known
         # tokens grow by one a step, so it fills a page only when they reach a page boundary.
-        cache, span = self.pages.cache_full_pages, self.pages.page_size
-        filled = np.flatnonzero(rows.known % span == 0)
-        for i, upto in zip(filled.tolist(), (rows.start + rows.length)[filled].tolist()):
-            seq = rows.seqs[i]
-            cache(seq.request_id, seq.tokens, upto, seq.page_keys)
-        for seq, start, length, _ in chunks:
-            cache(seq.request_id, seq.tokens, start + length, seq.page_keys)
+        filled = np.flatnonzero(rows.known % self.pages.page_size == 0)
+        seqs = [rows.seqs[i] for i in filled.tolist()] + [c.seq for c in chunks]
+        upto = (rows.start + rows.length)[filled].tolist() + [c.start + c.length for c in chunks]
+        self.pages.cache_pages_of((s.request_id, s.tokens, u, s.page_keys)
+                                  for s, u in zip(seqs, upto))
         return rows + Step.from_chunks(chunks) if chunks else rows
 
     def _decode(self) -> tuple[Step, list[Sequence], bool]:
