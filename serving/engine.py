@@ -140,7 +140,6 @@ class Engine:
         self._guided: set[str] = set()  # live requests the guide constrains or biases
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
-        self._ended = 0  # requests finished (or aborted) so far
         self._stop_set, self._stop_any = set(), np.zeros(0, np.int64)  # every stop token id
         self._inflight = None  # (rows, device output, ...) of the step not yet read back
         self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
@@ -268,7 +267,7 @@ class Engine:
         return outputs
 
     def _launch(self, rows):
-        ended = self._ended  # before _dispatch, which may collect the step in flight early
+        released = self.scheduler.released.copy()  # before _dispatch, which may collect early
         self._admit_rows()
         packed = self.batch.pack(rows)
         out = self._dispatch(packed, rows)
@@ -277,7 +276,7 @@ class Engine:
             entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
-        return rows, out, entry, ended
+        return rows, out, entry, released
 
     def _admit_rows(self):
         for seq in self.scheduler.admitted:
@@ -314,9 +313,9 @@ class Engine:
         return (np.concatenate([ints, guided[0]]), np.concatenate([floats, guided[1]]),
                 skey + ("guided",))
 
-    def _collect(self, rows, out, entry, ended: int):
-        """Read a step's samples back (waiting for the device) and accept them. `ended`: the
-        count of finished requests when it was launched; rows of any finished since are skipped."""
+    def _collect(self, rows, out, entry, released):
+        """Read a step's samples back (waiting for the device) and accept them. `released`: each
+        slot's release count when it was launched; rows of sequences finished since are skipped."""
         t = time.perf_counter()
         out = np.asarray(out)  # waits for the device (for step n, while step n+1 is queued)
         done = time.perf_counter()
@@ -324,9 +323,11 @@ class Engine:
             entry["done"] = done
         if self.spec:
             return self.spec.collect(self, rows, out), done - t
-        live = rows.samples
-        if ended != self._ended:
-            live = live & np.fromiter((s.status != FINISHED for s in rows.seqs), bool, len(rows))
+        # A row whose slot was given back since launch: skipped if its sequence finished (one
+        # preempted still takes its token).
+        live, now = rows.samples.copy(), self.scheduler.released
+        for i in np.flatnonzero(now[rows.slots] != released[rows.slots]).tolist():
+            live[i] &= rows.seqs[i].status != FINISHED
         idx = np.flatnonzero(live)
         seqs = rows.seqs if len(idx) == len(rows) else [rows.seqs[i] for i in idx.tolist()]
         # Slots as at launch: a row's slot is not handed to another sequence before its step is
@@ -386,7 +387,6 @@ class Engine:
         self.seqs.pop(seq.request_id, None)
         self._guided.discard(seq.request_id)
         self.scheduler.finish(seq)
-        self._ended += 1
 
     def _text(self, seqs, tokens, reasons, complete) -> list[str]:
         """Each sequence's text delta, its new tokens detokenized in one batched call (a stop

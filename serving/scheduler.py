@@ -145,6 +145,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.released = np.zeros(max_num_seqs, np.int64)  # per slot: times it was given back
         # Page ids of each slot's sequence, zero past its last page (and before its window).
         self.page_table = np.zeros((max_num_seqs, pages.pages_for(max_model_len)), np.int32)
         # Per slot: the token count at which the sequence has made all its output (prompt +
@@ -188,6 +189,7 @@ class Scheduler:
     def _release(self, seq: Sequence):
         self.pages.free(seq.request_id)
         self.free_slots.append(seq.slot)
+        self.released[seq.slot] += 1
         seq.slot, seq.num_computed = -1, 0
 
     def _preempt(self, seq: Sequence):
