@@ -23,6 +23,7 @@ import cProfile
 import json
 import pstats
 import time
+from operator import attrgetter
 
 import numpy as np
 
@@ -113,8 +114,8 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
 
 def step(engine, mixed: bool):
     """One engine step; in mixed mode each finished request is replaced by a new one."""
-    finished = sum(out.finished for out in engine.step())
-    for _ in range(finished if mixed else 0):
+    outputs = engine.step()
+    for _ in range(sum(map(attrgetter("finished"), outputs)) if mixed else 0):
         engine.add()
 
 
