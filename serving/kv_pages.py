@@ -99,23 +99,19 @@ class KVPages:
             return True
         if need > self.num_available():
             return False
-        for _ in range(need):
-            page = self.free_list.pop() if self.free_list else self._evict()
+        pages = self._take(need)
+        for page in pages:
             self.refs[page] = 1
-            table.append(page)
+        table += pages
         return True
 
     def grow_each_by_one(self, seqs) -> list[int] | None:
         """One more page for each of `seqs`, from the free list and then the LRU's oldest
         cached pages, handed out as `grow` one sequence after another would; None (nothing
         taken) if the pool is short."""
-        k, free = len(seqs), self.free_list
-        if k > self.num_available():
+        if len(seqs) > self.num_available():
             return None
-        take = min(k, len(free))
-        pages = free[len(free) - take:][::-1]
-        del free[len(free) - take:]
-        pages += [self._evict() for _ in range(k - take)]
+        pages = self._take(len(seqs))
         tables, refs = self.tables, self.refs
         for seq, page in zip(seqs, pages):
             tables[seq].append(page)
@@ -168,8 +164,7 @@ class KVPages:
         prefix's later pages are evicted before its earlier ones (which keep the rest findable)."""
         table = self.tables.pop(seq, [])
         self.digests.pop(seq, None)
-        for page in reversed(table):
-            self._unref(page)
+        self._unref_all(reversed(table))
 
     def cached_prefix_tokens(self, tokens) -> int:
         """Tokens of the longest run of full pages of `tokens` in the prefix cache (read only)."""
@@ -188,19 +183,31 @@ class KVPages:
         self.refs[page] += 1
 
     def _unref(self, page: int):
-        if page == DROPPED:
-            return
-        self.refs[page] -= 1
-        if self.refs[page] == 0:
-            if page in self.key_of:
-                self.lru[page] = None
-            else:
-                self.free_list.append(page)
+        self._unref_all((page,))
 
-    def _evict(self) -> int:
-        page, _ = self.lru.popitem(last=False)
-        del self.cache[self.key_of.pop(page)]
-        return page
+    def _unref_all(self, pages):
+        refs, key_of, lru, free = self.refs, self.key_of, self.lru, self.free_list
+        for page in pages:
+            if page != DROPPED:
+                refs[page] -= 1
+                if refs[page] == 0:
+                    if page in key_of:
+                        lru[page] = None
+                    else:
+                        free.append(page)
+
+    def _take(self, k: int) -> list[int]:
+        """k pages (the caller has checked there are): off the free list's end, then the LRU's
+        oldest cached pages, evicted."""
+        free = self.free_list
+        pages = free[len(free) - min(k, len(free)):][::-1]
+        del free[len(free) - len(pages):]
+        lru, cache, key_of = self.lru, self.cache, self.key_of
+        for _ in range(k - len(pages)):
+            page, _ = lru.popitem(last=False)
+            del cache[key_of.pop(page)]
+            pages.append(page)
+        return pages
 
     def check(self):
         """Assert every invariant of the pool (used by tests)."""
