@@ -11,9 +11,10 @@ token the host has not seen yet (`num_pending`): the step reads it straight from
 Each running sequence holds a slot (a row of the batch state the engine keeps between steps).
 The scheduler keeps every slot's page table in one persistent array, `page_table`, written only
 where pages change (admission, a decode step that crosses a page), so packing a step is a
-gather, not a rebuild. The decode pass is the hot loop at high concurrency: it reads each running
-sequence's counters into arrays, decides every row with numpy, and runs Python per sequence only
-for the rare events (a page filling up, a preemption). A step comes out as a `Step`: its rows as
+gather, not a rebuild. The decode pass is the hot loop at high concurrency: it reads the running
+sequences' slots and token counts into arrays (their num_computed and total_len it keeps per
+slot), decides every row with numpy, and runs Python per sequence only for the rare events (a
+page filling up, a preemption). A step comes out as a `Step`: its rows as
 arrays, decode rows first; `Step.chunks()` gives them as `Chunk`s where a caller wants those.
 """
 
@@ -96,8 +97,7 @@ class Chunk(NamedTuple):
 
 
 _new_chunk = tuple.__new__
-_slot, _computed, _pending, _tokens = (attrgetter(a) for a in (
-    "slot", "num_computed", "num_pending", "tokens"))
+_slot, _computed, _tokens = (attrgetter(a) for a in ("slot", "num_computed", "tokens"))
 
 
 class Step:
@@ -152,6 +152,11 @@ class Scheduler:
         # max_output), and the tokens its pages hold.
         self.limit = np.zeros(max_num_seqs, np.int64)
         self.capacity = np.zeros(max_num_seqs, np.int64)
+        # Per slot: its sequence's num_computed and total_len, written wherever the scheduler
+        # changes them (taking a sampled token leaves total_len as it is), so that the decode
+        # pass reads two arrays instead of two fields of every running sequence.
+        self.computed = np.zeros(max_num_seqs, np.int64)
+        self.total = np.zeros(max_num_seqs, np.int64)
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
         # With a sliding window on every layer (kv_window.py): pages wholly this many tokens
@@ -243,9 +248,8 @@ class Scheduler:
         (then nothing new is admitted this step)."""
         seqs, n, before = list(self.running), len(self.running), self.num_preemptions
         ints = lambda xs: np.fromiter(xs, np.int64, n)
-        slots, start = ints(map(_slot, seqs)), ints(map(_computed, seqs))
-        known = ints(map(len, map(_tokens, seqs)))
-        total = known + ints(map(_pending, seqs))
+        slots, known = ints(map(_slot, seqs)), ints(map(len, map(_tokens, seqs)))
+        start, total = self.computed[slots], self.total[slots]
         # A sequence whose pending token is its last ends when that token arrives.
         rows = (total - start == 1) & (total < self.limit[slots])
         prefilling = [seqs[i] for i in np.flatnonzero(total - start > 1).tolist()]
@@ -260,6 +264,7 @@ class Scheduler:
             slots, start, known, total = (a[idx] for a in (slots, start, known, total))
         for seq, t in zip(dseqs, total.tolist()):
             seq.num_computed, seq.num_pending = t, seq.num_pending + 1
+        self.computed[slots], self.total[slots] = total, total + 1
         step = Step(dseqs, slots, start, np.ones(len(idx), np.int64),
                     np.ones(len(idx), bool), known)
         return step, prefilling, self.num_preemptions != before
@@ -297,6 +302,7 @@ class Scheduler:
         chunk = Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.total_len)
         seq.num_computed += n
         seq.num_pending += chunk.samples  # its sample reaches the host a step later
+        self.computed[seq.slot], self.total[seq.slot] = seq.num_computed, seq.total_len
         return chunk
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
@@ -327,6 +333,7 @@ class Scheduler:
         self.page_table[seq.slot, len(table):] = 0
         self.dropped[seq.slot] = dead
         self.limit[seq.slot] = len(seq.prompt_ids) + seq.max_output
+        self.computed[seq.slot], self.total[seq.slot] = hit, len(tokens)
         self.capacity[seq.slot] = len(table) * pages.page_size
         self.running.append(seq)
         self.admitted.append(seq)

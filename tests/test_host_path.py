@@ -80,6 +80,9 @@ def test_bulk_acceptance_matches_known_streams(overlap):
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
         engine.pages.check()
+        sched = engine.scheduler  # its per-slot token counts follow the sequences' own
+        assert all((sched.computed[s.slot], sched.total[s.slot]) == (s.num_computed, s.total_len)
+                   for s in sched.running)
         step += 1
         assert step < 500
     stats = engine.stats()
