@@ -55,11 +55,12 @@ class Rows(NamedTuple):
 def pack_rows(rows: list[dict], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Host side: a dict of field values per row -> (floats [6, S] f32, ints [5, S] i32), padded
     with neutral rows. Missing fields take their neutral value."""
-    floats = np.array([[r.get(f, d) for r in rows] + [d] * (num_rows - len(rows))
-                       for f, d in FLOAT_FIELDS.items()], np.float32).reshape(-1, num_rows)
-    ints = np.array([[r.get(f, d) for r in rows] + [d] * (num_rows - len(rows))
-                     for f, d in INT_FIELDS.items()], np.int64).reshape(-1, num_rows)
-    return floats, ints.astype(np.uint32).view(np.int32)  # seeds may use all 32 bits
+    rows = list(rows) + [{}] * (num_rows - len(rows))  # row by row: one request's row is cheap
+    floats = np.array([[r.get(f, d) for f, d in FLOAT_FIELDS.items()] for r in rows], np.float32)
+    ints = np.array([[r.get(f, d) for f, d in INT_FIELDS.items()] for r in rows], np.int64)
+    floats, ints = floats.reshape(num_rows, -1).T, ints.reshape(num_rows, -1).T
+    return (np.ascontiguousarray(floats),
+            np.ascontiguousarray(ints.astype(np.uint32)).view(np.int32))  # seeds may use 32 bits
 
 
 class History(NamedTuple):
