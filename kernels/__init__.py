@@ -328,8 +328,9 @@ def grouped_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=None, 
             or x.shape[-1] % tile or grouped_scales):
         if quantized:
             from .quant_reference import dequantize_matrix
+            x, ws = after(x, (w_gate, w_up, w_down))
             w_gate, w_up, w_down = (jax.vmap(dequantize_matrix)(*w).astype(x.dtype)
-                                    for w in (w_gate, w_up, w_down))
+                                    for w in ws)
         return reference.grouped_mlp_reference(x, group_sizes, w_gate, w_up, w_down)
     from . import grouped_matmul as gm
     block_m = gm.block_m_for(x.shape[0], shape[0])
@@ -351,6 +352,8 @@ def _grouped_int_mlp(x, group_sizes, ws, glu, biases, impl, interpret, blocks):
     if interpret or (_use_pallas(impl, interpret) and gi.supported(ws)):
         return gi.grouped_int_mlp(x, group_sizes, *ws, glu=glu, biases=biases,
                                   interpret=interpret, **blocks)
+    if _use_pallas(impl, interpret):  # tiles the kernel does not take: dequantized in the graph
+        x, ws = after(x, ws)
     return gi.grouped_int_mlp_reference(x, group_sizes, *ws, glu=glu, biases=biases)
 
 
@@ -464,6 +467,8 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
     old_gpu = q.dtype == jax.numpy.float8_e4m3fn and not interpret and not has_fp8_tensor_cores()
     if not _use_pallas(impl, interpret) or old_gpu:
+        if old_gpu:
+            x, q = after(x, q)
         return qr.w8a16_reference(x, q.T if layout == "nk" else q, scale, zero)
     from . import w8a16_matmul as qm
     k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
@@ -486,5 +491,14 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw, **blocks)
     if not _use_pallas(impl, interpret):
         return im.int_matmul_reference(x, words, scale, zero, perm, **kw)
+    x, words = after(x, words)
     w = im.dequantize(words, scale, zero, k=x.shape[-1], **kw).astype(x.dtype)
     return (x if perm is None else x[..., perm]) @ w
+
+
+def after(x, w):
+    """w, as an operand XLA cannot read before x exists. A weight dequantized in the graph
+    depends on nothing else, so XLA may build every layer's at the start of a step and keep
+    them all: at 8192 tokens on an 8B model that was a 10 GB buffer, which ran the device out
+    of memory. Tied to the layer's input, each is built when its layer runs."""
+    return jax.lax.optimization_barrier((x, w))
