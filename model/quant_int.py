@@ -25,6 +25,7 @@ not the weight's axes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -170,18 +171,38 @@ def quantize_rtn(w, *, bits: int = 4, group_size: int = 128, symmetric: bool = T
 
 def quantize_weight(w, in_axes: int, mode: str, lead: int = 0) -> PackedInt:
     """One float linear weight (param shape, `in_axes` input axes) quantized RTN, packed;
-    with `lead` 1, stacked experts [E, in..., out...], each expert quantized on its own."""
+    with `lead` 1, stacked experts [E, in..., out...], each expert quantized on its own. Runs
+    where the weight is (on the device for a loaded one): `quantize_rtn` and the kernel's
+    packing in one program."""
     bits, group = MODES[mode]
     shape = tuple(w.shape)
     k = math.prod(shape[lead:lead + in_axes])
-    if group != -1 and k % group:
-        group = -1  # a K that groups do not tile takes one scale per output channel
-    w = np.asarray(w, np.float32)
-    if lead:
-        return pack_experts([quantize_rtn(we.reshape(k, -1), bits=bits, group_size=group)
-                             for we in w.reshape(-1, *shape[lead:])], shape, in_axes)
-    lin = quantize_rtn(w.reshape(k, -1), bits=bits, group_size=group)
-    return pack_linear(lin, shape, in_axes)
+    if group == -1 or k % group:
+        group = k  # a K that groups do not tile takes one scale per output channel
+    fn = functools.partial(rtn_packed, bits=bits, group_size=group)
+    w = jnp.asarray(w).reshape(*shape[:lead], k, -1)
+    words, scale = jax.vmap(fn)(w) if lead else fn(w)
+    k_pad = im.padded_k(k, bits)
+    return PackedInt(words, scale, None, None, shape, in_axes, bits,
+                     k_pad if group >= k else group, lead=lead)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
+def rtn_packed(w, *, bits: int, group_size: int):
+    """Symmetric `quantize_rtn` of w [K, N] and `w4a16_matmul.pack_weight`'s layout in jnp:
+    (int32 words, float32 scale padded to the packed K)."""
+    k, n = w.shape
+    half, per, k_pad = 2 ** (bits - 1), 32 // bits, im.padded_k(k, bits)
+    wg = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
+    scale = jnp.abs(wg).max(axis=1) / (half - 1)
+    scale = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.clip(jnp.round(wg / scale[:, None]) + half, 0, 2 * half - 1)
+    codes = jnp.pad(codes.astype(jnp.uint32).reshape(k, n), ((0, k_pad - k), (0, 0)))
+    planes = codes.reshape(k_pad // im.tile_rows(bits), per, im.SLAB, n)
+    words = sum(planes[:, j] << (bits * j) for j in range(per))  # disjoint bits: sum is OR
+    words = jax.lax.bitcast_convert_type(words.reshape(k_pad // per, n), jnp.int32)
+    groups = -(-k_pad // (k_pad if group_size >= k else group_size))
+    return words, jnp.pad(scale, ((0, groups - scale.shape[0]), (0, 0)), constant_values=1.0)
 
 
 def quantize_params(params, mode: str | None = "w4a16"):

@@ -63,3 +63,30 @@ def test_bad_group_size_is_refused():
     with pytest.raises(ValueError, match="group_size=48"):
         im.pack_weight(np.zeros((512, 16), np.int32), np.ones((11, 16)), None, bits=4,
                        group_size=48)
+
+
+@pytest.mark.parametrize("shape,lead,mode", [
+    ((384, 256), 0, "w4a16"),       # K padded to the 512-row tile, a group of pad scales
+    ((512, 3, 64), 0, "w4a16"),     # several output axes
+    ((4, 256, 128), 1, "w4a16"),    # stacked experts, each its own scales
+    ((320, 64), 0, "w8a16"),        # channel-wise
+])
+def test_quantize_on_load_is_rtn_packed(shape, lead, mode):
+    """The weight quantized where it lies (one jitted program) against numpy's RTN and the
+    kernel's packing: codes that differ only where a value sits on a rounding tie (XLA
+    divides by multiplying with the reciprocal), scales to float32 rounding."""
+    from pallasite.model import quant_int as qi
+    rng = np.random.default_rng(len(shape) + lead)
+    w = jnp.asarray(rng.normal(size=shape) * 0.02, jnp.bfloat16)
+    got = qi.quantize_weight(w, 1, mode, lead=lead)
+    bits, group = qi.MODES[mode]
+    k = shape[lead]
+    mats = np.asarray(w, np.float32).reshape(-1, k, int(np.prod(shape[lead + 1:])))
+    lins = [qi.quantize_rtn(m, bits=bits, group_size=group if k % max(group, 1) == 0 else -1)
+            for m in mats]
+    want = qi.pack_experts(lins, shape, 1) if lead else qi.pack_linear(lins[0], shape, 1)
+    assert (got.shape, got.group_size, got.lead) == (want.shape, want.group_size, want.lead)
+    np.testing.assert_allclose(np.asarray(got.scale), np.asarray(want.scale), rtol=1e-6)
+    codes = lambda p: np.asarray(im.unpack(p.words.reshape(-1, p.words.shape[-1]), bits))
+    diff = np.abs(codes(got).astype(int) - codes(want).astype(int))
+    assert diff.max() <= 1 and diff.mean() < 5e-3
