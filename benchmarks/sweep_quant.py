@@ -120,12 +120,14 @@ def int4_variants(m, k, n, tier):
     """kwargs of im.int_matmul (block_n and num_splits always named, so no table applies)."""
     num_tiles = im.padded_k(k, 4) // im.tile_rows(4)
 
-    def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False):
+    def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False, bm=None):
         bn = min(bn, n)
-        bm = im.block_m_for(m) if reduce in im.MMA_REDUCES else pl.next_power_of_2(m)
+        named = bm is not None and bm <= pl.next_power_of_2(m)
+        bm = bm if named else (im.block_m_for(m) if reduce in im.MMA_REDUCES
+                               else pl.next_power_of_2(m))
         splits = im.splits_for(-(-m // bm) * bm, n, num_tiles, bm, bn, target)
         return dict(block_n=bn, num_splits=splits, num_warps=warps, num_stages=stages,
-                    unpack=unpack, reduce=reduce, swap=swap)
+                    unpack=unpack, reduce=reduce, swap=swap, **({"block_m": bm} if named else {}))
     if tier == 3:  # a group's slabs summed first, beside the best per-slab forms before
         if m == 1:
             return [v(64, 1056, 4, 3, reduce="acc"), v(32, 2112, 4, 3, reduce="acc")] + [
@@ -137,12 +139,18 @@ def int4_variants(m, k, n, tier):
                     v(32, 2112, 4, 3, reduce="acc_group"), v(128, 528, 4, 3, reduce="acc_group"),
                     v(128, 264, 4, 3), v(128, 264, 4, 3, reduce="dot_group"),
                     v(128, 264, 4, 3, reduce="dot_group", swap=True)]
-        return [v(128, 264, 4, 3), v(128, 264, 4, 3, unpack="convert")] + [
+        out = [v(128, 264, 4, 3), v(128, 264, 4, 3, unpack="convert")] + [
             v(bn, target, warps, stages, reduce="dot_group", swap=swap, unpack=unpack)
             for bn, target, warps, stages, swap, unpack in (
                 (128, 264, 4, 3, False, "magic"), (128, 264, 4, 3, True, "magic"),
                 (64, 528, 4, 3, False, "magic"), (256, 264, 8, 3, False, "magic"),
                 (128, 264, 4, 4, False, "magic"), (128, 264, 4, 3, False, "convert"))]
+        if m >= 32:  # taller row blocks: each unpacked slab feeds more rows
+            out += [v(bn, 264, warps, stages, reduce="dot_group", bm=bm)
+                    for bm, bn, warps, stages in ((32, 128, 4, 3), (128, 128, 8, 3),
+                                                  (128, 64, 4, 3), (128, 256, 8, 3),
+                                                  (256, 128, 8, 3), (128, 128, 8, 4))]
+        return out
     if tier == 1:
         out = [v(128, 264, 4, 3, unpack="convert"), v(128, 264, 4, 3),
                v(128, 264, 4, 3, swap=True), v(64, 528, 4, 3)]
@@ -234,6 +242,11 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
             lambda x, q, s: qr.w8a8_matmul(x, q, s, layout="nk")), (case.q_nk, case.scale)))
     jobs += [("int4", kw, int4_fn(kw, interpret), (case.words, case.s4))
              for kw in int4_variants(m, k, n, tier)]
+    if tier == 3 and m >= 16:  # what the library does past INT_MATMUL_MAX_ROWS rows
+        refs["int4_xla"] = refs["int4"]
+        jobs.append(("int4_xla", dict(dequantize="xla"), jax.jit(
+            lambda x, w, s: x @ im.dequantize(w, s, None, bits=4, group_size=GROUP).astype(
+                x.dtype)), (case.words, case.s4)))
     if args.tiny:  # a few of each kind, so that every code path runs once in interpret mode
         keep = lambda kern, n: [j for j in jobs if j[0] == kern][:n] + [
             j for j in jobs if j[0] == kern and j[1].get("reduce") == "sum"][:1] + [
@@ -274,7 +287,7 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
         baseline.update(bf16_ms=ms[-3], copy8_ms=ms[-2], copy4_ms=ms[-1])
         ms = ms[:-3]
     for (rec, _, _), t in zip(timed, ms):
-        fp8 = rec["kernel"] != "int4"
+        fp8 = not rec["kernel"].startswith("int4")
         nbytes = case.fp8_bytes if fp8 else case.int4_bytes
         copy_ms = baseline["copy8_ms" if fp8 else "copy4_ms"]
         ceiling = 2 * nbytes / (copy_ms * 1e-3)  # bytes read + written per second
