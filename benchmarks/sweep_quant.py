@@ -14,8 +14,7 @@ to match (relative error > 1e-3) is recorded and not timed. Times are the median
 calls of the GPU time of the kernels one call launches (one profiler trace per case, the L2
 flushed before every call; `benchmarks/common.py`), the split-K reduction included. Variants
 run in tiers: the first tier over every case, then the second (tier 3: the INT4 kernel's
-per-group forms beside its best per-slab ones; tier 4: those with the next tile's words loaded
-ahead); --time-limit stops between
+per-group forms beside its best per-slab ones); --time-limit stops between
 variants and writes what it has. Writes DIR/sweep_quant.json (every record) and prints the best
 variant per kernel, shape and M (TB/s on the weight and scale bytes, fraction of the copy
 ceiling, speed-up over bf16) and the `kernels/tuning.py` QUANT_MATMUL entries they make.
@@ -71,7 +70,7 @@ def fp8_variants(m, k, n, tier):
         if extra.get("reduce", "dot") != "dot":
             kw["block_m"] = 1
         return kw
-    if tier >= 3:  # the INT4 kernel's tiers only
+    if tier == 3:  # the INT4 kernel's tier only
         return []
     if tier == 1:
         out = [wm.blocks_for(m, k, n) | dict(num_warps=4, num_stages=4),
@@ -121,26 +120,14 @@ def int4_variants(m, k, n, tier):
     """kwargs of im.int_matmul (block_n and num_splits always named, so no table applies)."""
     num_tiles = im.padded_k(k, 4) // im.tile_rows(4)
 
-    def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False, bm=None,
-          prefetch=False):
+    def v(bn, target, warps, stages, unpack="magic", reduce="dot", swap=False, bm=None):
         bn = min(bn, n)
         named = bm is not None and bm <= pl.next_power_of_2(m)
         bm = bm if named else (im.block_m_for(m) if reduce in im.MMA_REDUCES
                                else pl.next_power_of_2(m))
         splits = im.splits_for(-(-m // bm) * bm, n, num_tiles, bm, bn, target)
         return dict(block_n=bn, num_splits=splits, num_warps=warps, num_stages=stages,
-                    unpack=unpack, reduce=reduce, swap=swap, **({"block_m": bm} if named else {}),
-                    **({"prefetch": True} if prefetch else {}))
-    if tier == 4:  # the next tile's words loaded ahead, beside the same tiles without
-        if m <= 8:
-            out = [v(64, 1056, 4, 3, reduce="acc"), v(64, 1056, 4, 3, reduce="acc_group")] + [
-                v(bn, target, 4, 3, reduce="acc_group", prefetch=True)
-                for bn, target in ((64, 1056), (32, 2112), (128, 528), (64, 528))]
-            return out + ([v(128, 264, 4, 3, reduce="dot_group", prefetch=p) for p in (0, 1)]
-                          if m > 1 else [])
-        return [v(128, 264, 4, 3, reduce="dot_group", swap=sw, unpack=u, prefetch=p)
-                for sw, u in ((False, "magic"), (True, "magic"), (False, "convert"))
-                for p in (False, True)]
+                    unpack=unpack, reduce=reduce, swap=swap, **({"block_m": bm} if named else {}))
     if tier == 3:  # a group's slabs summed first, beside the best per-slab forms before
         if m == 1:
             return [v(64, 1056, 4, 3, reduce="acc"), v(32, 2112, 4, 3, reduce="acc")] + [
@@ -266,7 +253,7 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
             j for j in jobs if j[0] == kern and j[1].get("reduce") == "acc"][:1] + [
             j for j in jobs if j[0] == kern and j[1].get("reduce", "").endswith("group")][:2]
         jobs = (keep("fp8", 2) + keep("fp8_nk", 1) + keep("int4", 2) if tier == 1
-                else keep("int4", 0) if tier >= 3 else keep("fp8", 2)[1:2])
+                else keep("int4", 0) if tier == 3 else keep("fp8", 2)[1:2])
     jobs = [j for j in jobs if j[0] in args.kernels.split(",")]
     records, timed = [], []
     for kernel, kw, fn, wargs in jobs:

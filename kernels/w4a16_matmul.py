@@ -215,13 +215,11 @@ def _one_plus(words, j: int, bits: int):
 
 
 def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles,
-                  unpack, reduce, swap, prefetch):
+                  unpack, reduce, swap):
     """The per-group forms: the slabs of one group are summed first, and the group's zero and
     scale are applied once to that sum (not once a slab). "dot_group" chains the slabs' MMAs
     into one product; "acc_group" (up to 8 rows) does one float32 FMA a weight on 1 + c/2**bits
-    into each row's [SLAB, block_n] sum, so x . (c - z) = 2**bits (x . w' - (1 + z/2**bits) sum x).
-    `prefetch` loads the next tile's words before this tile's work (Triton pipelines only the
-    loads that feed a dot)."""
+    into each row's [SLAB, block_n] sum, so x . (c - z) = 2**bits (x . w' - (1 + z/2**bits) sum x)."""
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     per, mask, tile = 32 // bits, (1 << bits) - 1, tile_rows(bits)
     span = math.gcd(group_size, tile) // SLAB  # slabs a chunk, all of them in one group
@@ -270,28 +268,19 @@ def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split,
             part = part - (xsum.T if swap else xsum) * _t(BF16_BIAS + zero_of(g), swap)
         return acc + part * _t(scale, swap)
 
-    def load(t):  # a tile's words; clamped, so a split past the last tile reads nothing out
-        t = jnp.minimum(t, num_tiles - 1)
-        return w_ref[pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), :]
-
-    def body(t, state):
-        carry, words = state if prefetch else (state, load(t))
-        ahead = load(t + 1) if prefetch else None  # issued before this tile's work
+    def body(t, carry):
+        words = w_ref[pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), :]
         for c in range(per // span):
             carry = (mma_chunk(words, t, c, carry) if reduce == "dot_group"
                      else fma_chunk(words, t, c, *carry))
-        return (carry, ahead) if prefetch else carry
-
-    def run(init):
-        out = lax.fori_loop(lo, hi, body, (init, load(lo)) if prefetch else init)
-        return out[0] if prefetch else out
+        return carry
 
     if reduce == "dot_group":
-        acc = run(jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        acc = lax.fori_loop(lo, hi, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
         o_ref[...] = (acc.T if swap else acc).astype(o_ref.dtype).reshape(o_ref.shape)
         return
-    accs, corrs = run(([jnp.zeros((SLAB, bn), jnp.float32)] * bm,
-                       [jnp.zeros((1, bn), jnp.float32)] * bm))
+    init = ([jnp.zeros((SLAB, bn), jnp.float32)] * bm, [jnp.zeros((1, bn), jnp.float32)] * bm)
+    accs, corrs = lax.fori_loop(lo, hi, body, init)
     for r, (acc, corr) in enumerate(zip(accs, corrs)):
         out = (2.0 ** bits * (jnp.sum(acc, axis=0, keepdims=True) - corr)).astype(o_ref.dtype)
         if one_d:
@@ -307,12 +296,11 @@ def _t(a, swap: bool):
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_m", "block_n",
                                              "num_splits", "num_warps", "num_stages", "unpack",
-                                             "reduce", "swap", "prefetch", "interpret"))
+                                             "reduce", "swap", "interpret"))
 def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
                       block_m: int = 16, block_n: int = 128, num_splits: int = 1,
                       num_warps: int = 4, num_stages: int = 3, unpack: str = "convert",
-                      reduce: str = "dot", swap: bool = False, prefetch: bool = False,
-                      interpret: bool = False):
+                      reduce: str = "dot", swap: bool = False, interpret: bool = False):
     """x [M_pad, K_pad] (M_pad a multiple of block_m, K padded with zeros) -> [M_pad, N].
 
     `unpack="magic"` (INT4, bf16 x) makes each code a bf16 by its bit pattern and takes the
@@ -320,8 +308,7 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     to 8 rows, each its own accumulator) multiplies and sums in float32 instead of a padded MMA;
     "acc" keeps each row's products in a [SLAB, block_n] float32 accumulator and sums it once
     after the loop. "dot_group" and "acc_group" are "dot" and "acc" with a group's slabs summed
-    before its zero and scale are applied (`_group_kernel`; `prefetch` loads a tile ahead
-    there). `swap` computes
+    before its zero and scale are applied (`_group_kernel`). `swap` computes
     w^T x^T, so the unpacked slab (block_n rows) is the MMA's left operand, as Hopper's
     warpgroup MMA wants, and the few rows of x its narrow right one."""
     m, k_pad = x.shape
@@ -341,14 +328,10 @@ def int_matmul_packed(x, words, scale, zero=None, *, bits: int, group_size: int,
     num_tiles = k_pad // tile_rows(bits)
     per_split = -(-num_tiles // num_splits)
     grouped = reduce in ("dot_group", "acc_group")
-    if prefetch and not grouped:
-        raise ValueError(f"int matmul: prefetch takes reduce='dot_group' or 'acc_group', not "
-                         f"{reduce!r}")
     kernel = functools.partial(_group_kernel if grouped else _kernel, bits=bits,
                                group_size=group_size, tiles_per_split=per_split,
                                num_tiles=num_tiles, unpack=unpack, reduce=reduce,
-                               swap=swap and reduce in MMA_REDUCES,
-                               **({"prefetch": prefetch} if grouped else {}))
+                               swap=swap and reduce in MMA_REDUCES)
     groups = scale.shape[0]
     x_block = (None, k_pad) if reduce not in MMA_REDUCES and block_m == 1 else (block_m, k_pad)
     in_specs = [pl.BlockSpec(x_block, lambda i, j, s: (i, 0)),
