@@ -40,6 +40,7 @@ from . import w4a16_matmul as im
 from .reference import grouped_mlp_reference, silu_glu
 
 SLAB = im.SLAB
+FMA_MAX_ROWS = 8  # row blocks up to this size take float32 FMAs instead of an MMA
 
 
 class IntExperts(NamedTuple):
@@ -102,9 +103,10 @@ def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, n
     lo = pl.program_id(2) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, num_tiles)
     per, mask, tile = 32 // bits, (1 << bits) - 1, im.tile_rows(bits)
-    span = math.gcd(group_size, tile) // SLAB if per_group else 1  # slabs summed before scaling
+    bm, block_n = o_ref.shape
+    fma = bm <= FMA_MAX_ROWS  # too few rows for an MMA: float32 FMAs, a group at a time
+    span = math.gcd(group_size, tile) // SLAB if per_group or fma else 1  # slabs a scaling
     magic = per_group and bits == 4 and x_ref.dtype == jnp.bfloat16
-    block_n = o_ref.shape[1]
     cols = pl.ds(pl.program_id(1) * block_n, block_n)
 
     def zero_of(g):
@@ -134,15 +136,29 @@ def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, n
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
+    def fma_chunk(words, t, c, accs, corrs):
+        """Few rows: one group's slabs by FMA on 1 + c/2**bits (`w4a16_matmul.fma_group`)."""
+        g = (t * tile + c * span * SLAB) // group_size
+        rows = lambda j: [x_ref[r, pl.ds(t * tile + j * SLAB, SLAB)].astype(jnp.float32)
+                          for r in range(bm)]
+        return im.fma_group(words, range(c * span, (c + 1) * span), rows, bits, zero_of(g),
+                            s_ref[e, pl.ds(g, 1), cols], accs, corrs)
+
     @pl.when(e >= 0)
     def _():
         def body(t, acc):
             words = w_ref[e, pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), cols]
             for c in range(per // span):
-                acc = chunk(words, t, c, acc)
+                acc = fma_chunk(words, t, c, *acc) if fma else chunk(words, t, c, acc)
             return acc
-        acc = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape, jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        if not fma:
+            acc = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape, jnp.float32))
+            o_ref[...] = acc.astype(o_ref.dtype)
+            return
+        accs, corrs = lax.fori_loop(lo, hi, body, ([jnp.zeros((SLAB, block_n), jnp.float32)] * bm,
+                                                   [jnp.zeros((1, block_n), jnp.float32)] * bm))
+        for r, (a, q) in enumerate(zip(accs, corrs)):
+            o_ref[pl.ds(r, 1), :] = im.fma_result(a, q, bits).astype(o_ref.dtype)
 
 
 def block_n_for(n: int, block_n: int = 128) -> int:
@@ -224,6 +240,12 @@ def grouped_int_matmul_padded(x_pad, words, scale, zero, block_group, *, bits: i
     return out.sum(0).astype(x_pad.dtype) if split else out[0]
 
 
+def block_m_for(m: int, experts: int) -> int:
+    """At most a row an expert on average (decode): blocks of one row, read by FMAs, so each
+    expert's weights are read once for its row rather than once for 16 mostly padded rows."""
+    return 1 if m <= experts else gm.block_m_for(m, experts)
+
+
 def live_blocks(m: int, experts: int, block_m: int) -> int:
     """The most row blocks M rows can fill: each expert with rows starts a block of its own."""
     return -(-m // block_m) + min(experts, m)
@@ -252,6 +274,8 @@ def _matmul_padded(x_pad, w, block_group, *, interpret, live_blocks=None, **bloc
     bf16 grouped kernel). `live_blocks`: at most this many row blocks hold rows (split-K
     fills the GPU when they are few)."""
     if isinstance(w, IntExperts):
+        if x_pad.shape[0] // block_group.shape[0] <= FMA_MAX_ROWS:  # FMA rows: narrower tiles
+            blocks = dict(blocks, block_n=blocks.get("block_n", 64))
         if "num_splits" not in blocks and live_blocks is not None:
             col_tiles = w.n // block_n_for(w.n, blocks.get("block_n", 128))
             blocks = dict(blocks, num_splits=splits_for(
@@ -268,7 +292,7 @@ def grouped_int_matmul(x, group_sizes, w: IntExperts, *, block_m: int | None = N
                        interpret: bool = False, **blocks):
     """`grouped_int_matmul_reference` through the kernel: x [M, K] sorted by expert ->
     [M, N] in x's dtype."""
-    block_m = block_m or gm.block_m_for(x.shape[0], w.words.shape[0])
+    block_m = block_m or block_m_for(x.shape[0], w.words.shape[0])
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
     y = _matmul_padded(x_pad, w, block_group, interpret=interpret,
                        live_blocks=live_blocks(x.shape[0], w.words.shape[0], block_m), **blocks)
@@ -283,7 +307,7 @@ def grouped_int_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=No
     and the three products run there."""
     glu = glu or silu_glu
     experts_n = (w_gate.words if isinstance(w_gate, IntExperts) else w_gate).shape[0]
-    block_m = block_m or gm.block_m_for(x.shape[0], experts_n)
+    block_m = block_m or block_m_for(x.shape[0], experts_n)
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
     live = live_blocks(x.shape[0], experts_n, block_m)
     mm = lambda a, w: _matmul_padded(a, w, block_group, interpret=interpret, live_blocks=live,

@@ -214,6 +214,28 @@ def _one_plus(words, j: int, bits: int):
     return lax.bitcast_convert_type((moved & (((1 << bits) - 1) << top)) | F32_ONE, jnp.float32)
 
 
+def fma_group(words, planes, x_rows, bits: int, zero, scale, accs, corrs):
+    """One group's bit planes by FMA, for a few rows: each row's [SLAB, N] sum of x * (1 +
+    c/2**bits) and its sum of x, then the group's scale on the first and (1 + zero/2**bits)
+    times the scale on the second, into the rows' running `accs` and `corrs`. `x_rows(j)`:
+    each row's SLAB columns under plane j, float32."""
+    part, xsum = None, None
+    for j in planes:
+        w, xs = _one_plus(words, j, bits), x_rows(j)
+        prods = [x[:, None] * w for x in xs]
+        part = prods if part is None else [p + q for p, q in zip(part, prods)]
+        sums = [jnp.sum(x) for x in xs]
+        xsum = sums if xsum is None else [a + b for a, b in zip(xsum, sums)]
+    off = (1.0 + zero / 2 ** bits) * scale
+    return ([a + p * scale for a, p in zip(accs, part)],
+            [q + x * off for q, x in zip(corrs, xsum)])
+
+
+def fma_result(acc, corr, bits: int):
+    """A row's [1, N] product from `fma_group`'s running sums: x . (c - zero) * scale."""
+    return 2.0 ** bits * (jnp.sum(acc, axis=0, keepdims=True) - corr)
+
+
 def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_tiles,
                   unpack, reduce, swap):
     """The per-group forms: the slabs of one group are summed first, and the group's zero and
@@ -237,18 +259,9 @@ def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split,
         return [x_ref[r, pl.ds(k0, SLAB)].astype(jnp.float32) for r in range(bm)]
 
     def fma_chunk(words, t, c, accs, corrs):
-        part, xsum = None, None
-        for j in range(c * span, (c + 1) * span):
-            w, xs = _one_plus(words, j, bits), x_rows(t * tile + j * SLAB)
-            prods = [x[:, None] * w for x in xs]
-            part = prods if part is None else [p + q for p, q in zip(part, prods)]
-            sums = [jnp.sum(x) for x in xs]
-            xsum = sums if xsum is None else [a + b for a, b in zip(xsum, sums)]
         g = (t * tile + c * span * SLAB) // group_size
-        scale = s_ref[pl.ds(g, 1), :]
-        off = (1.0 + zero_of(g) / 2 ** bits) * scale
-        return ([a + p * scale for a, p in zip(accs, part)],
-                [q + x * off for q, x in zip(corrs, xsum)])
+        return fma_group(words, range(c * span, (c + 1) * span), lambda j: x_rows(
+            t * tile + j * SLAB), bits, zero_of(g), s_ref[pl.ds(g, 1), :], accs, corrs)
 
     def mma_chunk(words, t, c, acc):
         part, xsum = None, 0.0
@@ -282,7 +295,7 @@ def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split,
     init = ([jnp.zeros((SLAB, bn), jnp.float32)] * bm, [jnp.zeros((1, bn), jnp.float32)] * bm)
     accs, corrs = lax.fori_loop(lo, hi, body, init)
     for r, (acc, corr) in enumerate(zip(accs, corrs)):
-        out = (2.0 ** bits * (jnp.sum(acc, axis=0, keepdims=True) - corr)).astype(o_ref.dtype)
+        out = fma_result(acc, corr, bits).astype(o_ref.dtype)
         if one_d:
             o_ref[...] = out.reshape(o_ref.shape)
         else:

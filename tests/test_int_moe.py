@@ -73,6 +73,9 @@ def numpy_grouped(x, sizes, w):
     (9, 3, 1280, 32, 4, 128, True, False, jnp.float32, 16, dict(num_splits=3)),  # 5 K tiles
     (40, 3, 768, 64, 4, 384, True, False, jnp.bfloat16, 16, dict(num_splits=2)),  # bf16 128 + c
     (26, 4, 512, 64, 4, 128, True, False, jnp.bfloat16, 16, dict(per_group=False)),
+    (3, 6, 768, 64, 4, 384, True, False, jnp.bfloat16, 1, dict(num_splits=2)),  # FMA rows
+    (7, 3, 256, 64, 8, 64, True, True, jnp.float32, 4, {}),
+    (4, 8, 320, 32, 4, -1, False, False, jnp.bfloat16, None, {}),  # the rule picks 1 row
 ])
 def test_kernel_equals_reference_and_numpy(m, e, k, n, bits, group, asym, perm, dtype, block_m,
                                            extra):
