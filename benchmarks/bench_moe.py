@@ -90,6 +90,15 @@ def int_case(name, tokens, rng, copy_bps, bits):
     err_slab = float(jnp.linalg.norm((got_slab - want).astype(jnp.float32))
                      / jnp.linalg.norm(want.astype(jnp.float32)))
     t_slab = host_ms(slab, x, sizes, arrays)
+    t_fma = err_fma = None
+    if x.shape[0] <= e:  # a row an expert or fewer: one-row blocks by FMA, same run
+        fma = jax.jit(lambda x, s, a: kernels.grouped_mlp(x, s, *packed(a), impl="pallas",
+                                                          block_m=1))
+        poison()
+        got_fma = fma(x, sizes, arrays)
+        err_fma = float(jnp.linalg.norm((got_fma - want).astype(jnp.float32))
+                        / jnp.linalg.norm(want.astype(jnp.float32)))
+        t_fma = host_ms(fma, x, sizes, arrays)
     del ws, arrays, packed
     wb = [jax.random.normal(keys[4], shape, jnp.bfloat16) * 0.02
           for shape in ((e, d, f), (e, d, f), (e, f, d))]
@@ -99,7 +108,8 @@ def int_case(name, tokens, rng, copy_bps, bits):
     mem_ms = used * 3 * d * f * (bits / 8 + 4 / 128) / copy_bps * 1e3
     return dict(model=name, mode=f"w{bits}a16_experts", tokens=tokens, rows=tokens * k,
                 experts_used=used, int_ms=t_int, bf16_ms=t_bf16, speedup_vs_bf16=t_bf16 / t_int,
-                int_per_slab_ms=t_slab, rel_err_per_slab=err_slab, memory_floor_ms=mem_ms,
+                int_per_slab_ms=t_slab, rel_err_per_slab=err_slab, int_fma_rows_ms=t_fma,
+                rel_err_fma_rows=err_fma, memory_floor_ms=mem_ms,
                 of_floor=mem_ms / t_int, rel_err=err)
 
 

@@ -40,7 +40,10 @@ from . import w4a16_matmul as im
 from .reference import grouped_mlp_reference, silu_glu
 
 SLAB = im.SLAB
-FMA_MAX_ROWS = 8  # row blocks up to this size take float32 FMAs instead of an MMA
+# Row blocks up to this size (asked for with block_m; the default blocks are 16 or 64 rows)
+# take float32 FMAs instead of an MMA: at a row an expert (decode) a one-row block reads each
+# expert's weights once for its row, not for 16 mostly padded ones. Not yet timed on a GPU.
+FMA_MAX_ROWS = 8
 
 
 class IntExperts(NamedTuple):
@@ -240,12 +243,6 @@ def grouped_int_matmul_padded(x_pad, words, scale, zero, block_group, *, bits: i
     return out.sum(0).astype(x_pad.dtype) if split else out[0]
 
 
-def block_m_for(m: int, experts: int) -> int:
-    """At most a row an expert on average (decode): blocks of one row, read by FMAs, so each
-    expert's weights are read once for its row rather than once for 16 mostly padded rows."""
-    return 1 if m <= experts else gm.block_m_for(m, experts)
-
-
 def live_blocks(m: int, experts: int, block_m: int) -> int:
     """The most row blocks M rows can fill: each expert with rows starts a block of its own."""
     return -(-m // block_m) + min(experts, m)
@@ -292,7 +289,7 @@ def grouped_int_matmul(x, group_sizes, w: IntExperts, *, block_m: int | None = N
                        interpret: bool = False, **blocks):
     """`grouped_int_matmul_reference` through the kernel: x [M, K] sorted by expert ->
     [M, N] in x's dtype."""
-    block_m = block_m or block_m_for(x.shape[0], w.words.shape[0])
+    block_m = block_m or gm.block_m_for(x.shape[0], w.words.shape[0])
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
     y = _matmul_padded(x_pad, w, block_group, interpret=interpret,
                        live_blocks=live_blocks(x.shape[0], w.words.shape[0], block_m), **blocks)
@@ -307,7 +304,7 @@ def grouped_int_mlp(x, group_sizes, w_gate, w_up, w_down, *, glu=None, biases=No
     and the three products run there."""
     glu = glu or silu_glu
     experts_n = (w_gate.words if isinstance(w_gate, IntExperts) else w_gate).shape[0]
-    block_m = block_m or block_m_for(x.shape[0], experts_n)
+    block_m = block_m or gm.block_m_for(x.shape[0], experts_n)
     x_pad, dest, block_group = gm.pad_groups(x, group_sizes, block_m)
     live = live_blocks(x.shape[0], experts_n, block_m)
     mm = lambda a, w: _matmul_padded(a, w, block_group, interpret=interpret, live_blocks=live,

@@ -75,7 +75,7 @@ def numpy_grouped(x, sizes, w):
     (26, 4, 512, 64, 4, 128, True, False, jnp.bfloat16, 16, dict(per_group=False)),
     (3, 6, 768, 64, 4, 384, True, False, jnp.bfloat16, 1, dict(num_splits=2)),  # FMA rows
     (7, 3, 256, 64, 8, 64, True, True, jnp.float32, 4, {}),
-    (4, 8, 320, 32, 4, -1, False, False, jnp.bfloat16, None, {}),  # the rule picks 1 row
+    (4, 8, 320, 32, 4, -1, False, False, jnp.bfloat16, 2, {}),  # FMA rows, per channel
 ])
 def test_kernel_equals_reference_and_numpy(m, e, k, n, bits, group, asym, perm, dtype, block_m,
                                            extra):
