@@ -105,7 +105,7 @@ def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, n
     e = group_ref[pl.program_id(0)]
     lo = pl.program_id(2) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, num_tiles)
-    per, mask, tile = 32 // bits, (1 << bits) - 1, im.tile_rows(bits)
+    per, tile = 32 // bits, im.tile_rows(bits)
     bm, block_n = o_ref.shape
     fma = bm <= FMA_MAX_ROWS  # too few rows for an MMA: float32 FMAs, a group at a time
     span = math.gcd(group_size, tile) // SLAB if per_group or fma else 1  # slabs a scaling
@@ -117,22 +117,12 @@ def _kernel(group_ref, x_ref, w_ref, s_ref, *rest, bits: int, group_size: int, n
                 else z_ref[e, pl.ds(g, 1), cols].astype(jnp.float32))
 
     def chunk(words, t, c, acc):
-        """Slabs c * span ... of tile t (one group): their MMAs chained, then zero and scale."""
+        """Slabs c * span ... of tile t (one group; bit plane j holds the tile's rows j * SLAB):
+        their MMAs chained, then the group's zero and scale (`w4a16_matmul.mma_group`)."""
         g = (t * tile + c * span * SLAB) // group_size
-        part, xsum = None, 0.0
-        for j in range(c * span, (c + 1) * span):  # bit plane j holds the tile's rows j * SLAB
-            xs = x_ref[:, pl.ds(t * tile + j * SLAB, SLAB)]
-            raw = (words >> (bits * j)) & mask
-            if magic:  # bf16 128 + c; 128 + zero comes off the group's sum
-                ws = lax.bitcast_convert_type((raw | im.BF16_MAGIC).astype(jnp.int16),
-                                              jnp.bfloat16)
-                xsum = xsum + jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
-            else:
-                ws = (raw.astype(jnp.float32) - zero_of(g)).astype(xs.dtype)  # small ints: exact
-            p = plgpu.dot(xs, ws)
-            part = p if part is None else part + p
-        if magic:
-            part = part - xsum * (im.BF16_BIAS + zero_of(g))
+        part = im.mma_group(words, range(c * span, (c + 1) * span),
+                            lambda j: x_ref[:, pl.ds(t * tile + j * SLAB, SLAB)], bits,
+                            zero_of(g), magic)
         return acc + part * s_ref[e, pl.ds(g, 1), cols]
 
     @pl.when(e < 0)

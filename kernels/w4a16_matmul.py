@@ -214,6 +214,28 @@ def _one_plus(words, j: int, bits: int):
     return lax.bitcast_convert_type((moved & (((1 << bits) - 1) << top)) | F32_ONE, jnp.float32)
 
 
+def mma_group(words, planes, x_cols, bits: int, zero, magic: bool, swap: bool = False):
+    """One group's bit planes through chained MMAs: the group's product before its scale
+    ([M, N], or [N, M] with `swap`, which computes w^T x^T). `magic` (INT4, bf16 x): codes
+    unpack as bf16 128 + c and 128 + zero comes off with the rows' sums of x; otherwise the zero
+    is subtracted in x's dtype (small integers: exact). `x_cols(j)`: x's SLAB columns under
+    plane j."""
+    part, xsum = None, 0.0
+    for j in planes:
+        xs = x_cols(j)
+        raw = (words >> (bits * j)) & ((1 << bits) - 1)
+        if magic:
+            w = lax.bitcast_convert_type((raw | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+            xsum = xsum + jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+        else:
+            w = (raw.astype(jnp.float32) - zero).astype(xs.dtype)
+        p = plgpu.dot(w, xs, trans_a=True, trans_b=True) if swap else plgpu.dot(xs, w)
+        part = p if part is None else part + p
+    if magic:
+        part = part - (xsum.T if swap else xsum) * _t(BF16_BIAS + zero, swap)
+    return part
+
+
 def fma_group(words, planes, x_rows, bits: int, zero, scale, accs, corrs):
     """One group's bit planes by FMA, for a few rows: each row's [SLAB, N] sum of x * (1 +
     c/2**bits) and its sum of x, then the group's scale on the first and (1 + zero/2**bits)
@@ -243,7 +265,7 @@ def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split,
     into one product; "acc_group" (up to 8 rows) does one float32 FMA a weight on 1 + c/2**bits
     into each row's [SLAB, block_n] sum, so x . (c - z) = 2**bits (x . w' - (1 + z/2**bits) sum x)."""
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
-    per, mask, tile = 32 // bits, (1 << bits) - 1, tile_rows(bits)
+    per, tile = 32 // bits, tile_rows(bits)
     span = math.gcd(group_size, tile) // SLAB  # slabs a chunk, all of them in one group
     lo = pl.program_id(2) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, num_tiles)
@@ -264,22 +286,10 @@ def _group_kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split,
             t * tile + j * SLAB), bits, zero_of(g), s_ref[pl.ds(g, 1), :], accs, corrs)
 
     def mma_chunk(words, t, c, acc):
-        part, xsum = None, 0.0
         g = (t * tile + c * span * SLAB) // group_size
-        for j in range(c * span, (c + 1) * span):
-            xs = x_ref[:, pl.ds(t * tile + j * SLAB, SLAB)]
-            raw = (words >> (bits * j)) & mask
-            if unpack == "magic":  # bf16 128 + c; 128 + zero comes off the group's sum
-                w = lax.bitcast_convert_type((raw | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
-                xsum = xsum + jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
-            else:
-                w = (raw.astype(jnp.float32) - zero_of(g)).astype(xs.dtype)  # small ints: exact
-            p = plgpu.dot(w, xs, trans_a=True, trans_b=True) if swap else plgpu.dot(xs, w)
-            part = p if part is None else part + p
-        scale = s_ref[pl.ds(g, 1), :]
-        if unpack == "magic":
-            part = part - (xsum.T if swap else xsum) * _t(BF16_BIAS + zero_of(g), swap)
-        return acc + part * _t(scale, swap)
+        part = mma_group(words, range(c * span, (c + 1) * span), lambda j: x_ref[
+            :, pl.ds(t * tile + j * SLAB, SLAB)], bits, zero_of(g), unpack == "magic", swap)
+        return acc + part * _t(s_ref[pl.ds(g, 1), :], swap)
 
     def body(t, carry):
         words = w_ref[pl.ds(pl.multiple_of(t * SLAB, SLAB), SLAB), :]
