@@ -48,6 +48,8 @@ MS = (1, 2, 4, 16)
 PREFILL_M = 2048
 GROUP = 128
 LIMIT = 1e-3  # relative error against the same-math reference
+# the dequantize-then-XLA product rounds the weights to bf16 first (about 2.6e-3 at these shapes)
+LIMITS = {"int4_xla": 1e-2}
 
 
 # -- variants --------------------------------------------------------------------------------------
@@ -263,8 +265,9 @@ def run_case(name, k, n, m, case, tier, args, deadline, baseline):
         err, fail = check(fn, (xc, *wargs), refs[kernel])
         rec = dict(kernel=kernel, shape=name, k=k, n=n, m=m, tier=tier, params=kw,
                    rel_err=err, check_s=round(time.time() - t0, 2))
-        if fail or not (err is not None and err <= LIMIT):
-            rec["error"] = fail or f"relative error {err} > {LIMIT}"
+        limit = LIMITS.get(kernel, LIMIT)
+        if fail or not (err is not None and err <= limit):
+            rec["error"] = fail or f"relative error {err} > {limit}"
             print(f"  {kernel} {name} M={m} {kw}: FAILED {rec['error'][:160]}", flush=True)
         else:
             timed.append((rec, fn, (x, *wargs)))
