@@ -11,7 +11,9 @@ holds row j * SLAB + r. A program reads one [SLAB, block_n] block of words per t
 32 // bits [SLAB, block_n] weight slabs from it with one shift and one mask each (no reshape in
 registers); every slab lies in one group (group sizes are multiples of SLAB), so its
 subtraction of the zero is exact in bf16 and its scale multiplies the slab's f32 product, once
-per output element rather than once per weight.
+per output element rather than once per weight. The per-group forms (`_group_kernel`) go
+further: the slabs of one group are summed first (chained MMAs, or FMAs for a few rows) and the
+group's zero and scale applied once to that sum.
 
 Split-K: for few rows (decode) the [M, N] output has too few column blocks to fill the GPU, so
 `num_splits` programs share each block's K tiles and write f32 partial sums that one XLA
