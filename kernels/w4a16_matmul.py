@@ -53,30 +53,24 @@ def check_group(group_size: int, k_pad: int):
                          f"(and divide the padded K={k_pad}, or cover it)")
 
 
-def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+def pack(codes, bits: int) -> jax.Array:
     """Unsigned codes [K, N] (each < 2**bits) -> int32 words [K_pad // (32 // bits), N], K padded
-    with zero codes to a multiple of `tile_rows(bits)`."""
+    with zero codes to a multiple of `tile_rows(bits)` (jnp: on the host or traced)."""
     if bits not in BITS:
         raise ValueError(f"int matmul: bits={bits} is not one of {BITS}")
-    codes = np.asarray(codes)
     k, n = codes.shape
     per, k_pad = 32 // bits, padded_k(k, bits)
-    full = np.zeros((k_pad, n), np.uint32)
-    full[:k] = codes
+    full = jnp.pad(jnp.asarray(codes, jnp.uint32), ((0, k_pad - k), (0, 0)))
     planes = full.reshape(k_pad // tile_rows(bits), per, SLAB, n)
-    words = np.zeros((k_pad // tile_rows(bits), SLAB, n), np.uint32)
-    for j in range(per):
-        words |= planes[:, j] << np.uint32(bits * j)
-    return words.reshape(k_pad // per, n).view(np.int32)
+    words = sum(planes[:, j] << (bits * j) for j in range(per))  # disjoint bits: sum is OR
+    return lax.bitcast_convert_type(words.reshape(k_pad // per, n), jnp.int32)
 
 
 def pack_groups(a, k_pad: int, group_size: int, fill, dtype):
     """Per-group rows [ceil(K / group_size), N] padded to cover K_pad (`fill` in the new rows)."""
-    a = np.asarray(a, dtype)
+    a = jnp.asarray(a, dtype)
     rows = -(-k_pad // group_size)
-    if a.shape[0] < rows:
-        a = np.concatenate([a, np.full((rows - a.shape[0], a.shape[1]), fill, dtype)])
-    return a
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)), constant_values=fill)
 
 
 def pack_weight(codes, scale, zero, *, bits: int, group_size: int):
@@ -87,9 +81,9 @@ def pack_weight(codes, scale, zero, *, bits: int, group_size: int):
     k_pad = padded_k(k, bits)
     group_size = k_pad if group_size >= k else group_size
     check_group(group_size, k_pad)
-    scale = pack_groups(scale, k_pad, group_size, 1.0, np.float32)
+    scale = pack_groups(scale, k_pad, group_size, 1.0, jnp.float32)
     if zero is not None:
-        zero = jnp.asarray(pack_groups(zero, k_pad, group_size, 0.0, np.float32), jnp.bfloat16)
+        zero = pack_groups(zero, k_pad, group_size, 0.0, jnp.float32).astype(jnp.bfloat16)
     return pack(codes, bits), scale, zero, group_size
 
 

@@ -192,17 +192,14 @@ def rtn_packed(w, *, bits: int, group_size: int):
     """Symmetric `quantize_rtn` of w [K, N] and `w4a16_matmul.pack_weight`'s layout in jnp:
     (int32 words, float32 scale padded to the packed K)."""
     k, n = w.shape
-    half, per, k_pad = 2 ** (bits - 1), 32 // bits, im.padded_k(k, bits)
+    half, k_pad = 2 ** (bits - 1), im.padded_k(k, bits)
     wg = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
     scale = jnp.abs(wg).max(axis=1) / (half - 1)
     scale = jnp.where(scale > 0, scale, 1.0)
     codes = jnp.clip(jnp.round(wg / scale[:, None]) + half, 0, 2 * half - 1)
-    codes = jnp.pad(codes.astype(jnp.uint32).reshape(k, n), ((0, k_pad - k), (0, 0)))
-    planes = codes.reshape(k_pad // im.tile_rows(bits), per, im.SLAB, n)
-    words = sum(planes[:, j] << (bits * j) for j in range(per))  # disjoint bits: sum is OR
-    words = jax.lax.bitcast_convert_type(words.reshape(k_pad // per, n), jnp.int32)
-    groups = -(-k_pad // (k_pad if group_size >= k else group_size))
-    return words, jnp.pad(scale, ((0, groups - scale.shape[0]), (0, 0)), constant_values=1.0)
+    return (im.pack(codes.astype(jnp.uint32).reshape(k, n), bits),
+            im.pack_groups(scale, k_pad, k_pad if group_size >= k else group_size, 1.0,
+                           jnp.float32))
 
 
 def quantize_params(params, mode: str | None = "w4a16"):
