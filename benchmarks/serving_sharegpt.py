@@ -287,11 +287,23 @@ def main(args):
     records = []
     if args.sharegpt == "offline":
         b1 = batch1_step_s(engine, config.vocab_size)
-        for n in args.prompts:
-            rec = offline(engine, config, n, args, env, cost, bw, peak, b1, deadline - 10)
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-            save(records, args.out)
+        sched = engine.scheduler
+        picked = (sched.max_num_seqs, sched.budget)
+        for seqs, budget in [picked] + [s for s in args.schedules or [] if s != picked]:
+            if seqs > picked[0] or budget > picked[1] or seqs > budget:
+                raise SystemExit(f"--schedules {seqs}:{budget}: at most the compiled "
+                                 f"{picked[0]}:{picked[1]}, and sequences <= tokens")
+            sched.max_num_seqs, sched.budget = seqs, budget
+            for n in args.prompts:
+                if deadline - time.perf_counter() < 30:
+                    break
+                rec = offline(engine, config, n, args, env, cost, bw, peak, b1, deadline - 10)
+                rec.update(settings="picked" if (seqs, budget) == picked else "swept",
+                           max_num_seqs=seqs, max_num_batched_tokens=budget)
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+                save(records, args.out)
+        sched.max_num_seqs, sched.budget = picked
     else:
         records = online(engine, config, args, env, deadline)
         save(records, args.out)
@@ -313,7 +325,9 @@ def table(records) -> str:
     lines = []
     for r in records:
         if r["mode"] == "sharegpt_offline":
-            lines += [f"offline, {r['prompts']} prompts: {r['output_tok_per_s']:.0f} output tok/s "
+            lines += [f"offline, {r['prompts']} prompts, {r.get('max_num_seqs')} sequences / "
+                      f"{r.get('max_num_batched_tokens')} tokens a step: "
+                      f"{r['output_tok_per_s']:.0f} output tok/s "
                       f"({r['total_tok_per_s']:.0f} total), {r['vs_best_published']:.2f}x the best "
                       f"published; floor {r['floor_output_tok_per_s']:.0f} tok/s; decode >= 256 "
                       f"rows at {_pct(r['decode_frac_of_roofline_ge256'])} of roofline; prefill "
@@ -346,6 +360,10 @@ def _pct(x):
     return "-" if x is None else f"{x:.0%}"
 
 
+def _schedules(s):
+    return [tuple(int(v) for v in x.split(":")) for x in s.split(",")]
+
+
 def add_arguments(ap):
     ap.add_argument("--quantization", default=None, help="fp8, w4a16 or w8a16 weights")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights') or fp8")
@@ -360,3 +378,6 @@ def add_arguments(ap):
                     default=[8.0, 16.0, 32.0, 64.0], help="online: arrivals per second")
     ap.add_argument("--online-prompts", type=int, default=300, help="online: requests per rate")
     ap.add_argument("--online-limit", type=float, default=60, help="online: seconds per rate")
+    ap.add_argument("--schedules", type=_schedules, default=None,
+                    help="offline: also run the workload with these scheduler limits on the same "
+                         "compiled engine, SEQS:TOKENS[,...] (e.g. 512:8192,1024:2048)")
