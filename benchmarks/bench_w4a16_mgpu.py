@@ -1,0 +1,141 @@
+"""The Hopper W4A16 kernel (`kernels/w4a16_mgpu.py`, the dequantized weight as the MMA's register
+operand) against the Triton kernel the library runs today (`kernels.int_matmul`: the Pallas
+Triton kernel up to INT_MATMUL_MAX_ROWS rows, the weight dequantized in the graph then XLA's dot
+above), the dequantize-then-dot form at every M, and XLA's bf16 product, at Llama-3-8B layer
+shapes (INT4, group 128) and M from 1 to 1024.
+
+    python -m benchmarks.bench_w4a16_mgpu --out DIR            # H100
+    python -m benchmarks.bench_w4a16_mgpu --tiny --out DIR     # CPU, interpret mode
+
+Every variant is first checked against `w4a16_matmul.int_matmul_reference` on fresh random
+inputs with freed device memory poisoned (relative error <= 1e-2: the Hopper kernel and the
+dequantize-then-dot form round each weight to bf16); one that fails to compile or to match is
+recorded and not timed. Times are the median over --reps calls of the GPU time of the kernels one
+call launches, the L2 flushed before each (`common.device_times`), the wrapper's transpose and
+split-K sum included. Writes DIR/bench_w4a16_mgpu.json and prints the best of each form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from pallasite import kernels
+from pallasite.kernels import w4a16_matmul as im
+from pallasite.kernels import w4a16_mgpu as mg
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+          "down": (14336, 4096)}
+MS = (1, 16, 64, 128, 256, 512, 1024)
+GROUP, LIMIT = 128, 1e-2
+
+
+def mgpu_variants(m, n, tiny):
+    if tiny:
+        return [dict(block_n=64), dict(block_n=64, num_splits=2)]
+    out = []
+    bms = [None] if m <= 128 else [64, 128, 256]
+    for bn, stages, bm in itertools.product((64, 128), (2, 3), bms):
+        if bn * (bm or mg.rows_block(m)) > 16384:  # the accumulator's registers
+            continue
+        for splits in ((1, 2, 4) if m <= 16 else (1,)):
+            out.append(dict(block_n=bn, num_stages=stages, num_splits=splits,
+                            **({} if bm is None else dict(block_m=bm))))
+    return out
+
+
+def check(fn, args, ref):
+    common.poison()
+    try:
+        out = jax.block_until_ready(fn(*args))
+    except Exception as e:  # a variant that does not compile is recorded, not fatal
+        return None, f"{type(e).__name__}: {str(e)[:400]}"
+    return common.rel_err(out, ref), None
+
+
+def run_shape(name, k, n, ms, args, deadline):
+    rng = np.random.default_rng(k * 7 + n)
+    codes = rng.integers(0, 16, (k, n))
+    scale = rng.uniform(0.005, 0.02, (k // GROUP, n)).astype(np.float32)
+    words, s, _, g = im.pack_weight(codes, scale, None, bits=4, group_size=GROUP)
+    words_t = jnp.asarray(words.T)  # the Hopper kernel's layout, made once as at load
+    w_bf16 = im.dequantize(words, s, None, bits=4, group_size=g).astype(jnp.bfloat16)
+    interpret = args.tiny
+    records = []
+    for m in ms:
+        if time.time() > deadline:
+            break
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+        xc = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.bfloat16)
+        ref = im.int_matmul_reference(xc, words, s, bits=4, group_size=g)
+        jobs = [("mgpu", kw, jax.jit(lambda x, w, s, kw=kw: mg.int_matmul(
+                    x, w, s, bits=4, group_size=g, interpret=interpret, **kw)), (words_t, s))
+                for kw in mgpu_variants(m, n, args.tiny)]
+        jobs.append(("library", {}, jax.jit(lambda x, w, s: kernels.int_matmul(
+            x, w, s, bits=4, group_size=g, interpret=interpret)), (words, s)))
+        jobs.append(("dequant_dot", {}, jax.jit(lambda x, w, s: x @ im.dequantize(
+            w, s, None, bits=4, group_size=g).astype(x.dtype)), (words, s)))
+        timed = []
+        for kernel, kw, fn, wargs in jobs:
+            err, fail = check(fn, (xc, *wargs), ref)
+            rec = dict(kernel=kernel, shape=name, k=k, n=n, m=m, params=kw, rel_err=err)
+            if fail or err is None or not err <= LIMIT:
+                rec["error"] = fail or f"relative error {err} > {LIMIT}"
+                print(f"  {kernel} {name} M={m} {kw}: FAILED {rec['error'][:300]}", flush=True)
+            else:
+                timed.append((rec, fn, (x, *wargs)))
+            records.append(rec)
+        calls = [(fn, a) for _, fn, a in timed] + [(jax.jit(lambda x, w: x @ w), (x, w_bf16))]
+        try:
+            ts = common.device_times(calls, args.reps)
+        except Exception as e:
+            print(f"  timing {name} M={m} failed: {e}", flush=True)
+            continue
+        bf16_us = 1e3 * ts[-1][0]
+        for (rec, _, _), (t, _) in zip(timed, ts):
+            rec.update(us=1e3 * t, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / (1e3 * t))
+        best = {}
+        for rec, _, _ in timed:
+            if "us" in rec and (rec["kernel"] not in best or rec["us"] < best[rec["kernel"]]["us"]):
+                best[rec["kernel"]] = rec
+        line = "  ".join(f"{k_} {r['us']:.1f} us ({r['speedup_vs_bf16']:.2f}x)"
+                         for k_, r in best.items())
+        print(f"{name} M={m}: bf16 {bf16_us:.1f} us  {line}  best mgpu "
+              f"{best.get('mgpu', {}).get('params')}", flush=True)
+    return records
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--time-limit", type=float, default=500)
+    args = ap.parse_args(argv)
+    deadline = time.time() + args.time_limit
+    info = common.run_info()
+    print(json.dumps(info), flush=True)
+    shapes = {"tiny": (512, 128)} if args.tiny else {s: SHAPES[s] for s in args.shapes.split(",")}
+    ms = [3, 20] if args.tiny else [int(v) for v in args.ms.split(",")]
+    records = []
+    for name, (k, n) in shapes.items():
+        records += run_shape(name, k, n, ms, args, deadline)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_w4a16_mgpu.json"), "w") as f:
+            json.dump(dict(info, command=common.command(), records=records), f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Weight-only integer matmul for Hopper (W4A16, W8A16; Pallas with the Mosaic GPU backend).
+
+The product runs transposed, out^T [N, M] = W^T [N, K] @ x^T: the dequantized weight is the
+warpgroup MMA's left operand, which Hopper reads from registers, so it goes from the packed
+words to the tensor cores without a trip through shared memory; the activations are the right
+operand, a shared-memory tile the TMA brings. A step's M rows are the MMA's N side (8 to 256),
+so a few rows waste little.
+
+The weights are `w4a16_matmul.pack`'s words transposed, [N, K_pad // per] int32 (per = 32 // bits
+codes a word). A K tile of `tile_rows(bits)` rows is one [block_n, SLAB] block of words, and bit
+plane j of it holds the tile's rows j * SLAB .. j * SLAB + SLAB - 1: one shift and one mask give
+the [block_n, SLAB] left operand of an MMA of depth SLAB against columns j * SLAB... of the x tile.
+Each weight is made (u - zero) * scale in float32 and rounded to bf16, as dequantizing in the
+graph does; the MMAs of a tile are issued back to back and awaited once.
+
+One CTA of one warpgroup per [block_n, block_m] output tile; with `num_splits` > 1, that many
+CTAs share its K tiles and write float32 partial sums that XLA adds. The jnp reference is
+`w4a16_matmul.int_matmul_reference` (with `words_t.T`).
+
+In Pallas interpret mode (the CPU tests) the MMAs run as float32 dots of the same bf16 operands;
+the pipeline, unpacking, scales and stores run as written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .w4a16_matmul import SLAB, check_group, tile_rows
+
+
+def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n: int = 128,
+              block_m: int | None = None, **_) -> str | None:
+    """Why this kernel cannot take the call, or None."""
+    if bits not in (4, 8):
+        return f"bits={bits}"
+    if n % block_n or block_n % 64:
+        return f"N={n} is not a multiple of block_n={block_n} (a multiple of 64)"
+    if group_size % SLAB or (group_size < tile_rows(bits) and tile_rows(bits) % group_size):
+        return f"group_size={group_size} does not tile K tiles of {tile_rows(bits)} rows"
+    bm = block_m or rows_block(m)
+    if bm % 16 or bm > 256:
+        return f"block_m={bm} (a multiple of 16, at most 256)"
+    return None
+
+
+def rows_block(m: int) -> int:
+    """The MMA's N side for m rows: m rounded up to 16 (the output tile's 32-byte rows), at
+    most 128."""
+    return min(128, -(-m // 16) * 16)
+
+
+def _swizzled(cols: int, dtype):
+    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",
+                                             "num_stages", "num_splits", "interpret"))
+def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
+                 block_n: int = 128, block_m: int | None = None, num_stages: int = 2,
+                 num_splits: int = 1, interpret: bool = False):
+    """x [M, K] bf16 times the packed weight (words_t [N, K_pad // per], scale [G, N] f32,
+    zero [G, N] bf16 or None: symmetric) -> out^T [N, M_pad] bf16, or [splits, N, M_pad] f32
+    partial sums with num_splits > 1."""
+    m, k = x.shape
+    n, kw = words_t.shape
+    per, tile = 32 // bits, tile_rows(bits)
+    k_pad = kw * per
+    check_group(group_size, k_pad)
+    why = supported(m, k_pad, n, bits=bits, group_size=group_size, block_n=block_n,
+                    block_m=block_m)
+    if why:
+        raise ValueError(f"w4a16_mgpu: {why}")
+    bm = block_m or rows_block(m)
+    mp = -(-m // bm) * bm
+    x = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, k_pad - k)))
+    tiles = k_pad // tile
+    splits = max(s for s in range(1, num_splits + 1) if tiles % s == 0)
+    per_split = tiles // splits
+    # scale rows (groups) a K tile spans: one block of them a tile
+    g_rows = max(1, tile // group_size)
+    g_index = (lambda s: (s, 0)) if group_size < tile else (lambda s: (s * tile // group_size, 0))
+    x_t, w_t = _swizzled(SLAB, jnp.bfloat16), _swizzled(SLAB, jnp.int32)
+    out_dtype = jnp.bfloat16 if splits == 1 else jnp.float32
+    o_t = _swizzled(bm, out_dtype)
+    stages = max(1, min(num_stages, per_split))
+    shape = (block_n, bm)
+
+    def load(ref, layout):
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def mma(acc_ref, x_smem, w_smem, s_smem, z_smem):
+        words = load(w_smem, plgpu.Layout.WGMMA)
+        col = lambda v: lax.broadcast_in_dim(v, (block_n, SLAB), [0])
+        vec = lambda r, g: load(r.at[g], plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+        groups = {}
+        for j in range(per):
+            g = (j * SLAB) // group_size if group_size < tile else 0
+            if g not in groups:  # the group's scale, and its zero (a constant when symmetric)
+                z = vec(z_smem, g) if z_smem is not None else None
+                groups[g] = (col(vec(s_smem, g)), 2.0 ** (bits - 1) if z is None else col(z))
+            s, z = groups[g]
+            u = lax.shift_right_logical(words, bits * j) & ((1 << bits) - 1)
+            w = ((u.astype(jnp.float32) - z) * s).astype(jnp.bfloat16)
+            xs = x_smem.at[:, pl.ds(j * SLAB, SLAB)]
+            if interpret:
+                acc_ref[...] += jnp.dot(w.astype(jnp.float32), xs[...].astype(jnp.float32).T)
+            else:
+                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(xs, (1, 0)))
+        if not interpret:
+            plgpu.wgmma_wait(0)  # the slots are released when the step returns
+
+    def body(x_gmem, w_gmem, s_gmem, *rest):
+        z_gmem, o_gmem = rest if zero is not None else (None, *rest)
+        ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+        cols, rows = pl.ds(ni * block_n, block_n), pl.ds(mi * bm, bm)
+        ks = pl.ds(si * per_split * tile, per_split * tile)
+        g_span = max(1, per_split * tile // group_size)
+        gs = pl.ds(si * g_span, g_span) if group_size < k_pad else pl.ds(0, 1)
+        specs = [plgpu.BlockSpec((bm, tile), lambda s: (0, s), transforms=x_t),
+                 plgpu.BlockSpec((block_n, SLAB), lambda s: (0, s), transforms=w_t),
+                 plgpu.BlockSpec((g_rows, block_n), g_index)]
+        args = [x_gmem.at[rows, ks], w_gmem.at[cols, pl.ds(si * per_split * SLAB,
+                                                             per_split * SLAB)],
+                s_gmem.at[gs, cols]]
+        if zero is not None:
+            specs.append(plgpu.BlockSpec((g_rows, block_n), g_index))
+            args.append(z_gmem.at[gs, cols])
+
+        def product(acc_ref):
+            step = lambda _, x_s, w_s, s_s, *z_s: mma(acc_ref, x_s, w_s, s_s, *(z_s or (None,)))
+            plgpu.emit_pipeline(step, grid=(per_split,), in_specs=specs,
+                                max_concurrent_steps=stages)(*args)
+            return acc_ref[...]
+
+        def out(o_smem):
+            if interpret:  # a float32 scratch stands in for the accumulator
+                def product_zeroed(acc_ref):
+                    acc_ref[...] = jnp.zeros(shape, jnp.float32)
+                    return product(acc_ref)
+                acc = pl.run_scoped(product_zeroed, plgpu.SMEM(shape, jnp.float32))
+            else:
+                acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+            o_smem[...] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            dst = o_gmem.at[cols, rows] if splits == 1 else o_gmem.at[si, cols, rows]
+            plgpu.copy_smem_to_gmem(o_smem, dst)
+            plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(out, plgpu.SMEM(shape, out_dtype, transforms=o_t))
+
+    interp = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+    out_shape = (n, mp) if splits == 1 else (splits, n, mp)
+    operands = (x, words_t, scale) + (() if zero is None else (zero,))
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(n // block_n, mp // bm, splits),
+        grid_names=("n", "m", "s"),
+        interpret=interp,
+    )(*operands)
+
+
+def int_matmul(x, words_t, scale, zero=None, perm=None, *, bits: int, group_size: int,
+               interpret: bool = False, **blocks):
+    """x [M, K] times the packed weight with words transposed ([N, K_pad // per]) -> [M, N] in
+    x's dtype."""
+    if perm is not None:
+        x = x[..., perm]
+    m = x.shape[0]
+    y = int_matmul_t(x, words_t, scale, zero, bits=bits, group_size=group_size,
+                     interpret=interpret, **blocks)
+    if y.ndim == 3:
+        y = y.sum(0)
+    return y[:, :m].T.astype(x.dtype)

@@ -1,0 +1,57 @@
+"""The Hopper W4A16/W8A16 kernel (dequantized weight as the MMA's register operand) in Pallas
+interpret mode against a plain numpy dequantization: INT4 and INT8, symmetric and with zero
+points, group sizes 32/128 and channel-wise, M padded to the tile, K padded to the packed tile,
+split-K, and the act-order permutation."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite.kernels import w4a16_matmul as im
+from pallasite.kernels import w4a16_mgpu as mg
+from tests.test_w4a16_matmul import numpy_dequant, random_weight
+
+CASES = [  # m, k, n, bits, group_size, asym, splits
+    (5, 512, 128, 4, 128, False, 1),
+    (20, 300, 64, 4, 32, True, 2),
+    (3, 256, 64, 8, 32, True, 1),
+    (9, 512, 64, 4, 512, False, 1),
+]
+
+
+@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits", CASES)
+def test_matches_numpy(m, k, n, bits, group_size, asym, splits):
+    rng = np.random.default_rng(m + k)
+    codes, scale, zero = random_weight(rng, k, n, bits, group_size, asym)
+    words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, zero, bits,
+                                                                     group_size)
+    got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), words.T, s, z, bits=bits, group_size=g,
+                        block_n=64, num_splits=splits, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert err < 1e-2  # each weight rounded to bf16, as dequantizing in the graph does
+
+
+def test_act_order_permutation():
+    rng = np.random.default_rng(1)
+    m, k, n = 4, 256, 64
+    codes, scale, _ = random_weight(rng, k, n, 4, 128, False)
+    words, s, _, g = im.pack_weight(codes, scale, None, bits=4, group_size=128)
+    perm = rng.permutation(k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    want = im.int_matmul_reference(x, words, s, None, perm, bits=4, group_size=g)
+    got = mg.int_matmul(x, words.T, s, None, perm, bits=4, group_size=g, block_n=64,
+                        interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=3e-2, atol=3e-2)
+
+
+def test_refuses_what_it_cannot_tile():
+    assert "block_n" in mg.supported(16, 256, 96, bits=4, group_size=128, block_n=64)
+    assert "group_size" in mg.supported(16, 256, 64, bits=4, group_size=96, block_n=64)
+    assert mg.supported(300, 256, 128, bits=4, group_size=128) is None
+    with pytest.raises(ValueError, match="block_n"):
+        mg.int_matmul_t(jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((96, 32), jnp.int32),
+                        jnp.ones((2, 96)), bits=4, group_size=128, block_n=64)
