@@ -40,15 +40,17 @@ GROUP, LIMIT = 128, 1e-2
 
 def mgpu_variants(m, n, tiny):
     if tiny:
-        return [dict(block_n=64), dict(block_n=64, num_splits=2)]
-    out = []
-    bms = [None] if m <= 128 else [64, 128, 256]
-    for bn, stages, bm in itertools.product((64, 128), (2, 3), bms):
+        return [dict(block_n=64), dict(block_n=64, num_splits=2, unpack="convert")]
+    out = [dict(block_n=64, num_splits=4 if m <= 64 else 1, unpack=u) for u in ("convert", "magic")]
+    bms = [None] if m <= 64 else [64, 128] if m == 128 else [64, 128, 256]
+    for bn, stages, bm in itertools.product((64, 128), (2,), bms):
         if bn * (bm or mg.rows_block(m)) > 16384:  # the accumulator's registers
             continue
-        for splits in ((1, 2, 4) if m <= 16 else (1,)):
-            out.append(dict(block_n=bn, num_stages=stages, num_splits=splits,
-                            **({} if bm is None else dict(block_m=bm))))
+        blocks = (n // bn) * -(-m // (bm or mg.rows_block(m)))
+        for splits in (1, 2, 4, 8):
+            if splits == 1 or blocks * splits <= 4 * 132 and blocks < 2 * 132:
+                out.append(dict(block_n=bn, num_stages=stages, num_splits=splits,
+                                **({} if bm is None else dict(block_m=bm))))
     return out
 
 
@@ -66,7 +68,7 @@ def run_shape(name, k, n, ms, args, deadline):
     codes = rng.integers(0, 16, (k, n))
     scale = rng.uniform(0.005, 0.02, (k // GROUP, n)).astype(np.float32)
     words, s, _, g = im.pack_weight(codes, scale, None, bits=4, group_size=GROUP)
-    words_t = jnp.asarray(words.T)  # the Hopper kernel's layout, made once as at load
+    words_t = mg.pack_t(codes, 4)  # the Hopper kernel's layout, made once as at load
     w_bf16 = im.dequantize(words, s, None, bits=4, group_size=g).astype(jnp.bfloat16)
     interpret = args.tiny
     records = []

@@ -37,13 +37,13 @@ SLAB = 32  # K rows per bit plane of a tile: one dot's depth, and the granule of
 BITS = (4, 8)
 
 
-def tile_rows(bits: int) -> int:
+def tile_rows(bits: int, slab: int = SLAB) -> int:
     """K rows of one packed tile (256 for INT4, 128 for INT8)."""
-    return SLAB * (32 // bits)
+    return slab * (32 // bits)
 
 
-def padded_k(k: int, bits: int) -> int:
-    t = tile_rows(bits)
+def padded_k(k: int, bits: int, slab: int = SLAB) -> int:
+    t = tile_rows(bits, slab)
     return -(-k // t) * t
 
 
@@ -53,15 +53,16 @@ def check_group(group_size: int, k_pad: int):
                          f"(and divide the padded K={k_pad}, or cover it)")
 
 
-def pack(codes, bits: int) -> jax.Array:
+def pack(codes, bits: int, slab: int = SLAB) -> jax.Array:
     """Unsigned codes [K, N] (each < 2**bits) -> int32 words [K_pad // (32 // bits), N], K padded
-    with zero codes to a multiple of `tile_rows(bits)` (jnp: on the host or traced)."""
+    with zero codes to a multiple of `tile_rows(bits, slab)` (jnp: on the host or traced).
+    `slab`: the rows of a bit plane (the Hopper kernel's transposed layout takes 16)."""
     if bits not in BITS:
         raise ValueError(f"int matmul: bits={bits} is not one of {BITS}")
     k, n = codes.shape
-    per, k_pad = 32 // bits, padded_k(k, bits)
+    per, k_pad = 32 // bits, padded_k(k, bits, slab)
     full = jnp.pad(jnp.asarray(codes, jnp.uint32), ((0, k_pad - k), (0, 0)))
-    planes = full.reshape(k_pad // tile_rows(bits), per, SLAB, n)
+    planes = full.reshape(k_pad // tile_rows(bits, slab), per, slab, n)
     words = sum(planes[:, j] << (bits * j) for j in range(per))  # disjoint bits: sum is OR
     return lax.bitcast_convert_type(words.reshape(k_pad // per, n), jnp.int32)
 
@@ -87,10 +88,10 @@ def pack_weight(codes, scale, zero, *, bits: int, group_size: int):
     return pack(codes, bits), scale, zero, group_size
 
 
-def unpack(words, bits: int, k: int | None = None):
+def unpack(words, bits: int, k: int | None = None, slab: int = SLAB):
     """int32 words -> int32 codes [K, N] (the first `k` rows; all K_pad without it)."""
     per, n = 32 // bits, words.shape[-1]
-    w = words.reshape(-1, 1, SLAB, n)
+    w = words.reshape(-1, 1, slab, n)
     shifts = (jnp.arange(per, dtype=jnp.int32) * bits).reshape(1, per, 1, 1)
     codes = ((w >> shifts) & ((1 << bits) - 1)).reshape(-1, n)
     return codes if k is None else codes[:k]
@@ -201,7 +202,7 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_per_split, num_t
             o_ref[pl.ds(r, 1), :] = acc
 
 
-def _one_plus(words, j: int, bits: int):
+def one_plus(words, j: int, bits: int):
     """Bit plane j of the words as float32 1 + c / 2**bits: the code moved into the top of the
     mantissa under the bits of 1.0 (a shift, an AND and an OR; no conversion)."""
     top = 23 - bits
@@ -239,7 +240,7 @@ def fma_group(words, planes, x_rows, bits: int, zero, scale, accs, corrs):
     each row's SLAB columns under plane j, float32."""
     part, xsum = None, None
     for j in planes:
-        w, xs = _one_plus(words, j, bits), x_rows(j)
+        w, xs = one_plus(words, j, bits), x_rows(j)
         prods = [x[:, None] * w for x in xs]
         part = prods if part is None else [p + q for p, q in zip(part, prods)]
         sums = [jnp.sum(x) for x in xs]

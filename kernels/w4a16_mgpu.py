@@ -6,8 +6,8 @@ words to the tensor cores without a trip through shared memory; the activations 
 operand, a shared-memory tile the TMA brings. A step's M rows are the MMA's N side (8 to 256),
 so a few rows waste little.
 
-The weights are `w4a16_matmul.pack`'s words transposed, [N, K_pad // per] int32 (per = 32 // bits
-codes a word). A K tile of `tile_rows(bits)` rows is one [block_n, SLAB] block of words, and bit
+The weights are packed as `w4a16_matmul.pack` packs them, with bit planes of SLAB = 16 rows, and
+transposed (`pack_t`): [N, K_pad // per] int32 (per = 32 // bits codes a word). A K tile of `tile_rows(bits)` rows is one [block_n, SLAB] block of words, and bit
 plane j of it holds the tile's rows j * SLAB .. j * SLAB + SLAB - 1: one shift and one mask give
 the [block_n, SLAB] left operand of an MMA of depth SLAB against columns j * SLAB... of the x tile.
 Each weight is made (u - zero) * scale in float32 and rounded to bf16, as dequantizing in the
@@ -31,7 +31,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .w4a16_matmul import SLAB, check_group, tile_rows
+from . import w4a16_matmul as im
+from .w4a16_matmul import F32_BIAS, F32_MAGIC, one_plus
+
+SLAB = 16  # K rows of a bit plane here: one MMA's depth (k16), and a 128-row INT4 tile
+UNPACKS = ("fma", "magic", "convert")
+
+
+def tile_rows(bits: int) -> int:
+    return im.tile_rows(bits, SLAB)
+
+
+def pack_t(codes, bits: int):
+    """Unsigned codes [K, N] -> this kernel's words [N, K_pad // (32 // bits)] int32."""
+    return im.pack(codes, bits, SLAB).T
+
+
+def unpack_t(words_t, bits: int, k: int | None = None):
+    """This kernel's words -> int32 codes [K, N]."""
+    return im.unpack(words_t.T, bits, k, SLAB)
 
 
 def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n: int = 128,
@@ -62,18 +80,22 @@ def _swizzled(cols: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",
-                                             "num_stages", "num_splits", "interpret"))
+                                             "num_stages", "num_splits", "unpack", "interpret"))
 def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                  block_n: int = 128, block_m: int | None = None, num_stages: int = 2,
-                 num_splits: int = 1, interpret: bool = False):
+                 num_splits: int = 1, unpack: str = "fma", interpret: bool = False):
     """x [M, K] bf16 times the packed weight (words_t [N, K_pad // per], scale [G, N] f32,
     zero [G, N] bf16 or None: symmetric) -> out^T [N, M_pad] bf16, or [splits, N, M_pad] f32
-    partial sums with num_splits > 1."""
+    partial sums with num_splits > 1. `unpack`: "fma" makes each code the float 1 + u/2**bits
+    with a shift, an AND and an OR and the weight with one FMA; "magic" the float 2**23 + u with
+    an OR, then a subtraction and a product; "convert" converts the integer."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
     k_pad = kw * per
-    check_group(group_size, k_pad)
+    if group_size % SLAB or k_pad % group_size and group_size < k_pad:
+        raise ValueError(f"w4a16_mgpu: group_size={group_size} must be a multiple of {SLAB} and "
+                         f"divide the padded K={k_pad}, or cover it")
     why = supported(m, k_pad, n, bits=bits, group_size=group_size, block_n=block_n,
                     block_m=block_m)
     if why:
@@ -104,11 +126,21 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         for j in range(per):
             g = (j * SLAB) // group_size if group_size < tile else 0
             if g not in groups:  # the group's scale, and its zero (a constant when symmetric)
-                z = vec(z_smem, g) if z_smem is not None else None
-                groups[g] = (col(vec(s_smem, g)), 2.0 ** (bits - 1) if z is None else col(z))
+                s = vec(s_smem, g)
+                z = 2.0 ** (bits - 1) if z_smem is None else vec(z_smem, g)
+                if unpack == "fma":  # (1 + u/2**bits) * 2**bits s - (2**bits + z) s
+                    a, b = s * 2.0 ** bits, -(2.0 ** bits + z) * s
+                else:
+                    a, b = s, z + (F32_BIAS if unpack == "magic" else 0)
+                groups[g] = (col(a), b if isinstance(b, float) else col(b))
             s, z = groups[g]
-            u = lax.shift_right_logical(words, bits * j) & ((1 << bits) - 1)
-            w = ((u.astype(jnp.float32) - z) * s).astype(jnp.bfloat16)
+            if unpack == "fma":  # one FMA on 1 + u/2**bits: exact to float32's rounding
+                w = (one_plus(words, j, bits) * s + z).astype(jnp.bfloat16)
+            else:
+                u = lax.shift_right_logical(words, bits * j) & ((1 << bits) - 1)
+                if unpack == "magic":  # 2**23 + u, exact: an OR instead of a convert
+                    u = lax.bitcast_convert_type(u | F32_MAGIC, jnp.float32)
+                w = ((u.astype(jnp.float32) - z) * s).astype(jnp.bfloat16)
             xs = x_smem.at[:, pl.ds(j * SLAB, SLAB)]
             if interpret:
                 acc_ref[...] += jnp.dot(w.astype(jnp.float32), xs[...].astype(jnp.float32).T)

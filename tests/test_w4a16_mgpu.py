@@ -11,24 +11,26 @@ from pallasite.kernels import w4a16_matmul as im
 from pallasite.kernels import w4a16_mgpu as mg
 from tests.test_w4a16_matmul import numpy_dequant, random_weight
 
-CASES = [  # m, k, n, bits, group_size, asym, splits
-    (5, 512, 128, 4, 128, False, 1),
-    (20, 300, 64, 4, 32, True, 2),
-    (3, 256, 64, 8, 32, True, 1),
-    (9, 512, 64, 4, 512, False, 1),
+CASES = [  # m, k, n, bits, group_size, asym, splits, unpack
+    (5, 512, 128, 4, 128, False, 1, "fma"),
+    (20, 300, 64, 4, 32, True, 2, "fma"),
+    (3, 256, 64, 8, 32, True, 1, "fma"),
+    (9, 512, 64, 4, 512, False, 1, "magic"),
+    (17, 256, 64, 4, 64, True, 1, "convert"),
 ]
 
 
-@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits", CASES)
-def test_matches_numpy(m, k, n, bits, group_size, asym, splits):
+@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits,unpack", CASES)
+def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack):
     rng = np.random.default_rng(m + k)
     codes, scale, zero = random_weight(rng, k, n, bits, group_size, asym)
     words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
     x = rng.standard_normal((m, k)).astype(np.float32)
     want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, zero, bits,
                                                                      group_size)
-    got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), words.T, s, z, bits=bits, group_size=g,
-                        block_n=64, num_splits=splits, interpret=True)
+    got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), mg.pack_t(codes, bits), s, z, bits=bits,
+                        group_size=g, block_n=64, num_splits=splits, unpack=unpack,
+                        interpret=True)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
     assert err < 1e-2  # each weight rounded to bf16, as dequantizing in the graph does
@@ -42,10 +44,17 @@ def test_act_order_permutation():
     perm = rng.permutation(k)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     want = im.int_matmul_reference(x, words, s, None, perm, bits=4, group_size=g)
-    got = mg.int_matmul(x, words.T, s, None, perm, bits=4, group_size=g, block_n=64,
-                        interpret=True)
+    got = mg.int_matmul(x, mg.pack_t(codes, 4), s, None, perm, bits=4, group_size=g,
+                        block_n=64, interpret=True)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=3e-2, atol=3e-2)
+
+
+def test_pack_t_round_trip():
+    codes = np.random.default_rng(2).integers(0, 16, size=(200, 64))
+    words_t = mg.pack_t(codes, 4)
+    assert words_t.shape == (64, 256 // 8)  # K padded to the 128-row tile
+    np.testing.assert_array_equal(np.asarray(mg.unpack_t(words_t, 4, 200)), codes)
 
 
 def test_refuses_what_it_cannot_tile():
