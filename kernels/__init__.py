@@ -22,6 +22,7 @@ import contextlib
 import os
 
 import jax
+import jax.numpy as jnp
 
 from . import reference, tuning
 
@@ -478,22 +479,48 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
 
 # -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------
 INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and takes XLA's dot
+INT_LAYOUTS = ("kn", "nk16")  # w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]
+
+
+def int_layout() -> str:
+    """The packed layout the integer kernels read fastest here: the Hopper kernel's transposed
+    words (`w4a16_mgpu`, faster from 16 rows up, level at one) on an sm_90 GPU running the
+    Pallas kernels, unless PALLASITE_INT_KERNEL=triton; the Triton kernel's words elsewhere."""
+    if (os.environ.get("PALLASITE_INT_KERNEL", "").lower() != "triton" and _is_hopper()
+            and choose_impl() == "pallas" and not _PORTABLE[0]):
+        return "nk16"
+    return "kn"
 
 
 def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: int,
-               impl=None, interpret=False, **blocks):
-    """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`) -> [M, N] in x's dtype:
-    the Pallas kernel on GPU up to INT_MATMUL_MAX_ROWS rows, the dequantized weight through
-    XLA's dot above (prefill is compute-bound) and on other backends."""
+               layout: str = "kn", impl=None, interpret=False, **blocks):
+    """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`, or with `layout` "nk16"
+    `w4a16_mgpu.pack_t`) -> [M, N] in x's dtype: the Pallas kernel on GPU up to
+    INT_MATMUL_MAX_ROWS rows, the dequantized weight through XLA's dot above (prefill is
+    compute-bound) and on other backends."""
     from . import w4a16_matmul as im
+    from . import w4a16_mgpu as mg
     kw = dict(bits=bits, group_size=group_size)
-    if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= INT_MATMUL_MAX_ROWS):
-        return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw, **blocks)
+    k = x.shape[-1]
+    small = x.shape[0] <= INT_MATMUL_MAX_ROWS
+    if layout == "nk16":
+        if interpret or (_use_pallas(impl, interpret) and small):
+            tiles = words.shape[1] * (32 // bits) // mg.tile_rows(bits)
+            return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
+                                 **(mg.blocks_for(x.shape[0], words.shape[0], tiles) | blocks))
+        dequantize = lambda w: im.dequantize_codes(mg.unpack_t(w, bits, k), scale, zero,
+                                                   **kw)
+    else:
+        if interpret or (_use_pallas(impl, interpret) and small):
+            return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
+                                 **blocks)
+        dequantize = lambda w: im.dequantize(w, scale, zero, k=k, **kw)
     if not _use_pallas(impl, interpret):
-        return im.int_matmul_reference(x, words, scale, zero, perm, **kw)
+        x = x if perm is None else x[..., perm]
+        y = jnp.dot(x.astype(jnp.float32), dequantize(words), precision=jax.lax.Precision.HIGHEST)
+        return y.astype(x.dtype)
     x, words = after(x, words)
-    w = im.dequantize(words, scale, zero, k=x.shape[-1], **kw).astype(x.dtype)
-    return (x if perm is None else x[..., perm]) @ w
+    return (x if perm is None else x[..., perm]) @ dequantize(words).astype(x.dtype)
 
 
 def after(x, w):

@@ -99,11 +99,15 @@ def unpack(words, bits: int, k: int | None = None, slab: int = SLAB):
 
 def dequantize(words, scale, zero, *, bits: int, group_size: int, k: int | None = None):
     """The f32 weight [K, N] that the packed arrays stand for."""
-    codes = unpack(words, bits).astype(jnp.float32)
+    w = dequantize_codes(unpack(words, bits), scale, zero, bits=bits, group_size=group_size)
+    return w if k is None else w[:k]
+
+
+def dequantize_codes(codes, scale, zero, *, bits: int, group_size: int):
+    """Codes [K, N] with their groups' scale (and zero) -> the f32 weight [K, N]."""
     rows = jnp.arange(codes.shape[0]) // group_size
     z = 2.0 ** (bits - 1) if zero is None else zero.astype(jnp.float32)[rows]
-    w = (codes - z) * scale.astype(jnp.float32)[rows]
-    return w if k is None else w[:k]
+    return (codes.astype(jnp.float32) - z) * scale.astype(jnp.float32)[rows]
 
 
 def int_matmul_reference(x, words, scale, zero=None, perm=None, *, bits: int, group_size: int):

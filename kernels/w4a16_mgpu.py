@@ -73,6 +73,18 @@ def rows_block(m: int) -> int:
     return min(128, -(-m // 16) * 16)
 
 
+def blocks_for(m: int, n: int, k_tiles: int) -> dict:
+    """Tiles for an [m, K] x [K, n] call (swept on the H100/H200 at 8B layer shapes,
+    benchmarks/bench_w4a16_mgpu.py): 128 output columns a CTA, and K split while the grid
+    stays under four CTAs an SM up to 64 rows (two above)."""
+    bn = 128 if n % 128 == 0 else 64
+    blocks = (n // bn) * -(-m // rows_block(m))
+    target, splits = (528 if m <= 64 else 264), 1
+    while splits < 8 and blocks * splits * 2 <= target and k_tiles % (splits * 2) == 0:
+        splits *= 2
+    return dict(block_n=bn, num_splits=splits)
+
+
 def _swizzled(cols: int, dtype):
     swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),

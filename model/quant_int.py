@@ -35,6 +35,7 @@ import numpy as np
 from .. import kernels
 from ..kernels import grouped_int as gi
 from ..kernels import w4a16_matmul as im
+from ..kernels import w4a16_mgpu as mg
 from .errors import CheckpointError
 from .int_formats import IntLinear
 
@@ -54,6 +55,8 @@ class PackedInt:
     bits: int = dataclasses.field(default=4, metadata=dict(static=True))
     group_size: int = dataclasses.field(default=128, metadata=dict(static=True))
     lead: int = dataclasses.field(default=0, metadata=dict(static=True))  # 1: stacked experts
+    # kernels.INT_LAYOUTS: "kn" words [K_pad / per, N]; "nk16" the Hopper kernel's [N, K_pad / per]
+    layout: str = dataclasses.field(default="kn", metadata=dict(static=True))
 
     @property
     def ndim(self):
@@ -79,7 +82,8 @@ class PackedInt:
                              f"called with {in_axes}")
         lead = x.shape[:x.ndim - in_axes]
         y = kernels.int_matmul(x.reshape(-1, self.k), self.words, self.scale, self.zero,
-                               self.perm, bits=self.bits, group_size=self.group_size)
+                               self.perm, bits=self.bits, group_size=self.group_size,
+                               layout=self.layout)
         return y.reshape(*lead, *self.shape[in_axes:])
 
     def grouped_operand(self) -> gi.IntExperts:
@@ -94,8 +98,10 @@ class PackedInt:
         if self.lead:
             w = gi.dequantize(self.grouped_operand(), self.k)
         else:
-            w = im.dequantize(self.words, self.scale, self.zero, bits=self.bits,
-                              group_size=self.group_size, k=self.k)
+            codes = (im.unpack(self.words, self.bits, self.k) if self.layout == "kn"
+                     else mg.unpack_t(self.words, self.bits, self.k))
+            w = im.dequantize_codes(codes, self.scale, self.zero, bits=self.bits,
+                                    group_size=self.group_size)
             if self.perm is not None:
                 w = w[jnp.argsort(self.perm)]
         return w.reshape(self.shape).astype(dtype)
@@ -218,6 +224,36 @@ def quantize_params(params, mode: str | None = "w4a16"):
             return leaf
         return quantize_weight(leaf, axes[1], mode, lead=axes[0])
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def for_kernels(params, layout: str | None = None):
+    """Every packed linear weight (experts aside) of a params tree in `layout` (default: the
+    one `kernels.int_layout()` reads fastest on this device), in place like `fuse.fuse_params`:
+    each weight's old words go as its new ones are made. Returns `params`."""
+    layout = layout or kernels.int_layout()
+
+    def walk(tree):
+        for key, leaf in tree.items():
+            if isinstance(leaf, dict):
+                walk(leaf)
+            elif isinstance(leaf, PackedInt) and not leaf.lead and leaf.layout != layout:
+                tree[key] = relayout(leaf, layout)
+    if isinstance(params, dict):
+        walk(params)
+    return params
+
+
+def relayout(p: PackedInt, layout: str) -> PackedInt:
+    if layout not in kernels.INT_LAYOUTS:
+        raise ValueError(f"packed layout {layout!r} is not one of {kernels.INT_LAYOUTS}")
+    words = _relayout(p.words, bits=p.bits, k=p.k, src=p.layout, dst=layout)
+    return dataclasses.replace(p, words=words, layout=layout)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "k", "src", "dst"))
+def _relayout(words, *, bits: int, k: int, src: str, dst: str):
+    codes = im.unpack(words, bits, k) if src == "kn" else mg.unpack_t(words, bits, k)
+    return im.pack(codes, bits) if dst == "kn" else mg.pack_t(codes, bits)
 
 
 # -- integer checkpoints ---------------------------------------------------------------------------

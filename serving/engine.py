@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model import Batch, forward, init_kv_cache, quant
+from ..model import Batch, forward, init_kv_cache, quant, quant_int
 from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
 from .batch import LOGPROBS, BatchState, int_layout, sample_layout
@@ -160,6 +160,7 @@ class Engine:
         history = sampling.init_history(self.max_num_seqs, config.vocab_size)
         self._jit, self._inputs = jax.jit, None
         if mesh is None:
+            self.params = quant_int.for_kernels(self.params)  # packed weights as read fastest
             kv = init_kv_cache(config, num_pages, self.page_size, dtype)
         else:
             from ..sharding import Layout

@@ -64,3 +64,34 @@ def test_refuses_what_it_cannot_tile():
     with pytest.raises(ValueError, match="block_n"):
         mg.int_matmul_t(jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((96, 32), jnp.int32),
                         jnp.ones((2, 96)), bits=4, group_size=128, block_n=64)
+
+
+def test_model_in_the_hopper_layout_matches_the_triton_layout():
+    """A W4A16 model's packed weights moved into the Hopper kernel's layout (as the engine does
+    on an sm_90 GPU) and back: the same codes, the same logits, experts left as they are."""
+    import copy
+
+    from pallasite.model import config_from_dict, forward_logits, init_params, quant_int
+    from pallasite.model.fuse import fuse_params
+    config = config_from_dict(dict(
+        model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        tie_word_embeddings=False))
+    kn = fuse_params(quant_int.quantize_params(init_params(config, seed=3), "w4a16"))
+    nk = quant_int.for_kernels(copy.deepcopy(kn), "nk16")
+    qkv, experts = nk["layers_0"]["attn"]["wqkv"], nk["layers_0"]["moe"]["w_down"]
+    assert qkv.layout == "nk16" and qkv.words.shape[0] == qkv.scale.shape[1]
+    assert experts.layout == "kn"  # the grouped kernel's own layout
+    back = quant_int.relayout(qkv, "kn")
+    np.testing.assert_array_equal(np.asarray(back.words),
+                                  np.asarray(kn["layers_0"]["attn"]["wqkv"].words))
+    ids = np.random.default_rng(0).integers(0, 128, (2, 12))
+    np.testing.assert_allclose(np.asarray(forward_logits(nk, config, ids)),
+                               np.asarray(forward_logits(kn, config, ids)), rtol=1e-5, atol=1e-5)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 64)), jnp.bfloat16)
+    from pallasite import kernels  # the Hopper kernel's call, as the engine makes it there
+    got = kernels.int_matmul(x, qkv.words, qkv.scale, None, bits=4, group_size=qkv.group_size,
+                             layout="nk16", interpret=True)
+    want = x.astype(jnp.float32) @ back.dequantize().reshape(64, -1)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
