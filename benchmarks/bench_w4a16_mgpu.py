@@ -38,19 +38,24 @@ MS = (1, 16, 64, 128, 256, 512, 1024)
 GROUP, LIMIT = 128, 1e-2
 
 
-def mgpu_variants(m, n, tiny):
+def mgpu_variants(m, n, k_tiles, tiny):
+    """Planes from registers and from shared memory, 64/128 output columns, row blocks, the
+    library's split rule (`w4a16_mgpu.blocks_for`) or none, two or three stages."""
     if tiny:
-        return [dict(block_n=64), dict(block_n=64, num_splits=2, unpack="convert")]
-    out = [dict(block_n=64, num_splits=4 if m <= 64 else 1, unpack=u) for u in ("convert", "magic")]
+        return [dict(block_n=64), dict(block_n=64, num_splits=2, operand="smem")]
     bms = [None] if m <= 64 else [64, 128] if m == 128 else [64, 128, 256]
-    for bn, stages, bm in itertools.product((64, 128), (2,), bms):
-        if bn * (bm or mg.rows_block(m)) > 16384:  # the accumulator's registers
-            continue
-        blocks = (n // bn) * -(-m // (bm or mg.rows_block(m)))
-        for splits in (1, 2, 4, 8):
-            if splits == 1 or blocks * splits <= 4 * 132 and blocks < 2 * 132:
+    out = []
+    for operand, bn, bm in itertools.product(("regs", "smem"), (64, 128), bms):
+        rows = bm or mg.rows_block(m)
+        if bn * rows > 16384 or (bn == 64 and rows < 128 and m > 64):
+            continue  # the accumulator's registers; narrow tiles only where they can pay
+        rule = mg.blocks_for(m, n, k_tiles) if bm is None else dict(
+            mg.blocks_for(rows, n, k_tiles), num_splits=mg.blocks_for(m, n, k_tiles)[
+                "num_splits"])
+        for splits in sorted({1, rule["num_splits"]}):
+            for stages in ((2,) if operand == "regs" else (2, 3)):
                 out.append(dict(block_n=bn, num_stages=stages, num_splits=splits,
-                                **({} if bm is None else dict(block_m=bm))))
+                                operand=operand, **({} if bm is None else dict(block_m=bm))))
     return out
 
 
@@ -80,7 +85,7 @@ def run_shape(name, k, n, ms, args, deadline):
         ref = im.int_matmul_reference(xc, words, s, bits=4, group_size=g)
         jobs = [("mgpu", kw, jax.jit(lambda x, w, s, kw=kw: mg.int_matmul(
                     x, w, s, bits=4, group_size=g, interpret=interpret, **kw)), (words_t, s))
-                for kw in mgpu_variants(m, n, args.tiny)]
+                for kw in mgpu_variants(m, n, words_t.shape[1] // 16, args.tiny)]
         jobs.append(("library", {}, jax.jit(lambda x, w, s: kernels.int_matmul(
             x, w, s, bits=4, group_size=g, interpret=interpret)), (words, s)))
         jobs.append(("dequant_dot", {}, jax.jit(lambda x, w, s: x @ im.dequantize(
