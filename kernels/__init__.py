@@ -501,26 +501,26 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     from . import w4a16_matmul as im
     from . import w4a16_mgpu as mg
     kw = dict(bits=bits, group_size=group_size)
-    k = x.shape[-1]
-    small = x.shape[0] <= INT_MATMUL_MAX_ROWS
-    if layout == "nk16":
-        if interpret or (_use_pallas(impl, interpret) and small):
-            tiles = words.shape[1] * (32 // bits) // mg.tile_rows(bits)
-            return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
-                                 **(mg.blocks_for(x.shape[0], words.shape[0], tiles) | blocks))
-        dequantize = lambda w: im.dequantize_codes(mg.unpack_t(w, bits, k), scale, zero,
-                                                   **kw)
-    else:
-        if interpret or (_use_pallas(impl, interpret) and small):
+    k, hopper = x.shape[-1], layout == "nk16"
+    if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= INT_MATMUL_MAX_ROWS):
+        if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)
-        dequantize = lambda w: im.dequantize(w, scale, zero, k=k, **kw)
+        tiles = words.shape[1] * (32 // bits) // mg.tile_rows(bits)
+        return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
+                             **(mg.blocks_for(x.shape[0], words.shape[0], tiles) | blocks))
+    # The weight dequantized as it is stored ([N, K] for the Hopper layout: XLA's dot takes
+    # either side transposed, while transposing the weight would cost a pass over it).
+    dims = (((1,), (1 if hopper else 0,)), ((), ()))
+    dequantize = (lambda w: mg.dequantize_t(w, scale, zero, k=k, **kw)) if hopper else (
+        lambda w: im.dequantize(w, scale, zero, k=k, **kw))
     if not _use_pallas(impl, interpret):
         x = x if perm is None else x[..., perm]
-        y = jnp.dot(x.astype(jnp.float32), dequantize(words), precision=jax.lax.Precision.HIGHEST)
-        return y.astype(x.dtype)
+        return jax.lax.dot_general(x.astype(jnp.float32), dequantize(words), dims,
+                                   precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
     x, words = after(x, words)
-    return (x if perm is None else x[..., perm]) @ dequantize(words).astype(x.dtype)
+    return jax.lax.dot_general(x if perm is None else x[..., perm],
+                               dequantize(words).astype(x.dtype), dims)
 
 
 def after(x, w):

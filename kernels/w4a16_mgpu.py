@@ -52,6 +52,17 @@ def unpack_t(words_t, bits: int, k: int | None = None):
     return im.unpack(words_t.T, bits, k, SLAB)
 
 
+def dequantize_t(words_t, scale, zero, *, bits: int, group_size: int, k: int):
+    """The f32 weight transposed, [N, K], read along the words' own rows (no transpose of the
+    weight: XLA's dot takes it as [N, K])."""
+    per, n = 32 // bits, words_t.shape[0]
+    shifts = (jnp.arange(per, dtype=jnp.int32) * bits).reshape(1, 1, per, 1)
+    codes = ((words_t.reshape(n, -1, 1, SLAB) >> shifts) & ((1 << bits) - 1)).reshape(n, -1)
+    groups = jnp.arange(k) // group_size
+    z = 2.0 ** (bits - 1) if zero is None else zero.astype(jnp.float32).T[:, groups]
+    return (codes[:, :k].astype(jnp.float32) - z) * scale.astype(jnp.float32).T[:, groups]
+
+
 def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n: int = 128,
               block_m: int | None = None, **_) -> str | None:
     """Why this kernel cannot take the call, or None."""

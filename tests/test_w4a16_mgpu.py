@@ -96,3 +96,12 @@ def test_model_in_the_hopper_layout_matches_the_triton_layout():
                              layout="nk16", interpret=True)
     want = x.astype(jnp.float32) @ back.dequantize().reshape(64, -1)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-2
+
+
+def test_dequantize_t_is_the_transposed_weight():
+    rng = np.random.default_rng(4)
+    codes, scale, zero = random_weight(rng, 300, 64, 4, 32, True)
+    _, s, z, g = im.pack_weight(codes, scale, zero, bits=4, group_size=32)
+    got = mg.dequantize_t(mg.pack_t(codes, 4), s, z, bits=4, group_size=g, k=300)
+    np.testing.assert_allclose(np.asarray(got).T, numpy_dequant(codes, scale, zero, 4, 32),
+                               rtol=1e-6, atol=1e-6)
