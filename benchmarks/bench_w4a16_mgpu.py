@@ -1,7 +1,7 @@
 """The Hopper W4A16 kernel (`kernels/w4a16_mgpu.py`, the dequantized weight as the MMA's register
-operand) against the Triton kernel the library runs today (`kernels.int_matmul`: the Pallas
-Triton kernel up to INT_MATMUL_MAX_ROWS rows, the weight dequantized in the graph then XLA's dot
-above), the dequantize-then-dot form at every M, and XLA's bf16 product, at Llama-3-8B layer
+operand) against the library's two paths (`kernels.int_matmul`: with the Triton layout the
+Pallas Triton kernel up to INT_MATMUL_MAX_ROWS rows, with the Hopper layout this kernel at the
+library's tiles; above, the weight dequantized in the graph then XLA's dot), the dequantize-then-dot form at every M, and XLA's bf16 product, at Llama-3-8B layer
 shapes (INT4, group 128) and M from 1 to 1024.
 
     python -m benchmarks.bench_w4a16_mgpu --out DIR            # H100
@@ -88,8 +88,11 @@ def run_shape(name, k, n, ms, args, deadline):
                 for kw in mgpu_variants(m, n, words_t.shape[1] // 16, args.tiny)]
         jobs.append(("library", {}, jax.jit(lambda x, w, s: kernels.int_matmul(
             x, w, s, bits=4, group_size=g, interpret=interpret)), (words, s)))
+        jobs.append(("library_hopper", {}, jax.jit(lambda x, w, s: kernels.int_matmul(
+            x, w, s, bits=4, group_size=g, layout="nk16", interpret=interpret)), (words_t, s)))
         jobs.append(("dequant_dot", {}, jax.jit(lambda x, w, s: x @ im.dequantize(
             w, s, None, bits=4, group_size=g).astype(x.dtype)), (words, s)))
+        jobs = [j for j in jobs if j[0] in args.forms.split(",")]
         timed = []
         for kernel, kw, fn, wargs in jobs:
             err, fail = check(fn, (xc, *wargs), ref)
@@ -128,6 +131,9 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--forms", default="mgpu,library,library_hopper,dequant_dot",
+                    help="which forms to time: mgpu (each tile variant), library (the Triton "
+                         "layout's path), library_hopper (the Hopper layout's), dequant_dot")
     ap.add_argument("--time-limit", type=float, default=500)
     args = ap.parse_args(argv)
     deadline = time.time() + args.time_limit
