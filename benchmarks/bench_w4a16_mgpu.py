@@ -39,23 +39,20 @@ GROUP, LIMIT = 128, 1e-2
 
 
 def mgpu_variants(m, n, k_tiles, tiny):
-    """Planes from registers and from shared memory, 64/128 output columns, row blocks, the
-    library's split rule (`w4a16_mgpu.blocks_for`) or none, two or three stages."""
+    """64/128 output columns, row blocks, the library's split rule (`w4a16_mgpu.blocks_for`)
+    or none."""
     if tiny:
-        return [dict(block_n=64), dict(block_n=64, num_splits=2, operand="smem")]
+        return [dict(block_n=64), dict(block_n=64, num_splits=2, unpack="convert")]
     bms = [None] if m <= 64 else [64, 128] if m == 128 else [64, 128, 256]
     out = []
-    for operand, bn, bm in itertools.product(("regs", "smem"), (64, 128), bms):
+    for bn, bm in itertools.product((64, 128), bms):
         rows = bm or mg.rows_block(m)
         if bn * rows > 16384 or (bn == 64 and rows < 128 and m > 64):
             continue  # the accumulator's registers; narrow tiles only where they can pay
-        rule = mg.blocks_for(m, n, k_tiles) if bm is None else dict(
-            mg.blocks_for(rows, n, k_tiles), num_splits=mg.blocks_for(m, n, k_tiles)[
-                "num_splits"])
-        for splits in sorted({1, rule["num_splits"]}):
-            for stages in ((2,) if operand == "regs" else (2, 3)):
-                out.append(dict(block_n=bn, num_stages=stages, num_splits=splits,
-                                operand=operand, **({} if bm is None else dict(block_m=bm))))
+        rule = mg.blocks_for(m, n, k_tiles)["num_splits"]
+        for splits in sorted({1, rule}):
+            out.append(dict(block_n=bn, num_splits=splits,
+                            **({} if bm is None else dict(block_m=bm))))
     return out
 
 

@@ -103,20 +103,15 @@ def _swizzled(cols: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",
-                                             "num_stages", "num_splits", "unpack", "operand",
-                                             "interpret"))
+                                             "num_stages", "num_splits", "unpack", "interpret"))
 def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                  block_n: int = 128, block_m: int | None = None, num_stages: int = 2,
-                 num_splits: int = 1, unpack: str = "fma", operand: str = "regs",
-                 interpret: bool = False):
+                 num_splits: int = 1, unpack: str = "fma", interpret: bool = False):
     """x [M, K] bf16 times the packed weight (words_t [N, K_pad // per], scale [G, N] f32,
     zero [G, N] bf16 or None: symmetric) -> out^T [N, M_pad] bf16, or [splits, N, M_pad] f32
     partial sums with num_splits > 1. `unpack`: "fma" makes each code the float 1 + u/2**bits
     with a shift, an AND and an OR and the weight with one FMA; "magic" the float 2**23 + u with
-    an OR, then a subtraction and a product; "convert" converts the integer. `operand`: "regs"
-    hands each plane to its MMA from registers and awaits the tile's MMAs; "smem" writes the
-    tile's planes to shared memory (two buffers) and leaves its MMAs running under the next
-    tile's unpacking."""
+    an OR, then a subtraction and a product; "convert" converts the integer."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
@@ -138,12 +133,9 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     g_rows = max(1, tile // group_size)
     g_index = (lambda s: (s, 0)) if group_size < tile else (lambda s: (s * tile // group_size, 0))
     x_t, w_t = _swizzled(SLAB, jnp.bfloat16), _swizzled(SLAB, jnp.int32)
-    a_t = x_t  # the weights' [block_n, SLAB] bf16 planes, as the MMA reads them from memory
     out_dtype = jnp.bfloat16 if splits == 1 else jnp.float32
     o_t = _swizzled(bm, out_dtype)
     stages = max(1, min(num_stages, per_split))
-    if operand == "smem":  # an x slot stays a step after its own (delay_release)
-        stages = max(2, stages)
     shape = (block_n, bm)
 
     def load(ref, layout):
@@ -174,37 +166,20 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                     u = lax.bitcast_convert_type(u | F32_MAGIC, jnp.float32)
                 yield ((u.astype(jnp.float32) - z) * s).astype(jnp.bfloat16)
 
-    def mma(acc_ref, a, x_smem, j, from_ref=False):
+    def mma(acc_ref, a, x_smem, j):
         xs = x_smem.at[:, pl.ds(j * SLAB, SLAB)]
         if interpret:
-            a = a[...] if from_ref else a
             acc_ref[...] += jnp.dot(a.astype(jnp.float32), xs[...].astype(jnp.float32).T)
         else:
             plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(xs, (1, 0)))
 
-    def step_regs(acc_ref, t, x_smem, w_smem, s_smem, z_smem, buf):
+    def step(acc_ref, x_smem, w_smem, s_smem, z_smem):
         """Each plane's weights straight from registers into its MMA; all awaited before the
         step returns its slots."""
-        del t, buf
         for j, w in enumerate(weights(w_smem, s_smem, z_smem)):
             mma(acc_ref, w, x_smem, j)
         if not interpret:
             plgpu.wgmma_wait(0)
-
-    def step_smem(acc_ref, t, x_smem, w_smem, s_smem, z_smem, buf):
-        """The tile's weights into one of two shared-memory buffers, then its MMAs issued and
-        left running: the next tile's unpacking overlaps them. The buffer written now was
-        read by the MMAs of two tiles back, awaited at the end of the last step (and the x
-        slots are released a step late, `delay_release`)."""
-        half = buf.at[lax.rem(t, 2)]
-        for j, w in enumerate(weights(w_smem, s_smem, z_smem)):
-            half[j] = w
-        if not interpret:
-            plgpu.commit_smem()
-        for j in range(per):
-            mma(acc_ref, half.at[j], x_smem, j, from_ref=True)
-        if not interpret:
-            plgpu.wgmma_wait(per)  # this tile's MMAs may still run; the last tile's are done
 
     def body(x_gmem, w_gmem, s_gmem, *rest):
         z_gmem, o_gmem = rest if zero is not None else (None, *rest)
@@ -213,8 +188,7 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         ks = pl.ds(si * per_split * tile, per_split * tile)
         g_span = max(1, per_split * tile // group_size)
         gs = pl.ds(si * g_span, g_span) if group_size < k_pad else pl.ds(0, 1)
-        specs = [plgpu.BlockSpec((bm, tile), lambda s: (0, s), transforms=x_t,
-                                 delay_release=1 if operand == "smem" else 0),
+        specs = [plgpu.BlockSpec((bm, tile), lambda s: (0, s), transforms=x_t),
                  plgpu.BlockSpec((block_n, SLAB), lambda s: (0, s), transforms=w_t),
                  plgpu.BlockSpec((g_rows, block_n), g_index)]
         args = [x_gmem.at[rows, ks], w_gmem.at[cols, pl.ds(si * per_split * SLAB,
@@ -224,26 +198,20 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
             specs.append(plgpu.BlockSpec((g_rows, block_n), g_index))
             args.append(z_gmem.at[gs, cols])
 
-        def product(acc_ref, buf=None):
-            run = step_smem if operand == "smem" else step_regs
-            step = lambda idx, x_s, w_s, s_s, *z_s: run(acc_ref, idx[0], x_s, w_s, s_s,
-                                                        *(z_s or (None,)), buf)
-            plgpu.emit_pipeline(step, grid=(per_split,), in_specs=specs,
+        def product(acc_ref):
+            body = lambda _, x_s, w_s, s_s, *z_s: step(acc_ref, x_s, w_s, s_s, *(z_s or (None,)))
+            plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
                                 max_concurrent_steps=stages)(*args)
-            if operand == "smem" and not interpret:
-                plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         def out(o_smem):
-            bufs = [plgpu.SMEM((2, per, block_n, SLAB), jnp.bfloat16, transforms=a_t)
-                    ] if operand == "smem" else []
             if interpret:  # a float32 scratch stands in for the accumulator
-                def product_zeroed(acc_ref, *buf):
+                def product_zeroed(acc_ref):
                     acc_ref[...] = jnp.zeros(shape, jnp.float32)
-                    return product(acc_ref, *buf)
-                acc = pl.run_scoped(product_zeroed, plgpu.SMEM(shape, jnp.float32), *bufs)
+                    return product(acc_ref)
+                acc = pl.run_scoped(product_zeroed, plgpu.SMEM(shape, jnp.float32))
             else:
-                acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32), *bufs)
+                acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
             o_smem[...] = acc.astype(out_dtype)
             plgpu.commit_smem()
             dst = o_gmem.at[cols, rows] if splits == 1 else o_gmem.at[si, cols, rows]
