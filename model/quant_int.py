@@ -229,15 +229,24 @@ def quantize_params(params, mode: str | None = "w4a16"):
 def for_kernels(params, layout: str | None = None):
     """Every packed linear weight (experts aside) of a params tree in `layout` (default: the
     one `kernels.int_layout()` reads fastest on this device), in place like `fuse.fuse_params`:
-    each weight's old words go as its new ones are made. Returns `params`."""
-    layout = layout or kernels.int_layout()
+    each weight's old words go as its new ones are made. Returns `params`.
+    By default only the form the Hopper kernel was run in on the GPU moves (INT4, symmetric,
+    groups of 128); INT8 and zero points keep the Triton kernel until measured there."""
+    chosen = layout
+
+    def wanted(p: PackedInt) -> str:
+        if chosen is not None:
+            return chosen
+        if (p.bits, p.zero is None, p.group_size) != (4, True, 128):
+            return "kn"
+        return kernels.int_layout()
 
     def walk(tree):
         for key, leaf in tree.items():
             if isinstance(leaf, dict):
                 walk(leaf)
-            elif isinstance(leaf, PackedInt) and not leaf.lead and leaf.layout != layout:
-                tree[key] = relayout(leaf, layout)
+            elif isinstance(leaf, PackedInt) and not leaf.lead and leaf.layout != wanted(leaf):
+                tree[key] = relayout(leaf, wanted(leaf))
     if isinstance(params, dict):
         walk(params)
     return params

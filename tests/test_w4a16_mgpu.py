@@ -105,3 +105,20 @@ def test_dequantize_t_is_the_transposed_weight():
     got = mg.dequantize_t(mg.pack_t(codes, 4), s, z, bits=4, group_size=g, k=300)
     np.testing.assert_allclose(np.asarray(got).T, numpy_dequant(codes, scale, zero, 4, 32),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_only_the_measured_form_moves_by_default(monkeypatch):
+    """On an sm_90 GPU the engine moves symmetric INT4 g128 weights only; zero points and INT8
+    keep the Triton kernel's layout."""
+    from pallasite import kernels
+    from pallasite.model import quant_int
+    monkeypatch.setattr(kernels, "int_layout", lambda: "nk16")
+    rng = np.random.default_rng(5)
+
+    def packed(bits, asym):
+        codes, scale, zero = random_weight(rng, 256, 64, bits, 128, asym)
+        lin = quant_int.IntLinear(codes, scale, zero, bits, 128, None)
+        return quant_int.pack_linear(lin, (256, 64), 1)
+    params = {"a": {"sym4": packed(4, False), "asym4": packed(4, True), "sym8": packed(8, False)}}
+    quant_int.for_kernels(params)
+    assert [params["a"][k].layout for k in ("sym4", "asym4", "sym8")] == ["nk16", "kn", "kn"]
