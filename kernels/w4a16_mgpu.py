@@ -3,19 +3,22 @@
 The product runs transposed, out^T [N, M] = W^T [N, K] @ x^T: the dequantized weight is the
 warpgroup MMA's left operand, which Hopper reads from registers, so it goes from the packed
 words to the tensor cores without a trip through shared memory; the activations are the right
-operand, a shared-memory tile the TMA brings. A step's M rows are the MMA's N side (8 to 256),
-so a few rows waste little.
+operand, a shared-memory tile the TMA brings. A step's M rows are the MMA's N side (16 to 128
+a CTA), so a few rows waste little.
 
 The weights are packed as `w4a16_matmul.pack` packs them, with bit planes of SLAB = 16 rows, and
-transposed (`pack_t`): [N, K_pad // per] int32 (per = 32 // bits codes a word). A K tile of `tile_rows(bits)` rows is one [block_n, SLAB] block of words, and bit
-plane j of it holds the tile's rows j * SLAB .. j * SLAB + SLAB - 1: one shift and one mask give
-the [block_n, SLAB] left operand of an MMA of depth SLAB against columns j * SLAB... of the x tile.
-Each weight is made (u - zero) * scale in float32 and rounded to bf16, as dequantizing in the
-graph does; the MMAs of a tile are issued back to back and awaited once.
+transposed (`pack_t`): [N, K_pad // per] int32 (per = 32 // bits codes a word). A K tile of
+`tile_rows(bits)` rows is one [block_n, SLAB] block of words, and bit plane j of it holds the
+tile's rows j * SLAB .. j * SLAB + SLAB - 1: a shift, an AND and an OR give the floats
+1 + u / 2**bits of the [block_n, SLAB] left operand of an MMA of depth SLAB against columns
+j * SLAB... of the x tile, and one FMA the weight (u - zero) * scale, rounded to bf16 as
+dequantizing in the graph rounds it. Each plane's MMA is issued as soon as its operand is made;
+a tile's are awaited once.
 
 One CTA of one warpgroup per [block_n, block_m] output tile; with `num_splits` > 1, that many
 CTAs share its K tiles and write float32 partial sums that XLA adds. The jnp reference is
-`w4a16_matmul.int_matmul_reference` (with `words_t.T`).
+`dequantize_t` (or `w4a16_matmul.int_matmul_reference` on the Triton layout of the same codes).
+Measured against the Triton kernel and bf16 in `benchmarks/bench_w4a16_mgpu.py`.
 
 In Pallas interpret mode (the CPU tests) the MMAs run as float32 dots of the same bf16 operands;
 the pipeline, unpacking, scales and stores run as written.
