@@ -122,3 +122,24 @@ def test_only_the_measured_form_moves_by_default(monkeypatch):
     params = {"a": {"sym4": packed(4, False), "asym4": packed(4, True), "sym8": packed(8, False)}}
     quant_int.for_kernels(params)
     assert [params["a"][k].layout for k in ("sym4", "asym4", "sym8")] == ["nk16", "kn", "kn"]
+
+
+def test_engine_in_the_hopper_layout_generates_as_in_the_triton_layout(tmp_path, monkeypatch):
+    """The engine places W4A16 weights in the layout `kernels.int_layout` names (the Hopper one,
+    forced here on CPU, where the products run dequantized) and greedy outputs do not change."""
+    import hf_models
+
+    from pallasite import kernels
+    from pallasite.serving.llm import LLM, SamplingParams
+    hf_models.save("llama", tmp_path, config=dict(hidden_size=256, intermediate_size=256))
+    kw = dict(quantization="w4a16", max_model_len=64, num_pages=32, page_size=8, max_num_seqs=2,
+              max_num_batched_tokens=16, token_buckets=[1, 16], page_buckets=[8])
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 33, 2, 9], [7, 3, 3, 40]]
+    outs = {}
+    for layout in ("kn", "nk16"):
+        monkeypatch.setattr(kernels, "int_layout", lambda layout=layout: layout)
+        with LLM(tmp_path, **kw) as llm:
+            assert llm.engine.params["layers_0"]["attn"]["wqkv"].layout == layout
+            outs[layout] = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert outs["nk16"] == outs["kn"]
