@@ -120,8 +120,8 @@ def _concat_packed(ws, splits, axis: int, shape: tuple):
     first = ws[0]
     key = lambda w: (w.bits, w.group_size, w.in_axes, w.words.shape[0], w.zero is None,
                      w.perm is None)
-    if any(key(w) != key(first) for w in ws):
-        raise _Mismatch
+    if any(key(w) != key(first) or w.layout != "kn" for w in ws):
+        raise _Mismatch  # (the Hopper layout is made after fusion, as the engine places them)
     if first.perm is not None and not all(bool(jnp.array_equal(w.perm, first.perm))
                                           for w in ws):
         raise _Mismatch

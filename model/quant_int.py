@@ -232,11 +232,9 @@ def for_kernels(params, layout: str | None = None):
     each weight's old words go as its new ones are made. Returns `params`.
     By default only the form the Hopper kernel was run in on the GPU moves (INT4, symmetric,
     groups of 128); INT8 and zero points keep the Triton kernel until measured there."""
-    chosen = layout
-
     def wanted(p: PackedInt) -> str:
-        if chosen is not None:
-            return chosen
+        if layout is not None:
+            return layout
         if (p.bits, p.zero is None, p.group_size) != (4, True, 128):
             return "kn"
         return kernels.int_layout()
