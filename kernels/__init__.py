@@ -506,7 +506,7 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)
-        tiles = words.shape[1] * (32 // bits) // mg.tile_rows(bits)
+        tiles = words.shape[1] // mg.SLAB  # a K tile is SLAB words a column
         return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                              **(mg.blocks_for(x.shape[0], words.shape[0], tiles) | blocks))
     # The weight dequantized as it is stored ([N, K] for the Hopper layout: XLA's dot takes

@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import w4a16_matmul as im
 from .w4a16_matmul import F32_BIAS, F32_MAGIC, one_plus
+from .w8a8_mgpu import swizzled
 
 SLAB = 16  # K rows of a bit plane here: one MMA's depth (k16), and a 128-row INT4 tile
 UNPACKS = ("fma", "magic", "convert")
@@ -67,14 +68,19 @@ def dequantize_t(words_t, scale, zero, *, bits: int, group_size: int, k: int):
 
 
 def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n: int = 128,
-              block_m: int | None = None, **_) -> str | None:
+              block_m: int | None = None, unpack: str = "fma", **_) -> str | None:
     """Why this kernel cannot take the call, or None."""
     if bits not in (4, 8):
         return f"bits={bits}"
+    if unpack not in UNPACKS:
+        return f"unpack={unpack!r} is not one of {UNPACKS}"
     if n % block_n or block_n % 64:
         return f"N={n} is not a multiple of block_n={block_n} (a multiple of 64)"
-    if group_size % SLAB or (group_size < tile_rows(bits) and tile_rows(bits) % group_size):
-        return f"group_size={group_size} does not tile K tiles of {tile_rows(bits)} rows"
+    tile = tile_rows(bits)
+    if group_size % SLAB or (group_size < tile and tile % group_size) or (
+            group_size < k_pad and k_pad % group_size):
+        return (f"group_size={group_size} does not tile K tiles of {tile} rows and the padded "
+                f"K={k_pad} (or cover it)")
     bm = block_m or rows_block(m)
     if bm % 16 or bm > 256:
         return f"block_m={bm} (a multiple of 16, at most 256)"
@@ -99,12 +105,6 @@ def blocks_for(m: int, n: int, k_tiles: int) -> dict:
     return dict(block_n=bn, num_splits=splits)
 
 
-def _swizzled(cols: int, dtype):
-    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(swizzle))
-
-
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",
                                              "num_stages", "num_splits", "unpack", "interpret"))
 def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
@@ -119,11 +119,8 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
     k_pad = kw * per
-    if group_size % SLAB or k_pad % group_size and group_size < k_pad:
-        raise ValueError(f"w4a16_mgpu: group_size={group_size} must be a multiple of {SLAB} and "
-                         f"divide the padded K={k_pad}, or cover it")
     why = supported(m, k_pad, n, bits=bits, group_size=group_size, block_n=block_n,
-                    block_m=block_m)
+                    block_m=block_m, unpack=unpack)
     if why:
         raise ValueError(f"w4a16_mgpu: {why}")
     bm = block_m or rows_block(m)
@@ -135,9 +132,9 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     # scale rows (groups) a K tile spans: one block of them a tile
     g_rows = max(1, tile // group_size)
     g_index = (lambda s: (s, 0)) if group_size < tile else (lambda s: (s * tile // group_size, 0))
-    x_t, w_t = _swizzled(SLAB, jnp.bfloat16), _swizzled(SLAB, jnp.int32)
+    x_t, w_t = swizzled(SLAB, jnp.bfloat16), swizzled(SLAB, jnp.int32)
     out_dtype = jnp.bfloat16 if splits == 1 else jnp.float32
-    o_t = _swizzled(bm, out_dtype)
+    o_t = swizzled(bm, out_dtype)
     stages = max(1, min(num_stages, per_split))
     shape = (block_n, bm)
 

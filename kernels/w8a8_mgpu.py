@@ -45,7 +45,9 @@ def supported(m: int, k: int, n: int, groups: int, *, block_n: int = 128, block_
     return None
 
 
-def _swizzled(cols: int, dtype):
+def swizzled(cols: int, dtype):
+    """Shared-memory transforms for tiles whose rows are `cols` elements of `dtype`: 8-row
+    tiles as wide as the largest swizzle the rows allow."""
     swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(swizzle))
@@ -77,7 +79,7 @@ def w8a8_matmul_quantized(xq, xs, q, scale, *, block_m: int = 64, block_n: int =
     if mp != m:  # padded rows: zeros with scale 1, sliced off below
         xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
         xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=1.0)
-    in_t, out_t = _swizzled(block_k, xq.dtype), _swizzled(block_n, jnp.bfloat16)
+    in_t, out_t = swizzled(block_k, xq.dtype), swizzled(block_n, jnp.bfloat16)
     num_stages = max(1, min(num_stages, k // block_k))
 
     def body(x_gmem, xs_gmem, w_gmem, s_gmem, o_gmem):

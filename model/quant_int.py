@@ -243,8 +243,10 @@ def for_kernels(params, layout: str | None = None):
         for key, leaf in tree.items():
             if isinstance(leaf, dict):
                 walk(leaf)
-            elif isinstance(leaf, PackedInt) and not leaf.lead and leaf.layout != wanted(leaf):
-                tree[key] = relayout(leaf, wanted(leaf))
+            elif isinstance(leaf, PackedInt) and not leaf.lead:
+                to = wanted(leaf)
+                if leaf.layout != to:
+                    tree[key] = relayout(leaf, to)
     if isinstance(params, dict):
         walk(params)
     return params
