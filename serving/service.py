@@ -29,6 +29,7 @@ log = logging.getLogger("pallasite.serving.service")
 request_log = logging.getLogger("pallasite.serving.requests")
 Code = grpc.StatusCode
 WARMING, SERVING, DRAINING = "warming", "serving", "draining"
+DEADLINE_SLACK_S = 0.1  # a cancel this close to the deadline is the deadline
 
 
 @dataclasses.dataclass
@@ -109,8 +110,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             call.code, call.message = e.code.name, e.message
             await context.abort(e.code, e.message)
         except (asyncio.CancelledError, GeneratorExit):
+            # The client's own deadline timer may cancel a moment before the server's copy of
+            # it runs out (the header is sent after the call starts and rounded up).
             remaining = context.time_remaining()
-            call.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 \
+            call.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining < DEADLINE_SLACK_S \
                 else "CANCELLED"
             raise
         except grpc.aio.AbortError:
