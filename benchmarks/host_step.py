@@ -4,6 +4,10 @@
 wall time includes waiting for a core. The engine drives a tiny model, but its compiled programs are replaced by stand-ins that return
 a token per row at once, so what is timed is the host's own work: scheduling, packing the batch,
 dispatch and accepting the sampled tokens. `--profile` prints the cProfile of the timed steps.
+`--tokenizer` adds the embedded default model's tokenizer: each step's outputs then get their
+text after the step as `EngineLoop` makes it (the `fill` part), streamed a step at a time, or
+with `--whole-text` only at each request's end, as `LLM.generate` takes it. `--device-ms` gives
+the stand-in device a time a step, overlapped with the host's work as on a GPU.
 
 Two cases, both by default: pure decode (`--decode`), where every sequence decodes through the
 timed steps, and `--mixed`, where outputs are short (uniform in [8, 2 * --churn_output]) and
@@ -27,27 +31,35 @@ from operator import attrgetter
 
 import numpy as np
 
+from pallasite.serving.detokenize import whole_text
+
 
 class _Out:
-    """A host array that answers like a device one (copy_to_host_async, np.asarray)."""
+    """A host array that answers like a device one (copy_to_host_async, np.asarray): reading it
+    waits until `ready` (perf_counter seconds), when the stand-in device has finished it."""
 
-    def __init__(self, a):
-        self.a = a
+    def __init__(self, a, ready=0.0):
+        self.a, self.ready = a, ready
 
     def copy_to_host_async(self):
         pass
 
     def __array__(self, dtype=None, copy=None):
+        if (wait := self.ready - time.perf_counter()) > 0:
+            time.sleep(wait)
         return self.a
 
 
-def fake_device(engine, vocab: int, draw=None):
+def fake_device(engine, vocab: int, draw=None, device_ms: float = 0.0):
     """Swap the engine's compiled forward passes and samplers for host stand-ins. `draw(ints,
     S)` gives each row's token from the sampler's int inputs (default: any token that is neither
-    eos nor a stop); its logprob is -0.5 and its top logprob ids are itself."""
+    eos nor a stop); its logprob is -0.5 and its top logprob ids are itself. `device_ms`: each
+    step's tokens come that long after the stand-in device, which runs steps one at a time in
+    launch order, starts it."""
     from pallasite.serving import sampling
 
     width = 2 + 2 * sampling.MAX_LOGPROBS
+    free = [0.0]  # when the stand-in device finishes the last step launched
 
     def exe(params, kv, last_tokens, ints):
         return None, kv
@@ -62,7 +74,8 @@ def fake_device(engine, vocab: int, draw=None):
             out[:, 0] = np.arange(S) % vocab if draw is None else draw(ints, S)
             out[:, 1] = np.float32(-0.5).view(np.int32)
             out[:, 2:2 + sampling.MAX_LOGPROBS] = out[:, :1]
-            return _Out(out), last_tokens, history
+            free[0] = max(free[0], time.perf_counter()) + device_ms / 1e3
+            return _Out(out, free[0]), last_tokens, history
         engine._samplers[(S, mode)] = sampler
         return sampler
 
@@ -70,18 +83,11 @@ def fake_device(engine, vocab: int, draw=None):
     engine._load = lambda history, *a: history
 
 
-class _Tok:
-    """Each token decodes to two characters: the detokenizer's cost without a real vocabulary."""
-    eos_token_ids = ()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) * 2 for i in ids)
-
-
 def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
-          settle: bool = True):
+          settle: bool = True, whole_text: bool = False, device_ms: float = 0.0):
     import jax
     from pallasite.model import config_from_dict, init_params
+    from pallasite.serving.detokenize import TextStage
     from pallasite.serving.engine import Engine
     from pallasite.serving.llm import SamplingParams
     from pallasite.serving.warmup import settle_heap
@@ -92,20 +98,31 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
     params = jax.tree.map(np.asarray, init_params(config, 0))
     max_len = prompt + output + 16
     pages = seqs * -(-max_len // 16) + 16
-    engine = Engine(config, params, _Tok() if tokenizer else None, num_pages=pages, page_size=16,
+    tok = None
+    if tokenizer:
+        from pallasite.model import default_model_path
+        from pallasite.model.tokenizer import Tokenizer
+        tok = Tokenizer.from_pretrained(default_model_path())
+    engine = Engine(config, params, tok, num_pages=pages, page_size=16,
                     max_num_seqs=seqs, max_num_batched_tokens=max(8192, seqs),
                     max_model_len=2048, page_buckets=[128])
-    fake_device(engine, 1000)
+    fake_device(engine, 1000, device_ms=device_ms)
     if settle:
         settle_heap()  # as warm-up leaves the collector
     rng = np.random.default_rng(0)
     engine.arrivals = iter(range(1 << 30))
+    engine.text = TextStage(tok) if tok else None
+    engine.whole = {} if tok and whole_text else None  # request -> (prompt, tokens so far)
 
     def add():
         n = int(rng.integers(8, 2 * output + 1)) if mixed else output
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.add_request(f"r{next(engine.arrivals)}", rng.integers(1000, 30000, prompt).tolist(),
-                           sp)
+        name, ids = f"r{next(engine.arrivals)}", rng.integers(100, 4000, prompt).tolist()
+        engine.add_request(name, ids, sp)
+        if engine.whole is not None:
+            engine.whole[name] = (ids, [])
+        elif engine.text:
+            engine.text.start(name, ids)
     engine.add = add
     for _ in range(seqs):
         add()
@@ -115,6 +132,15 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
 def step(engine, mixed: bool):
     """One engine step; in mixed mode each finished request is replaced by a new one."""
     outputs = engine.step()
+    if engine.text:
+        outputs = engine.text.fill(outputs)
+    if engine.whole is not None:  # as LLM.generate takes it: tokens a step, text at the end
+        for out in outputs:
+            prompt, tokens = engine.whole[out.request_id]
+            tokens += out.new_token_ids
+            if out.finished:
+                whole_text(engine.tokenizer, prompt, tokens, out.stop_reason)
+                del engine.whole[out.request_id]
     for _ in range(sum(map(attrgetter("finished"), outputs)) if mixed else 0):
         engine.add()
 
@@ -156,7 +182,8 @@ def measure(engine, steps: int, profile: bool, mixed: bool = False) -> dict:
     parts = {}
     schedule = "schedule_step" if hasattr(engine.scheduler, "schedule_step") else "schedule"
     for obj, name in [(engine.scheduler, schedule), (engine.batch, "pack"),
-                      (engine, "_dispatch"), (engine, "_accept")]:
+                      (engine, "_dispatch"), (engine, "_accept")] + (
+                          [(engine.text, "fill")] if engine.text else []):
         timed(obj, name, parts)
     prof = cProfile.Profile() if profile else None
     t, cpu = time.perf_counter(), time.thread_time()
@@ -193,7 +220,13 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--output", type=int, default=400)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--tokenizer", action="store_true", help="detokenize every output")
+    ap.add_argument("--tokenizer", action="store_true",
+                    help="detokenize the outputs (the default model's tokenizer)")
+    ap.add_argument("--whole-text", action="store_true",
+                    help="with --tokenizer: each request's text only at its end")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="the stand-in device's time a step (steps overlap the host's work as "
+                         "on a GPU; wall_ms_per_step then shows what the host adds)")
     ap.add_argument("--decode", action="store_true", help="only the pure decode case")
     ap.add_argument("--mixed", action="store_true", help="only the case where requests finish "
                     "and new ones arrive")
@@ -206,14 +239,17 @@ def main(argv=None):
     recs = []
     for mixed in [False, True] if args.decode == args.mixed else [args.mixed]:
         engine = build(args.seqs, args.prompt, args.churn_output if mixed else args.output,
-                       args.tokenizer, mixed, settle=not args.default_gc)
+                       args.tokenizer, mixed, settle=not args.default_gc,
+                       whole_text=args.whole_text, device_ms=args.device_ms)
         rec = measure(engine, args.steps, args.profile, mixed)
         parts = " ".join(f"{k[:-len('_cpu_ms_median')]} {v:.2f}" for k, v in rec.items()
                          if k.endswith("_cpu_ms_median"))
         print(f"{rec['mode']:>6}: host {rec['host_ms_per_step']:.2f} ms/step at "
-              f"{rec['running']} running ({rec['tokens_per_step']:.0f} tokens a step); CPU "
-              f"median {rec['cpu_ms_median']:.2f}, best {rec['cpu_ms_best']:.2f}; parts "
-              f"(median ms): {parts}; python loop {rec['python_loop_ms']:.0f} ms", flush=True)
+              f"{rec['running']} running ({rec['tokens_per_step']:.0f} tokens a step); wall "
+              f"{rec['wall_ms_per_step']:.2f} (device {args.device_ms:g}); CPU median "
+              f"{rec['cpu_ms_median']:.2f}, best {rec['cpu_ms_best']:.2f}; parts (median ms): "
+              f"{parts}; python loop "
+              f"{rec['python_loop_ms']:.0f} ms", flush=True)
         print(json.dumps(rec), flush=True)
         recs.append(rec)
         del engine

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from itertools import repeat
 from datetime import datetime
 from pathlib import Path
 
@@ -145,9 +146,11 @@ class IncrementalDetokenizer:
         return self.add_many([self], [token_id])[0]
 
     @staticmethod
-    def add_many(detoks: list["IncrementalDetokenizer"], token_ids: list[int]) -> list[str]:
-        """One new token for each detokenizer; their deltas, decoded in one batched call where
-        every detokenizer shares a tokenizer that has `decode_batch`."""
+    def add_many(detoks: list["IncrementalDetokenizer"], token_ids: list,
+                 final: list[bool] | None = None) -> list[str]:
+        """New tokens for each detokenizer (a token id, or a list of them); their deltas, decoded
+        in one batched call where every detokenizer shares a tokenizer that has `decode_batch`.
+        A `final` one holds nothing back: an unfinished character at the end comes as U+FFFD."""
         if not detoks:
             return []
         tok = detoks[0].tokenizer
@@ -155,7 +158,10 @@ class IncrementalDetokenizer:
         singles = IncrementalDetokenizer._singles_of(tok) if shared else {}
         windows, owners = [], []  # what to decode, and for which detokenizer
         for d, token in zip(detoks, token_ids):
-            d.ids.append(token)
+            if type(token) is list:
+                d.ids += token
+            else:
+                d.ids.append(token)
             if d.before is None and d.read - d.prefix == 1:
                 d.before = singles.get(d.ids[d.prefix])
             if d.before is None:
@@ -165,14 +171,14 @@ class IncrementalDetokenizer:
             owners.append(d)
         texts = iter(tok.decode_batch(windows) if shared and hasattr(tok, "decode_batch") else
                      [d.tokenizer.decode(w) for d, w in zip(owners, windows)])
-        out = []
-        for d in detoks:
+        out, final = [], final or repeat(False)
+        for d, last in zip(detoks, final):
             if d.before is None:
                 d.before = next(texts)
                 if d.read - d.prefix == 1:
                     singles[d.ids[d.prefix]] = d.before
             text, before = next(texts), d.before
-            if len(text) <= len(before) or text.endswith("\ufffd"):
+            if len(text) <= len(before) or (text.endswith("\ufffd") and not last):
                 out.append("")
                 continue
             d.prefix, d.read, d.before = d.read, len(d.ids), None

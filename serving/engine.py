@@ -1,14 +1,15 @@
 """The engine: schedule a step, pad it to a bucket, run one compiled step (forward + sampling)
-with the device state donated, and hand each request its tokens, text and finish reason.
+with the device state donated, and hand each request its tokens and finish reason (and its text
+where stop strings need it; `detokenize.py` makes the rest).
 
 Shapes come from a small set of buckets: the token axis T, the sequence axis S = min(T,
 max_num_seqs) and the page-table width P. `warmup()` compiles every reachable (T, P) pair ahead
 of time, so no request ever waits for a compilation, and `compilations` counts them all.
 
 The host runs one step ahead of the device: `step()` dispatches step n+1 and only then waits for
-step n's tokens, so scheduling, packing and detokenizing overlap the device's work. A sequence
-decoding on a token the host has not seen yet reads it from `last_tokens`, a device array holding
-each slot's latest sample.
+step n's tokens, so scheduling and packing overlap the device's work. A sequence decoding on a
+token the host has not seen yet reads it from `last_tokens`, a device array holding each slot's
+latest sample.
 
 The host path of a step, in order (each a method below; hooks go beside the one they extend):
   `Scheduler.schedule_step` picks the rows (decode rows first, then prefill chunks) as arrays;
@@ -16,8 +17,9 @@ The host path of a step, in order (each a method below; hooks go beside the one 
   `BatchState.pack`     gathers the step's arrays from the slot-indexed batch state (batch.py);
   `_dispatch`           runs the compiled forward pass and sampler, donating the device state;
   `_collect`            reads step n-1's samples back and `_accept`s them in bulk: tokens and
-                        finish reasons as arrays over the rows, then one batched
-                        detokenization, then the outputs, built column by column.
+                        finish reasons as arrays over the rows, then the outputs, built
+                        column by column. Their text is made after the step (detokenize.py),
+                        except where a stop string must be found in it.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class RequestOutput(NamedTuple):
     step)."""
     request_id: str
     new_token_ids: list[int]
-    text_delta: str
+    text_delta: str | None  # None: the text is left to a TextStage (detokenize.py)
     logprobs: list[TokenLogprob] | None
     finished: bool
     finish_reason: str | None  # None, "stop", "length" or "abort"
@@ -81,6 +83,7 @@ class RequestOutput(NamedTuple):
     first_token_time: float | None
     spec_proposed: int = 0  # speculative tokens proposed for this request so far
     spec_accepted: int = 0  # ... and accepted
+    stop_reason: int | str | None = None  # the stop token (its text left out) or stop string
 
 
 _new_output = tuple.__new__
@@ -138,6 +141,7 @@ class Engine:
         self.eos = set(config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.guide = Guide(tokenizer, config.vocab_size, self.eos)  # structured output, logit bias
         self._guided: set[str] = set()  # live requests the guide constrains or biases
+        self._stopping: set[str] = set()  # live requests with stop strings: text made here
         self.seqs: dict[str, Sequence] = {}
         self._outbox: list[RequestOutput] = []  # abort notices for the next step()
         self._stop_set, self._stop_any = set(), np.zeros(0, np.int64)  # every stop token id
@@ -214,8 +218,9 @@ class Engine:
         self.guide.start(seq)
         if Guide.guided(seq):
             self._guided.add(request_id)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and sp.stop:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+            self._stopping.add(request_id)
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
 
@@ -342,8 +347,8 @@ class Engine:
                 ) -> list[RequestOutput]:
         """Take one sampled token per sequence: tokens and finish reasons as arrays over the
         rows (Python only for stop-token candidates, first tokens, guided rows, logprobs and
-        finishes), then the new text of all of them in one batched detokenization, then the
-        outputs. `slots`, `n_tokens` (the token count after this one): known to the caller, or
+        finishes), then the new text of those with stop strings in one batched detokenization
+        (the others' is a TextStage's), then the outputs. `slots`, `n_tokens` (the token count after this one): known to the caller, or
         read off the sequences."""
         now, n, batch = time.time(), len(seqs), self.batch
         tokens = out[:, 0]
@@ -356,9 +361,10 @@ class Engine:
             n_tokens = np.fromiter((len(s.tokens) for s in seqs), np.int64, n)
         plen = batch.prompt_len[slots]
         reasons = np.where(n_tokens >= self.scheduler.limit[slots], "length", None)
+        why = [None] * n
         for i in np.flatnonzero(np.isin(tokens, self._stop_any)).tolist():
             if toks[i] in seqs[i].stop_ids:
-                reasons[i] = "stop"
+                reasons[i], why[i] = "stop", toks[i]
         reasons = reasons.tolist()
         for i in np.flatnonzero(n_tokens - plen == 1).tolist():
             seqs[i].first_token_time, batch.first_token[slots[i]] = now, now
@@ -366,9 +372,9 @@ class Engine:
         for i in [i for i, s in enumerate(seqs) if s.request_id in guided] if guided else ():
             if self.guide.accept(seqs[i], toks[i]):
                 complete.append(i)
-        deltas = repeat("")
-        if self.tokenizer is not None:
-            deltas = self._text(seqs, toks, reasons, complete)
+        deltas = repeat(None)
+        if self._stopping:
+            deltas = self._text(seqs, toks, reasons, complete, why)
         else:
             self._complete(reasons, complete)
         lps = [None] * n
@@ -382,30 +388,30 @@ class Engine:
             finished, reasons, plen.tolist(),
             batch.cached[slots].tolist(), (n_tokens - plen).tolist(),
             batch.arrival[slots].tolist(), batch.first_token[slots].tolist(), repeat(0),
-            repeat(0))))
+            repeat(0), why)))
 
     def _finish(self, seq: Sequence):
         self.seqs.pop(seq.request_id, None)
         self._guided.discard(seq.request_id)
+        self._stopping.discard(seq.request_id)
         self.scheduler.finish(seq)
 
-    def _text(self, seqs, tokens, reasons, complete) -> list[str]:
-        """Each sequence's text delta, its new tokens detokenized in one batched call (a stop
-        token adds no text); a stop string found in the text sets its reason to "stop". Only a
-        sequence with stop strings keeps its text (`seq.text`): the others send all they get."""
-        todo = [i for i, r in enumerate(reasons) if r != "stop"]
-        if len(todo) == len(seqs):
-            deltas = IncrementalDetokenizer.add_many([s.detok for s in seqs], tokens)
-        else:
-            deltas = [""] * len(seqs)
-            for i, text in zip(todo, IncrementalDetokenizer.add_many(
-                    [seqs[i].detok for i in todo], [tokens[i] for i in todo])):
-                deltas[i] = text
-        self._complete(reasons, complete)
-        for i in [i for i, seq in enumerate(seqs) if seq.sampling.stop]:
-            seqs[i].text += deltas[i]
-            deltas[i], hit_stop = self._text_delta(seqs[i], final=reasons[i] is not None)
-            reasons[i] = "stop" if hit_stop else reasons[i]
+    def _text(self, seqs, tokens, reasons, complete, why) -> list[str | None]:
+        """The text deltas of the sequences with stop strings, their new tokens detokenized in one
+        batched call (a stop token adds no text); a stop string found in the text sets the
+        reason to "stop" and is the row's `why`. The others' text is left to a TextStage."""
+        deltas, stopping = [None] * len(seqs), self._stopping
+        rows = [i for i, seq in enumerate(seqs) if seq.request_id in stopping]
+        todo = [i for i in rows if reasons[i] != "stop"]
+        for i, text in zip(todo, IncrementalDetokenizer.add_many(
+                [seqs[i].detok for i in todo], [tokens[i] for i in todo])):
+            deltas[i] = text
+        self._complete(reasons, complete)  # a row the grammar ends is final: no text held back
+        for i in rows:
+            seqs[i].text += deltas[i] or ""
+            deltas[i], hit = self._text_delta(seqs[i], final=reasons[i] is not None)
+            if hit is not None:
+                reasons[i], why[i] = "stop", hit
         return deltas
 
     @staticmethod
@@ -420,20 +426,20 @@ class Engine:
         top = zip(row[2:2 + n].tolist(), f[2 + width:2 + width + n].tolist())
         return [TokenLogprob(token, float(f[1]), list(top))]
 
-    def _text_delta(self, seq: Sequence, final: bool) -> tuple[str, bool]:
-        """New text to send, and whether a stop string ended it. While running, a tail that could
-        still grow into a stop string is held back."""
+    def _text_delta(self, seq: Sequence, final: bool) -> tuple[str, str | None]:
+        """New text to send, and the stop string that ended it, if one did. While running, a tail
+        that could still grow into a stop string is held back."""
         stops = seq.sampling.stop or ()
         for s in stops:
             at = seq.text.find(s, max(0, seq.sent - len(s) + 1))
             if at >= 0:
                 seq.text = seq.text[:at]
                 delta, seq.sent = seq.text[seq.sent:], len(seq.text)
-                return delta, True
+                return delta, s
         hold = 0 if final or not stops else max(len(s) for s in stops) - 1
         upto = max(seq.sent, len(seq.text) - hold)
         delta, seq.sent = seq.text[seq.sent:upto], upto
-        return delta, False
+        return delta, None
 
     def _output(self, seq, tokens, delta, lps, reason) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, delta, lps, reason is not None, reason,

@@ -1,8 +1,9 @@
 """A thread that drives an Engine, so that any thread can submit and abort requests.
 
 The engine itself is single-threaded: only the loop's thread touches it. Other threads hand it
-commands through a queue; each request's outputs go to its `on_output` callback, called on the
-loop's thread (keep callbacks short: they delay the next step).
+commands through a queue. After each step the loop makes the text of the requests that
+stream it (detokenize.py) and hands each request's outputs to its `on_output` callback, called
+on the loop's thread (keep callbacks short: they delay the next step).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import threading
 from collections import deque
 
+from .detokenize import TextStage
 from .engine import Engine, RequestOutput
 from .scheduler import RequestError
 
@@ -25,12 +27,15 @@ class EngineLoop:
         self._commands: deque = deque()
         self._callbacks: dict[str, callable] = {}
         self._closing = False
+        self.text = TextStage(engine.tokenizer)
         self._thread = threading.Thread(target=self._run, name="pallasite-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling, on_output):
+    def submit(self, request_id: str, prompt_ids: list[int], sampling, on_output,
+               stream: bool = True):
         """Queue a request. Raises RequestError here, in the caller's thread, if it cannot be
-        served."""
+        served. Without `stream` its outputs carry no text (`text_delta` None) unless the
+        engine made it (stop strings): the caller decodes the whole once (`whole_text`)."""
         self.engine.check_request(prompt_ids, sampling)
         with self._cond:
             if self.error is not None or self._closing:
@@ -38,7 +43,7 @@ class EngineLoop:
             if request_id in self._callbacks:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._callbacks[request_id] = on_output
-            self._commands.append(("add", request_id, list(prompt_ids), sampling))
+            self._commands.append(("add", request_id, list(prompt_ids), sampling, stream))
             self._cond.notify()
 
     def abort(self, request_id: str):
@@ -64,7 +69,7 @@ class EngineLoop:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished():
-                    for out in self.engine.step():
+                    for out in self.text.fill(self.engine.step()):
                         self._deliver(out)
         except BaseException as e:  # the engine broke: tell every waiting request, then stop
             log.exception("engine loop stopped")
@@ -78,13 +83,16 @@ class EngineLoop:
         if command[0] == "abort":
             self.engine.abort(command[1])
             return
-        _, request_id, prompt_ids, sampling = command
+        _, request_id, prompt_ids, sampling, stream = command
         try:
             self.engine.add_request(request_id, prompt_ids, sampling)
         except RequestError:
             log.exception("request %s refused", request_id)
             self._deliver(RequestOutput(request_id, [], "", None, True, "abort",
                                         len(prompt_ids), 0, 0, 0.0, None))
+            return
+        if stream:
+            self.text.start(request_id, prompt_ids)
 
     def _deliver(self, out: RequestOutput):
         with self._cond:

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence as Seq
 import jax
 import jax.numpy as jnp
 
+from .detokenize import whole_text
 from .engine import Engine, RequestOutput, TokenLogprob, min_token_bucket
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
@@ -242,7 +243,8 @@ class LLM:
 
         def on_output(i, out: RequestOutput):
             r = results[i]
-            r.text += out.text_delta
+            if out.text_delta is not None:  # text the engine made (stop strings)
+                r.text += out.text_delta
             r.token_ids += out.new_token_ids
             if out.logprobs is not None:
                 r.logprobs = (r.logprobs or []) + out.logprobs
@@ -250,6 +252,8 @@ class LLM:
             r.completion_tokens = out.completion_tokens
             r.spec_proposed, r.spec_accepted = out.spec_proposed, out.spec_accepted
             if out.finished:
+                if self.tokenizer is not None and not (params[i] and params[i].stop):
+                    r.text = whole_text(self.tokenizer, ids[i], r.token_ids, out.stop_reason)
                 with lock:
                     left[0] -= 1
                     if left[0] == 0:
@@ -260,7 +264,7 @@ class LLM:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 names.append(f"generate-{next(self._ids)}")
                 self.loop.submit(names[-1], p, sp or SamplingParams(),
-                                  lambda out, i=i: on_output(i, out))
+                                 lambda out, i=i: on_output(i, out), stream=False)
             if not ids:
                 return []
             done.wait()

@@ -323,7 +323,8 @@ def merge(outs, spec: SpecState):
     lps = None if last.logprobs is None else [lp for o in outs for lp in o.logprobs]
     return last._replace(
         new_token_ids=[t for o in outs for t in o.new_token_ids],
-        text_delta="".join(o.text_delta for o in outs), logprobs=lps,
+        text_delta=None if last.text_delta is None else "".join(o.text_delta for o in outs),
+        logprobs=lps,
         spec_proposed=spec.proposed, spec_accepted=spec.accepted)
 
 

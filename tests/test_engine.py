@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallasite.model import config_from_dict, forward_logits, init_params
+from pallasite.serving.detokenize import TextStage
 from pallasite.serving.engine import Engine
 from pallasite.serving.kv_pages import page_digest
 from pallasite.serving.llm import SamplingParams
@@ -79,14 +80,15 @@ def solo(prompt, n, sp=None):
 
 def run(engine, requests, max_steps=2000):
     """requests: (id, prompt, SamplingParams, arrival step). Returns id -> list of outputs."""
-    outs, step = {}, 0
+    outs, step, text = {}, 0, TextStage(engine.tokenizer)
     pending = sorted(requests, key=lambda r: r[3])
     while pending or engine.has_unfinished():
         while pending and pending[0][3] <= step:
             rid, prompt, sp, _ = pending.pop(0)
             engine.add_request(rid, prompt, sp)
+            text.start(rid, prompt)
         before = _compiles[0]
-        for o in engine.step():
+        for o in text.fill(engine.step()):  # text made after the step, as EngineLoop does
             outs.setdefault(o.request_id, []).append(o)
         assert _compiles[0] == before, "a step compiled something"
         engine.pages.check()
@@ -205,6 +207,28 @@ def test_stop_token_and_stop_string(big):
     assert outs["str"][-1].finish_reason == "stop"
     assert "".join(o.text_delta for o in outs["str"]) == text[:cut]
     assert tokens(outs["str"]) == want[:cut + len(stop)]
+    assert (outs["tok"][-1].stop_reason, outs["str"][-1].stop_reason) == (want[k], stop)
+
+
+def test_text_is_made_after_the_step_except_for_stop_strings(big):
+    """The engine detokenizes only rows with stop strings; the TextStage makes the rest, the
+    same text either way."""
+    prompt = prompts(1, 12, 13, seed=7)[0]
+    want, _ = solo(prompt, 6)
+    big.add_request("plain", prompt, SamplingParams(max_tokens=6, **GREEDY))
+    big.add_request("stops", prompt, SamplingParams(max_tokens=6, stop=["@@"], **GREEDY))
+    raw = []
+    while big.has_unfinished():
+        raw += big.step()
+    assert {o.text_delta is None for o in raw if o.request_id == "plain"} == {True}
+    assert None not in {o.text_delta for o in raw if o.request_id == "stops"}
+    text = TextStage(big.tokenizer)
+    text.start("plain", prompt)
+    filled = text.fill(raw)
+    for rid in ("plain", "stops"):
+        got = "".join(o.text_delta for o in filled if o.request_id == rid)
+        assert got == LetterTokenizer().decode(want), rid
+    assert not text.detoks  # a finished request's state is dropped
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(big):

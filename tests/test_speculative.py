@@ -14,6 +14,7 @@ import scipy.stats
 from hypothesis import given, settings, strategies as st
 
 from pallasite.model import config_from_dict, forward_logits, init_params
+from pallasite.serving.detokenize import TextStage
 from pallasite.serving.engine import Engine, RequestOutput
 from pallasite.serving.kv_pages import KVPages
 from pallasite.serving.llm import SamplingParams
@@ -87,12 +88,14 @@ def run(engine, requests):
     """requests: (id, prompt, SamplingParams, arrival step) -> id -> outputs. Checks that no
     step compiles and that the page pool stays consistent."""
     outs, step, pending = {}, 0, sorted(requests, key=lambda r: r[3])
+    text = TextStage(engine.tokenizer)
     while pending or engine.has_unfinished():
         while pending and pending[0][3] <= step:
             rid, prompt, sp, _ = pending.pop(0)
             engine.add_request(rid, prompt, sp)
+            text.start(rid, prompt)
         before = _compiles[0]
-        for o in engine.step():
+        for o in text.fill(engine.step()):  # text made after the step, as EngineLoop does
             outs.setdefault(o.request_id, []).append(o)
         assert _compiles[0] == before, "a step compiled something"
         engine.pages.check()
