@@ -224,13 +224,19 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     mixed = T > 2 * S
     kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
                        k_pages.shape[2]) | blocks
-    if "num_splits" not in kw:
+    tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
+                       T if mixed else 1)
+    if "num_splits" not in kw and tuning.invariant():
+        share = max(1, tuning.params("splits")["invariant_keys"]
+                    // (kw["pages_per_block"] * k_pages.shape[2]))
+        # A window's first tile moves back to a split boundary: up to one split more to read.
+        kw["num_splits"] = -(-tiles // share) + (sliding_window is not None)
+        kw["split_tiles"] = share
+    elif "num_splits" not in kw:
         group = q.shape[1] // k_pages.shape[0]
         rows = paged.rows_per_block(kw["block_rows"], group, kw.get("fp8_dot", "q"),
                                     k_pages.dtype == jax.numpy.float8_e4m3fn)
         blocks_needed = max(-(-T * group // rows), S)
-        tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
-                           T if mixed else 1)
         kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles, mixed)
     return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                         page_table, sm_scale=sm_scale, interpret=interpret,

@@ -11,7 +11,9 @@ up in the page table; tiles wholly below the block's first causal position run w
 
 Split-K (flash-decoding): with `num_splits` > 1, a program takes an even share of its block's key
 tiles and writes a normalized partial output and its log-sum-exp; `merge_splits` merges them in
-one more launch. Batch 1 with a long context then still fills the GPU.
+one more launch. Batch 1 with a long context then still fills the GPU. With `split_tiles` a
+split takes that many tiles from a fixed boundary instead, so a row's sums never depend on the
+other rows of its block or on the call's number of splits: it is batch-invariant.
 
 Block metadata (which sequence and first token each block has) is computed with jnp from
 query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; the blocks past
@@ -172,7 +174,7 @@ def _fma_pv(p, v, by_row=False):
 
 
 def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, pages_per_seq,
-            num_splits, prefetch_pages, decode, window, softcap, fp8_dot):
+            num_splits, split_tiles, prefetch_pages, decode, window, softcap, fp8_dot):
     if decode:  # block b is sequence b's one token: no metadata to read
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = pl.program_id(0)
@@ -233,6 +235,8 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     first_page = 0
     if window is not None:
         first_page = jnp.clip((first_pos - window + 1) // page_size, 0, pages_per_seq)
+        if split_tiles:  # tiles and splits on fixed key boundaries (the keys before: masked)
+            first_page -= first_page % (split_tiles * pages_per_block)
     base = first_page * page_size
 
     def load_pages(j):
@@ -267,7 +271,7 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
     # This split's share of the key tiles. Tiles [lo, edge) cross the window's edge and
     # [mid, hi) the diagonal: they need a mask; [edge, mid) do not.
     n_tiles = pl.cdiv(jnp.maximum(kv_len - base, 0), block_k)
-    share = pl.cdiv(n_tiles, num_splits)
+    share = split_tiles or pl.cdiv(n_tiles, num_splits)
     lo = jnp.minimum(split * share, n_tiles)
     hi = jnp.minimum(lo + share, n_tiles)
     edge = lo
@@ -356,11 +360,13 @@ def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block
 
 def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
-           block_rows=64, pages_per_block=4, num_splits=1, num_warps=4, num_stages=2,
-           prefetch_pages=True, fp8_dot="q", interpret=False):
+           block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
+           num_stages=2, prefetch_pages=True, fp8_dot="q", interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start),
     or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
-    per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32)."""
+    per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32).
+    `split_tiles`: every split takes that many key tiles from a fixed boundary (the last ones
+    empty), instead of an even share of its block's tiles."""
     T, H, D = q.shape
     KV, P, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
@@ -392,7 +398,8 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
     kernel = functools.partial(
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-        num_splits=num_splits, prefetch_pages=prefetch_pages, decode=meta is None,
+        num_splits=num_splits, split_tiles=split_tiles, prefetch_pages=prefetch_pages,
+        decode=meta is None,
         window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot)
     return pl.pallas_call(
         kernel,
@@ -407,13 +414,15 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits", "num_warps", "num_stages",
-    "num_blocks", "one_token_per_seq", "prefetch_pages", "fp8_dot", "interpret"))
+    "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits",
+    "split_tiles", "num_warps", "num_stages", "num_blocks", "one_token_per_seq", "prefetch_pages",
+    "fp8_dot", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
-                           num_warps=4, num_stages=2, num_blocks=None, one_token_per_seq=False,
-                           prefetch_pages=True, fp8_dot="q", interpret=False):
+                           split_tiles=None, num_warps=4, num_stages=2, num_blocks=None,
+                           one_token_per_seq=False, prefetch_pages=True, fp8_dot="q",
+                           interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
 
     A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and
@@ -446,8 +455,9 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
                   sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
-                  num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                  prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, interpret=interpret)
+                  num_splits=num_splits, split_tiles=split_tiles, num_warps=num_warps,
+                  num_stages=num_stages, prefetch_pages=prefetch_pages, fp8_dot=fp8_dot,
+                  interpret=interpret)
     if num_splits > 1:
         live = T * H if one_token_per_seq else query_start[-1] * H
         o = merge_splits(*outs, live, q.dtype, interpret=interpret)

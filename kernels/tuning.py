@@ -3,9 +3,17 @@
 Keys are matched as substrings of `jax.devices()[0].device_kind`; "default" serves any other GPU
 and interpret mode. `target_programs` is how many (block, kv head, split) programs the split-K
 heuristic aims for: a few per SM, so a batch-1 long-context decode still fills the GPU.
+
+That heuristic reads the whole call's shape, so a row's sums depend on the batch around it.
+Inside `batch_invariant()` the paged attention kernels cut keys into splits of a fixed
+`invariant_keys` instead: a row's result then depends only on its own context (speculative
+verification checks k tokens in one step and must score each as a decode step would).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 
@@ -35,7 +43,11 @@ _DEFAULT = {
     # us; batch 1 still takes 16 splits. Mixed prefill + decode steps aim for more programs:
     # the bench's 512-token chunk + 63 decode tokens takes 0.261 ms in 2 splits against 0.299 in
     # 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
-    "splits": dict(target_programs=264, target_programs_mixed=1056, max_splits=16),
+    # Batch-invariant splits: 512 keys each, so a batch-1 decode at 640 tokens of context still
+    # has 2 splits a kv head and one at 32k 64 (the heuristic's 16 measured 71 against 83 us
+    # for 64, on the H100).
+    "splits": dict(target_programs=264, target_programs_mixed=1056, max_splits=16,
+                   invariant_keys=512),
     # The step's K/V rows into their pages: "xla" (a scatter per array) or "pallas" (one launch).
     "kv_write": dict(impl="xla"),
 }
@@ -277,3 +289,20 @@ def num_splits(work_items: int, max_tiles: int, mixed: bool = False) -> int:
     target = p["target_programs_mixed" if mixed else "target_programs"]
     want = max(1, target // max(1, work_items))
     return int(max(1, min(want, p["max_splits"], max_tiles)))
+
+
+_invariant = contextvars.ContextVar("pallasite_batch_invariant", default=False)
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True):
+    """Kernels traced inside split attention keys at fixed boundaries (see the module doc)."""
+    token = _invariant.set(on)
+    try:
+        yield
+    finally:
+        _invariant.reset(token)
+
+
+def invariant() -> bool:
+    return _invariant.get()

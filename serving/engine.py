@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..kernels import tuning
 from ..model import Batch, forward, init_kv_cache, quant, quant_int
 from ..model.tokenizer import IncrementalDetokenizer
 from . import sampling
@@ -488,8 +489,11 @@ class Engine:
         n_int = sum(int_layout(T, S, P, self.rows).values())
         fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=1)
         kv, last_tokens, _ = self.state
-        return fn.lower(self.params, kv, last_tokens,
-                        jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
+        # A verify step scores each proposed token as a decode step would have, whatever else
+        # the step holds, so that speculation never changes a greedy answer (`tuning.py`).
+        with tuning.batch_invariant(self.spec is not None):
+            return fn.lower(self.params, kv, last_tokens,
+                            jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
 
     def _lower_sampler(self, S: int, mode: str, guided: bool | str = False):
         _, last_tokens, history = self.state
