@@ -192,6 +192,9 @@ class Scheduler:
         seq.status = FINISHED
 
     def _release(self, seq: Sequence):
+        # Pages that filled while it decoded enter the prefix cache now, in one pass: a later
+        # turn of the conversation, or this sequence recomputed after preemption, finds them.
+        self.pages.cache_full_pages(seq.request_id, seq.tokens, seq.num_computed, seq.page_keys)
         self.pages.free(seq.request_id)
         self.free_slots.append(seq.slot)
         self.released[seq.slot] += 1
@@ -232,13 +235,10 @@ class Scheduler:
             chunks.append(self._chunk(self.waiting.popleft(), budget))
             budget -= chunks[-1].length
         # Later steps may share the pages these chunks fill: the device runs steps in order,
-        # so their K/V are written before any later step reads them. A decode row's known
-        # tokens grow by one a step, so it fills a page only when they reach a page boundary.
-        filled = np.flatnonzero(rows.known % self.pages.page_size == 0)
-        seqs = [rows.seqs[i] for i in filled.tolist()] + [c.seq for c in chunks]
-        upto = (rows.start + rows.length)[filled].tolist() + [c.start + c.length for c in chunks]
-        self.pages.cache_pages_of((s.request_id, s.tokens, u, s.page_keys)
-                                  for s, u in zip(seqs, upto))
+        # so their K/V are written before any later step reads them. (Pages that decoding
+        # fills wait for the sequence's release: only its own later turns would share them.)
+        self.pages.cache_pages_of((c.seq.request_id, c.seq.tokens, c.start + c.length,
+                                   c.seq.page_keys) for c in chunks)
         return rows + Step.from_chunks(chunks) if chunks else rows
 
     def _decode(self) -> tuple[Step, list[Sequence], bool]:

@@ -154,6 +154,19 @@ def test_prefix_reuse_takes_fewer_pages_and_changes_nothing(big):
     assert big.stats()["prefix_hit_tokens"] >= 36
 
 
+def test_the_next_turn_finds_the_pages_its_answer_filled(big):
+    """Pages that fill while a request decodes enter the prefix cache when it ends: a follow-up
+    whose prompt holds the first prompt and its answer computes only what is new."""
+    first = prompts(1, 10, 11, seed=21)[0]
+    answer = tokens(run(big, [("turn1", first, SamplingParams(max_tokens=14, **GREEDY), 0)])
+                    ["turn1"])
+    follow = first + answer + [5, 6, 7]
+    outs = run(big, [("turn2", follow, SamplingParams(max_tokens=4, **GREEDY), 0)])["turn2"]
+    assert outs[-1].cached_tokens == (len(first) + len(answer) - 1) // 4 * 4 == 20
+    assert tokens(outs) == solo(follow, 4)[0]
+    big.pages.check()
+
+
 def test_a_tiny_pool_preempts_and_everyone_still_gets_their_output(small):
     # Half of them use penalties: their history must survive being preempted and readmitted.
     reqs = [(f"p{i}", p, SamplingParams(max_tokens=20 + i, repetition_penalty=1.0 + 0.2 * (i % 2),
