@@ -23,9 +23,10 @@ class TextStage:
 
     def start(self, request_id: str, prompt_ids: list[int]):
         """A request that streams its text: it begins after `prompt_ids` (the last few give the
-        context). Any other request's outputs pass through `fill` untouched."""
-        if self.tokenizer is not None:
-            self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        context); without a tokenizer its text is "". Any other request's outputs pass through
+        `fill` untouched."""
+        self.detoks[request_id] = (None if self.tokenizer is None else
+                                   IncrementalDetokenizer(self.tokenizer, prompt_ids))
 
     def fill(self, outputs: list) -> list:
         """`outputs` (RequestOutputs, in the order the engine made them) with the text of the
@@ -47,6 +48,8 @@ class TextStage:
     def _deltas(self, request_ids, new_ids, finished, stop_reasons) -> list[str]:
         """Each output's new text, all decoded in one batch; where a request has several
         outputs here, all their text comes with its last one."""
+        if self.tokenizer is None:
+            return [""] * len(new_ids)
         ids, rows = _text_ids(new_ids, stop_reasons), range(len(new_ids))
         unique = len(set(request_ids)) == len(request_ids)
         if unique and all(ids):  # the common step: a token for each request

@@ -60,6 +60,13 @@ def test_several_outputs_of_a_request_and_what_the_engine_made(tok):
     assert list(stage.detoks) == ["a"]
 
 
+def test_without_a_tokenizer_streamed_text_is_empty():
+    stage = TextStage(None)
+    stage.start("s", [1, 2])
+    got = stage.fill([output("s", [3]), output("w", [3]), output("s", [4], True)])
+    assert [o.text_delta for o in got] == ["", None, ""] and not stage.detoks
+
+
 class FakeEngine:
     """Gives each request one token a step, `text_delta` None as the engine leaves it."""
 
