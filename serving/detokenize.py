@@ -19,7 +19,7 @@ _new = tuple.__new__  # an output with its text: built as a plain tuple (Request
 class TextStage:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.detoks: dict[str, IncrementalDetokenizer | None] = {}  # None: no tokenizer
 
     def start(self, request_id: str, prompt_ids: list[int]):
         """A request that streams its text: it begins after `prompt_ids` (the last few give the
