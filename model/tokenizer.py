@@ -132,6 +132,7 @@ class IncrementalDetokenizer:
     per tokenizer. So a token costs about one decode, not two.
     """
 
+    __slots__ = ("tokenizer", "ids", "read", "prefix", "before")
     CONTEXT = 5  # prompt tokens decoded along with the first output token
     _singles = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text decoded alone}
 
@@ -158,27 +159,30 @@ class IncrementalDetokenizer:
         singles = IncrementalDetokenizer._singles_of(tok) if shared else {}
         windows, owners = [], []  # what to decode, and for which detokenizer
         for d, token in zip(detoks, token_ids):
+            ids, prefix = d.ids, d.prefix
             if type(token) is list:
-                d.ids += token
+                ids += token
             else:
-                d.ids.append(token)
-            if d.before is None and d.read - d.prefix == 1:
-                d.before = singles.get(d.ids[d.prefix])
+                ids.append(token)
             if d.before is None:
-                windows.append(d.ids[d.prefix:d.read])
-                owners.append(d)
-            windows.append(d.ids[d.prefix:])
+                if d.read - prefix == 1:
+                    d.before = singles.get(ids[prefix])
+                if d.before is None:
+                    windows.append(ids[prefix:d.read])
+                    owners.append(d)
+            windows.append(ids[prefix:])
             owners.append(d)
         texts = iter(tok.decode_batch(windows) if shared and hasattr(tok, "decode_batch") else
                      [d.tokenizer.decode(w) for d, w in zip(owners, windows)])
         out, final = [], final or repeat(False)
         for d, last in zip(detoks, final):
-            if d.before is None:
-                d.before = next(texts)
+            before = d.before
+            if before is None:
+                before = d.before = next(texts)
                 if d.read - d.prefix == 1:
-                    singles[d.ids[d.prefix]] = d.before
-            text, before = next(texts), d.before
-            if len(text) <= len(before) or (text.endswith("\ufffd") and not last):
+                    singles[d.ids[d.prefix]] = before
+            text = next(texts)
+            if len(text) <= len(before) or (not last and text[-1] == "\ufffd"):
                 out.append("")
                 continue
             d.prefix, d.read, d.before = d.read, len(d.ids), None
