@@ -8,7 +8,9 @@ Prefill: ours vs cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`),
 `pallas.ops.gpu.attention.mha` (K/V repeated to all heads beforehand: it has no GQA), JAX's Mosaic
 GPU `attention_mgpu` where it runs, and the jnp reference. Decode: ours vs JAX's
 `pallas.ops.gpu.paged_attention` and a jnp decode over a dense cache; KV bytes read per second
-against the copy ceiling measured in the same run. Mixed: one ragged call vs the prefill-chunk
+against the copy ceiling measured in the same run, and the engine's own ragged call on one
+token a sequence with the split heuristic and with the fixed splits of a speculating engine
+(`tuning.batch_invariant`, checked against the reference too). Mixed: one ragged call vs the prefill-chunk
 and decode calls apart. KV write: the Pallas kernel vs XLA's scatter, in place. Times are
 medians over many calls after warm-up of the GPU time of the kernels each call launches, from a
 profiler trace with the L2 flushed before each call (`device_ms`). Writes kernels.json and
@@ -130,6 +132,20 @@ def bench_decode(args, records, ceiling):
             loop = {"ours": try_time("ours", ours, q, kp, vp, ctx, table, loop=True),
                     "jax_pallas_paged": try_time("jax paged", jax_paged_reference, q, kp, vp,
                                                  ctx, table, loop=True)}
+            # The engine's own path (ragged, one token a sequence), with the split heuristic and
+            # with the fixed splits a speculating engine traces under (`batch_invariant`).
+            qs = jnp.arange(B + 1, dtype=jnp.int32)
+            ragged = lambda q, kp, vp, ctx, table: K.ragged_paged_attention(
+                q, kp, vp, qs, ctx, table, impl="pallas")
+            t["ours_ragged"] = try_time("ragged", ragged, q, kp, vp, ctx, table, device=True)
+            err_invariant = None
+            with tuning.batch_invariant():
+                if err is not None:
+                    poison()
+                    err_invariant = rel_err(jax.jit(ragged)(q, kp, vp, ctx, table), jax.jit(
+                        reference.paged_attention_reference)(q, kp, vp, ctx, table))
+                t["ours_ragged_invariant"] = try_time("invariant", ragged, q, kp, vp, ctx, table,
+                                                      device=True)
             backend = K.decode_backend(q, kp, table)
             if backend != "triton":  # PALLASITE_DECODE_BACKEND asked for another
                 t["ours_triton"] = try_time("triton", lambda *a: K.paged_attention(
@@ -153,6 +169,7 @@ def bench_decode(args, records, ceiling):
                          baselines=base, rel_err=err, tbps=tbps, timing="device",
                          kernels_launched=launched, fori_loop_ms=loop,
                          rel_err_mosaic=err_mosaic if MOSAIC_DECODE["ok"] else None,
+                         rel_err_invariant=err_invariant,
                          frac_of_copy_bw=tbps / ceiling if tbps else None,
                          speedup_vs_jax_paged=(base["jax_pallas_paged"] / ours_ms)
                          if ours_ms and "jax_pallas_paged" in base else None,
