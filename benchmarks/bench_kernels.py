@@ -353,8 +353,9 @@ def table(records, ceiling):
                          f"{f(b.get('jnp_reference'))} | "
                          f"{f(r['rel_err'] or r.get('rel_err_vs_cudnn'), 4)} |")
     lines += ["", "| decode (32/8 heads, d=128, bf16) | ours | ms | TB/s | of copy | "
-              "JAX paged ms | vs JAX | jnp dense ms | ours Triton ms | ours Mosaic ms | rel err |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "JAX paged ms | vs JAX | jnp dense ms | ours Triton ms | ours Mosaic ms | "
+              "ragged ms | ragged, invariant splits ms | rel err |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["kernel"] == "paged_attention":
             b = r["baselines"]
@@ -367,6 +368,7 @@ def table(records, ceiling):
                          f"{'x' if r['speedup_vs_jax_paged'] else ''} | "
                          f"{f(b.get('jnp_dense'), 4)} | "
                          f"{f(b.get('ours_triton'), 4)} | {f(b.get('ours_mosaic'), 4)} | "
+                         f"{f(b.get('ours_ragged'), 4)} | {f(b.get('ours_ragged_invariant'), 4)} | "
                          f"{f(r['rel_err'], 4)} |")
     kv = [r for r in records if r["kernel"] == "kv_write"]
     if kv:
