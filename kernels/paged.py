@@ -399,8 +399,7 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         num_splits=num_splits, split_tiles=split_tiles, prefetch_pages=prefetch_pages,
-        decode=meta is None,
-        window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot)
+        decode=meta is None, window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot)
     return pl.pallas_call(
         kernel,
         grid=grid,

@@ -43,9 +43,11 @@ _DEFAULT = {
     # us; batch 1 still takes 16 splits. Mixed prefill + decode steps aim for more programs:
     # the bench's 512-token chunk + 63 decode tokens takes 0.261 ms in 2 splits against 0.299 in
     # 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
-    # Batch-invariant splits: 512 keys each, so a batch-1 decode at 640 tokens of context still
-    # has 2 splits a kv head and one at 32k 64 (the heuristic's 16 measured 71 against 83 us
-    # for 64, on the H100).
+    # Batch-invariant splits: 512 keys each, so a batch-1 decode has 2 splits a kv head at 640
+    # tokens of context and 64 at 32k (where the heuristic's 16 measured 71 us against 83 for
+    # 64, on the H100). Their cost on the GPU is not measured yet: more programs than the
+    # heuristic's at large batch, and a long prefill chunk writes and reads a float32 partial
+    # output per split.
     "splits": dict(target_programs=264, target_programs_mixed=1056, max_splits=16,
                    invariant_keys=512),
     # The step's K/V rows into their pages: "xla" (a scatter per array) or "pallas" (one launch).

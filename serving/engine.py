@@ -102,7 +102,8 @@ class Engine:
     def __init__(self, config, params, tokenizer=None, *, num_pages: int, page_size: int = 16,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
-                 seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None):
+                 seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None,
+                 batch_invariant: bool | None = None):
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
         # The KV pages' dtype (None: the weights'); float8 pages carry per-KV-head scales.
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or jax.tree.leaves(params)[0].dtype)
@@ -135,6 +136,10 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
             page_buckets=self.page_buckets, draft=draft)
         self.rows = self.spec.rows if self.spec else 1
+        # Attention splits that depend on a row's own context only (`tuning.batch_invariant`):
+        # a verify step then scores each proposed token as its decode step would. On by default
+        # where the engine speculates; a plain engine takes it to compare against one.
+        self.batch_invariant = self.spec is not None if batch_invariant is None else batch_invariant
         self.scheduler.window = freeable_window(config, self.spec)  # pages behind every window
         if self.spec:
             self.overlap = False
@@ -489,9 +494,7 @@ class Engine:
         n_int = sum(int_layout(T, S, P, self.rows).values())
         fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=1)
         kv, last_tokens, _ = self.state
-        # A verify step scores each proposed token as a decode step would have, whatever else
-        # the step holds, so that speculation never changes a greedy answer (`tuning.py`).
-        with tuning.batch_invariant(self.spec is not None):
+        with tuning.batch_invariant(self.batch_invariant):
             return fn.lower(self.params, kv, last_tokens,
                             jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
 

@@ -262,6 +262,28 @@ def test_sampling_with_speculation_keeps_the_target_distribution():
         assert chi2(counts, N * hot)[0] > limit, pos
 
 
+def test_a_speculating_engine_traces_its_steps_with_batch_invariant_splits(monkeypatch):
+    """Its steps' attention is traced inside `tuning.batch_invariant` (fixed splits, so a
+    verify row scores as its decode step would); a plain engine's only when asked."""
+    from pallasite import kernels
+    from pallasite.kernels import tuning
+    seen, real = [], kernels.ragged_paged_attention
+
+    def spy(*args, **kw):
+        seen.append(tuning.invariant())
+        return real(*args, **kw)
+    monkeypatch.setattr(kernels, "ragged_paged_attention", spy)
+    config = config_from_dict(LLAMA)
+    for spec, asked, want in ((NGRAM, None, True), (None, None, False), (None, True, True)):
+        e = Engine(config, init_params(config, seed=0), num_pages=8, page_size=4,
+                   max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32,
+                   token_buckets=[8], page_buckets=[8], speculative_config=spec,
+                   batch_invariant=asked)
+        seen.clear()
+        e._lower((8, 8))
+        assert seen == [want] * config.num_layers and e.batch_invariant == want
+
+
 def test_ngram_proposes_what_followed_the_latest_match():
     assert ngram_propose([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 3, 1, 3) == [5, 1, 2]
     assert ngram_propose([1, 2, 3, 4, 1, 2, 3, 5, 9, 2, 3], 3, 1, 3) == [5, 9, 2]  # n=2 match
