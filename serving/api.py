@@ -116,7 +116,7 @@ def check_length(num_prompt: int, sp: SamplingParams, max_model_len: int):
 def add_outputs(response: pb.GenerateResponse, outputs):
     """Append the outputs' text, tokens and logprobs to `response`."""
     for out in outputs:
-        response.text += out.text_delta
+        response.text += out.text_delta or ""  # None: made whole at the end (unary)
         response.token_ids.extend(out.new_token_ids)
         for lp in out.logprobs or ():
             response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,

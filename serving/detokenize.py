@@ -75,6 +75,15 @@ def whole_text(tokenizer, prompt_ids: list[int], token_ids: list[int], stop_reas
     return IncrementalDetokenizer.add_many([d], _text_ids([token_ids], [stop_reason]), [True])[0]
 
 
+def output_text(tokenizer, prompt_ids: list[int], outputs) -> str:
+    """The whole text of a request's outputs, however it was made: the engine's own where it
+    made it (stop strings), else its tokens decoded once."""
+    if tokenizer is None or all(out.text_delta is not None for out in outputs):
+        return "".join(out.text_delta or "" for out in outputs)
+    return whole_text(tokenizer, prompt_ids, [t for out in outputs for t in out.new_token_ids],
+                      outputs[-1].stop_reason if outputs else None)
+
+
 def _text_ids(new_ids, stop_reasons) -> list[list[int]]:
     """The tokens that make text: all but a stop token that ended a request."""
     return [ids[:-1] if type(why) is int else ids for ids, why in zip(new_ids, stop_reasons)]

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import api
 from .api import ApiError
+from .detokenize import output_text
 from .openai_schema import (ChatRequest, CompletionRequest, FieldError, flatten_messages,
                             tool_constraint)
 from .scheduler import RequestError
@@ -230,7 +231,8 @@ class Generation:
         prompt = self.prompts[index // self.body.n]
         call = Call(self.method, uuid.uuid4().hex[:16], client_request_id=self.id,
                     peer=self.http.client.host if self.http.client else "")
-        req = self.service.submit(prompt, self._choice_sampling(index % self.body.n), call)
+        req = self.service.submit(prompt, self._choice_sampling(index % self.body.n), call,
+                                  stream=bool(self.body.stream))
         self.calls[index], self.requests[index] = call, req
         return req
 
@@ -315,20 +317,19 @@ class Generation:
     # -- responses ----------------------------------------------------------------------------
     async def _whole(self, merged) -> dict:
         n = len(self.calls)
-        texts, lps, last, ids = [""] * n, [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
+        got = [[] for _ in range(n)]  # each choice's outputs
         try:
             async for i, outs in self._outputs(merged):
-                for out in outs:
-                    texts[i] += out.text_delta
-                    lps[i] += out.logprobs or []
-                    ids[i] += out.new_token_ids
-                    last[i] = out
+                got[i] += outs
         finally:
             self._release()
-        choices = [self._choice(i, texts[i], lps[i], last[i]) for i in range(n)]
+        tokenizer, last = self.service.llm.tokenizer, [outs[-1] for outs in got]
+        choices = [self._choice(i, output_text(tokenizer, self.prompts[i // self.body.n], outs),
+                                [lp for o in outs for lp in o.logprobs or []], last[i])
+                   for i, outs in enumerate(got)]
         if self.body.return_token_ids:
-            for choice, t in zip(choices, ids):
-                choice["token_ids"] = t
+            for choice, outs in zip(choices, got):
+                choice["token_ids"] = [t for o in outs for t in o.new_token_ids]
         self._log()
         return self._object(choices, usage=self._usage(last))
 

@@ -21,6 +21,7 @@ import grpc
 
 from . import api
 from .api import ApiError
+from .detokenize import output_text
 from .metrics import Metrics
 from .proto import pb, pb_grpc
 from .scheduler import RequestError
@@ -60,14 +61,16 @@ class Call:
 
 class Request:
     """A request submitted to the engine loop: its outputs arrive on an asyncio.Queue, each with
-    the time the engine thread handed it over."""
+    the time the engine thread handed it over. Without `stream` they carry no text (unless the
+    engine made it): `output_text` makes the whole once, at the end."""
 
-    def __init__(self, engine_loop, request_id: str, prompt_ids, sampling):
+    def __init__(self, engine_loop, request_id: str, prompt_ids, sampling, stream: bool = True):
         self.engine_loop, self.request_id, self.finished = engine_loop, request_id, False
+        self.prompt_ids = prompt_ids
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         engine_loop.submit(request_id, prompt_ids, sampling, lambda out: loop.call_soon_threadsafe(
-            self.queue.put_nowait, (out, time.time())))
+            self.queue.put_nowait, (out, time.time())), stream=stream)
 
     async def next(self) -> list:
         """The outputs that arrived since the last call (at least one), as (output, time)."""
@@ -128,11 +131,11 @@ class GenerationService(pb_grpc.GenerationServicer):
                 request_log.info(call.log_line())
 
     # -- generation ---------------------------------------------------------------------------
-    def _submit(self, request: pb.GenerateRequest, call: Call) -> Request:
+    def _submit(self, request: pb.GenerateRequest, call: Call, stream: bool = True) -> Request:
         vocab = self.engine.config.vocab_size
         sampling = api.sampling_params(request.sampling, vocab)
         ids = api.prompt_token_ids(request, self.llm.tokenizer, vocab)
-        return self.submit(ids, sampling, call)
+        return self.submit(ids, sampling, call, stream)
 
     def check_serving(self):
         if self.state != SERVING:
@@ -140,7 +143,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                            "health reports SERVING" if self.state == WARMING else
                            "the server is shutting down")
 
-    def submit(self, ids: list[int], sampling, call: Call) -> Request:
+    def submit(self, ids: list[int], sampling, call: Call, stream: bool = True) -> Request:
         """Hand a request to the engine (from the event loop); the HTTP front end calls this too."""
         self.check_serving()
         api.check_length(len(ids), sampling, self.engine.max_model_len)
@@ -150,7 +153,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                            "--max-queue); retry later")
         try:
             # LLM keeps the engine loop that its own generate() uses: one engine thread for all.
-            req = Request(self.llm._loop, call.request_id, ids, sampling)
+            req = Request(self.llm._loop, call.request_id, ids, sampling, stream)
         except RequestError as e:
             raise ApiError(Code.INVALID_ARGUMENT, str(e)) from None
         call.prompt_tokens = len(ids)
@@ -223,7 +226,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def GenerateUnary(self, request, context):
         async with self._call("GenerateUnary", context, request) as call:
-            req, outputs = self._submit(request, call), []
+            req, outputs = self._submit(request, call, stream=False), []
             try:
                 while not req.finished:
                     batch = await req.next()
@@ -231,7 +234,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                     outputs += [out for out, _ in batch]
             finally:
                 self._release(call, req)
-            return self._response(call, outputs)
+            response = self._response(call, outputs)
+            response.text = output_text(self.llm.tokenizer, req.prompt_ids, outputs)
+            return response
 
     def abort_all(self):
         """Shutdown: abort every generation under way (each call then ends UNAVAILABLE)."""
