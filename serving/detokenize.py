@@ -3,8 +3,8 @@
 The engine turns tokens into text only where it must read the text itself (a request with stop
 strings). Every other output leaves `Engine.step()` with `text_delta` None. A TextStage fills
 in the text of requests that stream it, one batched detokenization over a step's outputs; a
-request that takes its text whole (`LLM.generate`) decodes it once, at its end (`whole_text`),
-and costs no step anything.
+request that takes its text whole (`LLM.generate`, unary gRPC, HTTP without streaming) decodes
+it once, at its end (`output_text`), and costs no step anything.
 """
 
 from __future__ import annotations
