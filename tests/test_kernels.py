@@ -314,29 +314,31 @@ def test_split_combine_matches_single_pass():
     assert rel_err(many, one) < 1e-5
 
 
-@pytest.mark.parametrize("window", [None, 100])
-def test_batch_invariant_splits_score_a_verify_row_as_its_decode_step(window):
+@pytest.mark.parametrize("window, cached", [(None, 300), (100, 700)])
+def test_batch_invariant_splits_score_a_verify_row_as_its_decode_step(window, cached):
     """Speculative verification: sequence 0's 5 tokens in a step padded to 8 sequences score
     bit for bit what each scores alone in a 2-sequence decode step with a narrower page table.
     The default split heuristic gives those calls different splits (so different sums); the
-    fixed 512-key splits of `batch_invariant` do not. bf16, as served."""
+    fixed 512-key splits of `batch_invariant` do not, a window's start moved back to a split
+    boundary included (700 cached tokens). bf16, as served."""
     from pallasite.kernels import tuning
-    q, kp, vp, _, _, table = paged_case(13, [5] * 8, [300] * 8, 8, 4, 16, 16)
+    q, kp, vp, _, _, table = paged_case(13, [5] * 8, [cached] * 8, 8, 4, 16, 16)
     q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
-    blocks = dict(pages_per_block=2, interpret=True, sliding_window=window)
 
-    def step(q_rows, ctx, width):  # seq 0 has len(q_rows) tokens; the rest are empty
-        n, S = len(q_rows), 8 if len(q_rows) > 1 else 2
-        qs = jnp.asarray([0] + [n] * S, jnp.int32)
+    def step(rows, ctx, S, width):  # sequence 0 has `rows`; the rest of the S are empty
+        T = 8 if S == 8 else 2
+        x = jnp.concatenate([rows, jnp.zeros((T - len(rows), *q.shape[1:]), q.dtype)])
+        qs = jnp.asarray([0] + [len(rows)] * S, jnp.int32)
         lens = jnp.asarray([ctx] + [0] * (S - 1), jnp.int32)
-        pad = jnp.zeros((8 - n if n > 1 else 1, *q.shape[1:]), q.dtype)
-        return kernels.ragged_paged_attention(jnp.concatenate([q[:n] if n > 1 else q_rows, pad]),
-                                              kp, vp, qs, lens, table[:S, :width], **blocks)
+        return kernels.ragged_paged_attention(x, kp, vp, qs, lens, table[:S, :width],
+                                              pages_per_block=2, sliding_window=window,
+                                              interpret=True)
 
+    width = table.shape[1]
     with tuning.batch_invariant():
-        verify = step(q[:5], 305, table.shape[1])
+        verify = step(q[:5], cached + 5, 8, width)
         for j in range(5):
-            alone = step(q[j:j + 1], 301 + j, 20 + j % 2)
+            alone = step(q[j:j + 1], cached + 1 + j, 2, width - j % 2)
             np.testing.assert_array_equal(np.asarray(verify[j], np.float32),
                                           np.asarray(alone[0], np.float32))
 
