@@ -10,8 +10,8 @@ GPU `attention_mgpu` where it runs, and the jnp reference. Decode: ours vs JAX's
 `pallas.ops.gpu.paged_attention` and a jnp decode over a dense cache; KV bytes read per second
 against the copy ceiling measured in the same run, and the engine's own ragged call on one
 token a sequence with the split heuristic and with the fixed splits of a speculating engine
-(`tuning.batch_invariant`, checked against the reference too). Mixed: one ragged call vs the prefill-chunk
-and decode calls apart. KV write: the Pallas kernel vs XLA's scatter, in place. Times are
+(`tuning.batch_invariant`, checked against the reference too). Mixed: one ragged call vs the
+prefill-chunk and decode calls apart. KV write: the Pallas kernel vs XLA's scatter, in place. Times are
 medians over many calls after warm-up of the GPU time of the kernels each call launches, from a
 profiler trace with the L2 flushed before each call (`device_ms`). Writes kernels.json and
 kernels.md (a table for docs/BENCHMARKS.md) under --out, and a short table last on stdout.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import weakref
-from itertools import repeat
 from datetime import datetime
+from itertools import repeat
 from pathlib import Path
 
 import jinja2

@@ -116,8 +116,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             # The client's own deadline timer may cancel a moment before the server's copy of
             # it runs out (the header is sent after the call starts and rounded up).
             remaining = context.time_remaining()
-            call.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining < DEADLINE_SLACK_S \
-                else "CANCELLED"
+            late = remaining is not None and remaining < DEADLINE_SLACK_S
+            call.code = "DEADLINE_EXCEEDED" if late else "CANCELLED"
             raise
         except grpc.aio.AbortError:
             raise
