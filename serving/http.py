@@ -351,14 +351,17 @@ class Generation:
 
     def _choice(self, i: int, text: str, lps, out) -> dict:
         want = self.sampling.logprobs is not None
+        stop = self.sampling.reported_stop(out.stop_reason)  # vLLM's extra field
         if not self.chat:
             return {"index": i, "text": text, "finish_reason": self._finish_reason(out),
-                    "logprobs": self._completion_logprobs(lps) if want else None}
+                    "logprobs": self._completion_logprobs(lps) if want else None,
+                    "stop_reason": stop}
         message = {"role": "assistant", "content": text}
         if self.tool_name is not None or self.tool_any:
             message = {"role": "assistant", "content": None, "tool_calls": [self._tool_call(text)]}
         return {"index": i, "message": message, "finish_reason": self._finish_reason(out),
-                "logprobs": {"content": self._chat_logprobs(lps)} if want else None}
+                "logprobs": {"content": self._chat_logprobs(lps)} if want else None,
+                "stop_reason": stop}
 
     def _tool_call(self, text: str) -> dict:
         name, arguments = self.tool_name, text
@@ -438,11 +441,14 @@ class Generation:
     def _delta(self, i: int, text: str, lps, out, whole: str) -> dict:
         want = self.sampling.logprobs is not None
         reason = self._finish_reason(out)
+        stop = self.sampling.reported_stop(out.stop_reason) if out.finished else None
         if not self.chat:
             return {"index": i, "text": text, "finish_reason": reason,
-                    "logprobs": self._completion_logprobs(lps) if want else None}
+                    "logprobs": self._completion_logprobs(lps) if want else None,
+                    "stop_reason": stop}
         delta = {"content": text} if text else {}
         if self.tool_name is not None or self.tool_any:  # the call goes out whole, at the end
             delta = {"tool_calls": [{"index": 0, **self._tool_call(whole)}]} if out.finished else {}
         return {"index": i, "delta": delta, "finish_reason": reason,
-                "logprobs": {"content": self._chat_logprobs(lps)} if want else None}
+                "logprobs": {"content": self._chat_logprobs(lps)} if want else None,
+                "stop_reason": stop}

@@ -84,6 +84,12 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
 
+    def reported_stop(self, stop_reason):
+        """What ended a request as vLLM reports it: one of `stop` or `stop_token_ids`, else None
+        (end of sequence, length, abort). The engine's `stop_reason` also names an EOS token."""
+        hit = isinstance(stop_reason, str) or stop_reason in self.stop_token_ids
+        return stop_reason if hit else None
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -100,6 +106,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     spec_proposed: int = 0  # speculative tokens proposed for this request
     spec_accepted: int = 0  # ... and accepted
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 def default_model_folder() -> Path:
@@ -252,7 +259,9 @@ class LLM:
             r.completion_tokens = out.completion_tokens
             r.spec_proposed, r.spec_accepted = out.spec_proposed, out.spec_accepted
             if out.finished:
-                if self.tokenizer is not None and not (params[i] and params[i].stop):
+                sp = params[i] or SamplingParams()
+                r.stop_reason = sp.reported_stop(out.stop_reason)
+                if self.tokenizer is not None and not sp.stop:
                     r.text = whole_text(self.tokenizer, ids[i], r.token_ids, out.stop_reason)
                 with lock:
                     left[0] -= 1

@@ -134,6 +134,7 @@ def test_stop_string_ends_the_text(client):
     r = client.completions.create(model="default", prompt="The for statement", max_tokens=30,
                                   stop=[stop], **GREEDY)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].stop_reason == stop  # vLLM's extra field
 
 
 def test_json_schema_output_validates(client):

@@ -68,6 +68,17 @@ def test_generate_texts_and_token_ids(llm):
     assert len(one) == 1 and one[0].token_ids == greedy(llm, llm.tokenizer.encode(texts[0]), 2)
 
 
+def test_a_completion_names_the_stop_that_ended_it(llm):
+    free = llm.generate("The quick", SamplingParams(max_tokens=12, **GREEDY))[0]
+    stop, token = free.text[3:6], free.token_ids[2]
+    by_text, by_token = llm.generate(["The quick"] * 2, [
+        SamplingParams(max_tokens=12, stop=[stop], **GREEDY),
+        SamplingParams(max_tokens=12, stop_token_ids=[token], **GREEDY)])
+    assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop)
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
+    assert (free.finish_reason, free.stop_reason) == ("length", None)
+
+
 def test_stream_yields_the_same_text_as_generate(llm):
     sp = SamplingParams(max_tokens=12, **GREEDY)
     whole = llm.generate("Lists, tuples", sp)[0]
