@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from array import array
 from pathlib import Path
 
 from functools import partial
@@ -137,20 +138,26 @@ class SpecState:
     accepted: int = 0
     steps: int = 0  # verify steps that carried at least one proposal
     draft_computed: int = 0
+    token_bytes: bytearray = dataclasses.field(default_factory=bytearray)  # prompt lookup's
 
 
 # -- proposers ----------------------------------------------------------------------------------
-def ngram_propose(tokens, k: int, n_min: int, n_max: int) -> list[int]:
+def ngram_propose(tokens, k: int, n_min: int, n_max: int, data=None) -> list[int]:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from n_max down
-    to n_min) in the sequence itself, and propose the (up to k) tokens that followed it."""
-    arr = np.asarray(tokens, np.int32)
-    L = len(arr)
+    to n_min) in the sequence itself, and propose the (up to k) tokens that followed it. The
+    search is a byte search over the tokens as int32 (`data`, if the caller keeps them), so
+    a match that straddles tokens is skipped for the next one back."""
+    L = len(tokens)
+    if data is None:
+        data = array("i", tokens).tobytes()
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)
-        hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
-        if len(hits):
-            start = hits[-1] + n
-            return arr[start:start + k].tolist()
+        tail = data[4 * (L - n):4 * L]
+        at = data.rfind(tail, 0, 4 * (L - 1))  # a match within the tokens before the last
+        while at > 0 and at % 4:
+            at = data.rfind(tail, 0, at + len(tail) - 1)
+        if at >= 0:
+            start = at // 4 + n
+            return list(tokens[start:start + k])
     return []
 
 
@@ -162,7 +169,11 @@ class NgramProposer:
                                           config.prompt_lookup_max)
 
     def plan(self, seq, limit: int) -> list[int]:
-        return ngram_propose(seq.tokens, min(self.k, limit), self.n_min, self.n_max)
+        data, tokens = seq.spec.token_bytes, seq.tokens  # the tokens' bytes, extended as they come
+        if len(data) != 4 * len(tokens):
+            del data[4 * min(len(tokens), len(data) // 4):]
+            data += array("i", tokens[len(data) // 4:]).tobytes()
+        return ngram_propose(tokens, min(self.k, limit), self.n_min, self.n_max, data)
 
     def propose(self, chunks):
         pass

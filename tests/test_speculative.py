@@ -19,8 +19,8 @@ from pallasite.serving.engine import Engine, RequestOutput
 from pallasite.serving.kv_pages import KVPages
 from pallasite.serving.llm import SamplingParams
 from pallasite.serving.scheduler import FINISHED, Scheduler, Sequence
-from pallasite.serving.speculative import (SpeculativeConfig, Speculator, SpecState,
-                                           make_speculator, ngram_propose)
+from pallasite.serving.speculative import (NgramProposer, SpeculativeConfig, Speculator,
+                                           SpecState, make_speculator, ngram_propose)
 
 LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -290,6 +290,34 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert ngram_propose([7, 8, 9], 3, 1, 3) == []
     assert ngram_propose([7, 8, 9], 3, 2, 3) == []
     assert ngram_propose([4, 4, 4, 4], 5, 2, 2) == [4]  # what follows the latest match
+    # The bytes of [256, 0] hold those of [1] one byte in: a match across tokens is no match.
+    assert ngram_propose([256, 0, 7, 1], 2, 1, 1) == []
+
+
+def lookup_reference(tokens, k, n_min, n_max):
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        for i in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[i:i + n] == tokens[len(tokens) - n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, 256, 65536, 16777216, 257]), max_size=40),
+       st.integers(1, 5), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_byte_search_matches_a_token_by_token_search(tokens, k, n_min, extra):
+    """Tokens whose int32 bytes overlap when shifted: only whole-token matches count. The bytes
+    kept across steps (as the proposer keeps them) give the same answer."""
+    want = lookup_reference(tokens, k, n_min, n_min + extra)
+    assert ngram_propose(tokens, k, n_min, n_min + extra) == want
+    proposer = NgramProposer(SpeculativeConfig.parse({
+        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": n_min,
+        "prompt_lookup_max": n_min + extra}))
+    seq = Sequence("s", tokens[:1] or [0], SamplingParams())
+    seq.spec = SpecState()
+    for j in range(2, len(tokens) + 1):  # the sequence grows a token at a time
+        seq.tokens = tokens[:j]
+        assert proposer.plan(seq, k) == lookup_reference(tokens[:j], k, n_min, n_min + extra)
 
 
 # -- page accounting under random accept / reject / abort / preempt ----------------------------
