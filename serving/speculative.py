@@ -276,8 +276,8 @@ class Speculator:
     def collect(self, engine, chunks, out) -> list:
         """The step's outputs: each sequence's rows are its newest token and each proposal."""
         out = out.reshape(-1, self.rows, out.shape[-1])
-        return [self.verify(engine, c, out[i]) for i, c in enumerate(chunks)
-                if c.samples and c.seq.status != FINISHED]
+        return self.verify(engine, [(c, out[i]) for i, c in enumerate(chunks)
+                                    if c.samples and c.seq.status != FINISHED])
 
     def spread(self, chunks) -> list:
         """The chunks at their sampler rows (chunk i at row i * rows), the rows between them
@@ -294,9 +294,28 @@ class Speculator:
         model.warmup()
         return model.compilations - before
 
-    def verify(self, engine, chunk, rows):
-        """Accept the proposals that match the target's draws, emit them and the next draw, and
-        roll the rest back. `rows` [k + 1, width]: the sampler's rows for this sequence."""
+    def verify(self, engine, items) -> list:
+        """For each (chunk, rows [k + 1, width], the sampler's rows of its sequence): accept the
+        proposals that match the target's draws, emit them and the next draw, and roll the rest
+        back. The emitted tokens go through the engine's `_accept` a position at a time for all
+        sequences together: round j takes the j-th token of every sequence that has one."""
+        counts = [self._judge(chunk, rows) for chunk, rows in items]
+        outs = [[] for _ in items]
+        for j in range(max(counts, default=-1) + 1):
+            now = [i for i, a in enumerate(counts)
+                   if a >= j and not (outs[i] and outs[i][-1].finished)]
+            got = engine._accept([items[i][0].seq for i in now],
+                                 np.stack([items[i][1][j] for i in now])) if now else []
+            for i, o in zip(now, got):
+                outs[i].append(o)
+        for (chunk, _), o in zip(items, outs):
+            if chunk.seq.draft and not o[-1].finished:
+                engine.pages.shrink(chunk.seq.request_id, chunk.seq.total_len)
+        return [merge(o, chunk.seq.spec) for (chunk, _), o in zip(items, outs)]
+
+    def _judge(self, chunk, rows) -> int:
+        """How many of the chunk's proposals the target drew too; the counts, and the rolled
+        back proposals' K/V given up (their slots are written over later)."""
         seq, draft = chunk.seq, chunk.seq.draft
         a = 0
         while a < len(draft) and int(rows[a][0]) == draft[a]:
@@ -308,17 +327,10 @@ class Speculator:
             self.totals["proposed"] += len(draft)
             self.totals["accepted"] += a
             self.totals["verify_steps"] += 1
-            seq.num_computed = chunk.start + 1 + a  # rejected slots are written over later
+            seq.num_computed = chunk.start + 1 + a
             self.proposer.after_verify(seq, chunk, a)
         seq.num_pending += a  # _accept takes one pending token per emitted token
-        outs = []
-        for j in range(a + 1):
-            outs.append(engine._accept([seq], rows[j:j + 1])[0])
-            if outs[-1].finished:
-                break
-        if draft and not outs[-1].finished:
-            engine.pages.shrink(seq.request_id, seq.total_len)
-        return merge(outs, seq.spec)
+        return a
 
     def stats(self) -> dict:
         t = self.totals

@@ -201,6 +201,7 @@ def test_speculative_rollback_preemption_and_aborts_never_lose_a_live_page(seed)
         spec.plan(sched.running, sched.budget - len(sched.running), 56)
         chunks = sched.schedule()
         spec.propose(chunks)
+        items = []
         for c in chunks:  # what the kernels read this step is still there
             table = pages.tables[c.seq.request_id]
             first, end = int(first_live_page(c.start, 10, PAGE)), pages.pages_for(c.start + c.length)
@@ -208,7 +209,8 @@ def test_speculative_rollback_preemption_and_aborts_never_lose_a_live_page(seed)
             if c.samples and c.seq.status != FINISHED:
                 a = rng.randint(0, len(c.seq.draft))
                 rows = [[t] for t in c.seq.draft[:a]] + [[8]] * 5
-                spec.verify(engine, c, np.array(rows[:len(c.seq.draft) + 1]))
+                items.append((c, np.array(rows[:len(c.seq.draft) + 1])))
+        spec.verify(engine, items)
         live = [s for s in live if s.status != FINISHED]
         pages.check()
         check_no_page_is_doubly_owned(pages)
