@@ -124,9 +124,14 @@ def add_outputs(response: pb.GenerateResponse, outputs):
     return response
 
 
-def finish(response: pb.GenerateResponse, last, timing: dict):
-    """Fill the final message's finish reason, usage and timing from the last output."""
+def finish(response: pb.GenerateResponse, last, timing: dict, stop=None):
+    """Fill the final message's finish reason, stop reason (`stop`: a stop string or token id,
+    as `SamplingParams.reported_stop` gives it), usage and timing from the last output."""
     response.finish_reason = FINISH_REASONS[last.finish_reason]
+    if isinstance(stop, str):
+        response.stop_string = stop
+    elif stop is not None:
+        response.stop_token_id = stop
     response.usage.prompt_tokens = last.prompt_tokens
     response.usage.cached_tokens = last.cached_tokens
     response.usage.completion_tokens = last.completion_tokens

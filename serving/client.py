@@ -51,7 +51,7 @@ def _tokenize_request(prompt, add_special_tokens: bool) -> pb.TokenizeRequest:
 
 def join(responses) -> pb.GenerateResponse:
     """One response from a stream's messages: text and tokens concatenated, the last message's
-    finish reason, usage and timing."""
+    finish and stop reasons, usage and timing."""
     whole = pb.GenerateResponse()
     for r in responses:
         whole.text += r.text
@@ -62,6 +62,8 @@ def join(responses) -> pb.GenerateResponse:
             whole.finish_reason = r.finish_reason
             whole.usage.CopyFrom(r.usage)
             whole.timing.CopyFrom(r.timing)
+            if stop := r.WhichOneof("stop_reason"):
+                setattr(whole, stop, getattr(r, stop))
     return whole
 
 

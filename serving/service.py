@@ -66,7 +66,7 @@ class Request:
 
     def __init__(self, engine_loop, request_id: str, prompt_ids, sampling, stream: bool = True):
         self.engine_loop, self.request_id, self.finished = engine_loop, request_id, False
-        self.prompt_ids = prompt_ids
+        self.prompt_ids, self.sampling = prompt_ids, sampling
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         engine_loop.submit(request_id, prompt_ids, sampling, lambda out: loop.call_soon_threadsafe(
@@ -198,7 +198,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 call.completion_tokens, call.e2e_s = out.completion_tokens, at - call.received
                 m.e2e.observe(call.e2e_s)
 
-    def _final(self, call: Call, response: pb.GenerateResponse, last):
+    def _final(self, call: Call, response: pb.GenerateResponse, last, sampling):
         """Complete the last message, or raise if the abort was not the caller's doing."""
         if last.finish_reason == "abort" and self.llm._loop.error is not None:
             raise ApiError(Code.INTERNAL, f"the engine failed: {self.llm._loop.error!r}")
@@ -206,12 +206,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise ApiError(Code.UNAVAILABLE, "the server shut down before the request finished")
         timing = dict(queue_time_s=call.queue_time_s or 0.0, ttft_s=call.ttft_s or 0.0,
                       e2e_s=call.e2e_s or 0.0)
-        return api.finish(response, last, timing)
+        return api.finish(response, last, timing, sampling.reported_stop(last.stop_reason))
 
-    def _response(self, call: Call, outputs) -> pb.GenerateResponse:
+    def _response(self, call: Call, req: Request, outputs) -> pb.GenerateResponse:
         response = api.add_outputs(pb.GenerateResponse(request_id=call.client_request_id
                                                        or call.request_id), outputs)
-        return self._final(call, response, outputs[-1]) if outputs[-1].finished else response
+        if not outputs[-1].finished:
+            return response
+        return self._final(call, response, outputs[-1], req.sampling)
 
     async def Generate(self, request, context):
         async with self._call("Generate", context, request) as call:
@@ -220,7 +222,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 while not req.finished:
                     batch = await req.next()
                     self._observe(call, batch)
-                    yield self._response(call, [out for out, _ in batch])
+                    yield self._response(call, req, [out for out, _ in batch])
             finally:
                 self._release(call, req)
 
@@ -234,7 +236,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     outputs += [out for out, _ in batch]
             finally:
                 self._release(call, req)
-            response = self._response(call, outputs)
+            response = self._response(call, req, outputs)
             response.text = output_text(self.llm.tokenizer, req.prompt_ids, outputs)
             return response
 

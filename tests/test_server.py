@@ -161,10 +161,14 @@ def test_stop_string_and_eos(llm, client):
     stop = free.text[3:6]
     got = client.generate("The quick", max_tokens=12, stop=stop, **GREEDY)
     assert finish_reason(got) == "stop" and got.text == free.text[:free.text.index(stop)]
+    streamed = join(client.stream("The quick", max_tokens=12, stop=stop, **GREEDY))
+    assert got.stop_string == streamed.stop_string == stop  # what ended it
+    assert free.WhichOneof("stop_reason") is None
     eos = int(llm.tokenizer.eos_token_ids[0])
     got = client.generate("The quick", max_tokens=12, stop_token_ids=[free.token_ids[2]],
                           **GREEDY)
     assert finish_reason(got) == "stop" and list(got.token_ids) == list(free.token_ids[:3])
+    assert got.stop_token_id == free.token_ids[2]
     assert eos in client.model_info().eos_token_ids
 
 
