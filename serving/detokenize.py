@@ -33,6 +33,8 @@ class TextStage:
         streaming requests filled in; a finished request's state is dropped. The outputs are
         taken apart into columns and built again in bulk: a step has one per running request."""
         detoks = self.detoks
+        if not detoks:  # no request streams its text: nothing to read through
+            return outputs
         todo = [out for out in outputs if out.text_delta is None and out.request_id in detoks]
         if todo:
             cols = list(zip(*todo))  # request_id, new_token_ids, text_delta, ... (RequestOutput)
