@@ -221,7 +221,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     from . import paged
     T, S = q.shape[0], page_table.shape[0]
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
-    mixed = T > 2 * S
+    # Batch-invariant calls keep one tile shape (and so one MMA) for every step.
+    mixed = T > 2 * S or tuning.invariant_products()
     kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
                        k_pages.shape[2]) | blocks
     tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
@@ -481,6 +482,25 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
     kw = qm.blocks_for(x.shape[0], k, n, scale.shape[0], layout=layout) | blocks
     return qm.w8a16_matmul(x, q, scale, zero, layout=layout, interpret=interpret, **kw)
+
+
+def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=False, **blocks):
+    """x [..., K] times a plain weight w [K, N] (or [N, K], layout "nk") -> [..., N] in
+    `out_dtype` (x's by default), accumulated in float32. XLA's dot, except inside
+    `tuning.batch_invariant(True)` with the Pallas kernels, where it is `invariant_matmul`: each row's
+    bits then do not depend on how many rows the call has (for a K in whole 64-tiles)."""
+    from . import invariant_matmul as im
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    n = w.shape[0] if layout == "nk" else w.shape[1]
+    if not (tuning.invariant_products() and _use_pallas(impl, interpret)
+            and im.takes(x.shape[-1], n)):
+        w = w.T if layout == "nk" else w
+        return x @ w if out_dtype == x.dtype else jnp.matmul(x, w,
+                                                             preferred_element_type=out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    kw = im.blocks_for(x2.shape[0], x2.shape[1], n) | blocks
+    y = im.invariant_matmul(x2, w, layout=layout, out_dtype=out_dtype, interpret=interpret, **kw)
+    return y.reshape(*x.shape[:-1], n)
 
 
 # -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------

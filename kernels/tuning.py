@@ -297,8 +297,13 @@ _invariant = contextvars.ContextVar("pallasite_batch_invariant", default=False)
 
 
 @contextlib.contextmanager
-def batch_invariant(on: bool = True):
-    """Kernels traced inside split attention keys at fixed boundaries (see the module doc)."""
+def batch_invariant(on: bool | str = True):
+    """Kernels traced inside take a row's sums in an order that does not depend on the batch:
+    "attention" fixes the paged attention's key splits (see the module doc; free), True also
+    sends plain matrix products to `invariant_matmul` and the attention to one tile shape for
+    every step (a row's bits are then the same in any batch), False neither."""
+    if on not in (False, True, "attention"):
+        raise ValueError(f"batch_invariant {on!r} is not True, False or 'attention'")
     token = _invariant.set(on)
     try:
         yield
@@ -307,4 +312,10 @@ def batch_invariant(on: bool = True):
 
 
 def invariant() -> bool:
-    return _invariant.get()
+    """Attention splits at fixed key boundaries (either mode)."""
+    return bool(_invariant.get())
+
+
+def invariant_products() -> bool:
+    """Every product and tile shape fixed too (`batch_invariant(True)`)."""
+    return _invariant.get() is True

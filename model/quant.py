@@ -243,7 +243,7 @@ def linear(x, w, in_axes: int = 1, **kw):
     lead = x.shape[:x.ndim - in_axes]
     x2 = x.reshape(-1, math.prod(in_shape))
     if not is_quantized(w):
-        y = x2 @ w.reshape(x2.shape[1], -1)
+        y = kernels.matmul(x2, w.reshape(x2.shape[1], -1))
     else:
         m = matrix(w, in_axes)
         n = m.q.shape[0] if m.k_last else m.q.shape[1]

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .. import kernels
 from .attention import Attention, Batch
 from .config import ModelConfig
 from .layers import MLP, MoE, RMSNorm, constrain, embed_lookup, param
@@ -57,10 +58,11 @@ class Decoder(nn.Module):
 
     def logits(self, x):
         x = self.final_norm(x)
-        w = self.embed.T if self.config.tie_word_embeddings else self.lm_head
+        tied = self.config.tie_word_embeddings
         # float32 out of the accumulator: bf16 logits tie within 2^-8 of their size, and a tie
         # broken by rounding differs between step shapes (e.g. speculative verify vs decode).
-        logits = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+        logits = kernels.matmul(x, self.embed if tied else self.lm_head,
+                                layout="nk" if tied else "kn", out_dtype=jnp.float32)
         if cap := self.config.final_logit_softcap:
             logits = jnp.tanh(logits / cap) * cap
         return logits

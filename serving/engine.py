@@ -103,7 +103,7 @@ class Engine:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
                  seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | str | None = None):
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
         # The KV pages' dtype (None: the weights'); float8 pages carry per-KV-head scales.
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or jax.tree.leaves(params)[0].dtype)
@@ -136,10 +136,12 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, token_buckets=self.token_buckets,
             page_buckets=self.page_buckets, draft=draft)
         self.rows = self.spec.rows if self.spec else 1
-        # Attention splits that depend on a row's own context only (`tuning.batch_invariant`):
-        # a verify step then scores each proposed token as its decode step would. On by default
-        # where the engine speculates; a plain engine takes it to compare against one.
-        self.batch_invariant = self.spec is not None if batch_invariant is None else batch_invariant
+        # `tuning.batch_invariant`: True sums each row's products and attention in an order the
+        # rest of the batch does not change (speculation's greedy tokens are then plain
+        # decoding's, at a cost); by default a speculating engine fixes only the attention's
+        # key splits, which costs nothing.
+        self.batch_invariant = batch_invariant if batch_invariant is not None else (
+            "attention" if self.spec is not None else False)
         self.scheduler.window = freeable_window(config, self.spec)  # pages behind every window
         if self.spec:
             self.overlap = False

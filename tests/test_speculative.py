@@ -264,24 +264,33 @@ def test_sampling_with_speculation_keeps_the_target_distribution():
 
 def test_a_speculating_engine_traces_its_steps_with_batch_invariant_splits(monkeypatch):
     """Its steps' attention is traced inside `tuning.batch_invariant` (fixed splits, so a
-    verify row scores as its decode step would); a plain engine's only when asked."""
+    verify row scores as its decode step would); a plain engine's only when asked. Products
+    take the batch-invariant kernel only with batch_invariant=True."""
     from pallasite import kernels
     from pallasite.kernels import tuning
-    seen, real = [], kernels.ragged_paged_attention
+    seen, products, real, real_mm = [], [], kernels.ragged_paged_attention, kernels.matmul
 
     def spy(*args, **kw):
         seen.append(tuning.invariant())
         return real(*args, **kw)
+
+    def spy_mm(*args, **kw):
+        products.append(tuning.invariant_products())
+        return real_mm(*args, **kw)
     monkeypatch.setattr(kernels, "ragged_paged_attention", spy)
+    monkeypatch.setattr(kernels, "matmul", spy_mm)
     config = config_from_dict(LLAMA)
-    for spec, asked, want in ((NGRAM, None, True), (None, None, False), (None, True, True)):
+    for spec, asked, want in ((NGRAM, None, "attention"), (None, None, False),
+                              (None, True, True), (NGRAM, False, False)):
         e = Engine(config, init_params(config, seed=0), num_pages=8, page_size=4,
                    max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32,
                    token_buckets=[8], page_buckets=[8], speculative_config=spec,
                    batch_invariant=asked)
         seen.clear()
+        products.clear()
         e._lower((8, 8))
-        assert seen == [want] * config.num_layers and e.batch_invariant == want
+        assert seen == [bool(want)] * config.num_layers and e.batch_invariant == want
+        assert products and set(products) == {want is True}
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
