@@ -117,6 +117,8 @@ def generate_locally(prompt: str, args) -> int:
         check_cli("pallasite generate", args.speculative_config, folder)
         kwargs["speculative_config"] = args.speculative_config
         kwargs["token_buckets"] += [args.speculative_config.num_speculative_tokens + 1]
+    if args.batch_invariant:
+        kwargs["batch_invariant"] = True
     if args.dtype:
         kwargs["dtype"] = getattr(jnp, args.dtype)
     if args.mesh:

@@ -275,6 +275,8 @@ def llm_factory(args):
                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         if getattr(args, "speculative_config", None) is not None:
             kwargs["speculative_config"] = args.speculative_config
+        if getattr(args, "batch_invariant", False):
+            kwargs["batch_invariant"] = True
         for name in ("token_buckets", "page_buckets"):
             if getattr(args, name):
                 kwargs[name] = getattr(args, name)

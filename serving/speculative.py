@@ -457,11 +457,16 @@ def _parse_flag(text: str) -> SpeculativeConfig:
 
 
 def add_argument(parser):
-    """--speculative-config JSON, checked as the flag is read (a bad one is a usage error)."""
+    """--speculative-config JSON, checked as the flag is read (a bad one is a usage error), and
+    --batch-invariant."""
     parser.add_argument("--speculative-config", type=_parse_flag, default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
                              '"model": "default-draft", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="sum each row's products and attention in an order the rest of "
+                             "the batch does not change (speculation's greedy tokens are then "
+                             "plain decoding's), at about 1.2x the step time on a GPU")
 
 
 def check_cli(prog: str, spec, target_folder):

@@ -76,3 +76,20 @@ def test_cli_generate_with_no_model_uses_the_default(capsys):
     out = capsys.readouterr()
     assert "embedded default model" in out.err and "8 generated" in out.err
     assert len(out.out.strip()) > 0
+
+
+def test_cli_generate_batch_invariant_speculation_keeps_the_greedy_answer(capsys, monkeypatch):
+    from pallasite.serving import engine
+    asked, real = [], engine.Engine.__init__
+
+    def spy(self, *a, **kw):
+        asked.append(kw.get("batch_invariant"))
+        real(self, *a, **kw)
+    monkeypatch.setattr(engine.Engine, "__init__", spy)
+    base = ["generate", "--prompt", "The for statement", "--max-tokens", "12", "--temperature",
+            "0", "--max-model-len", "128"]
+    assert cli_main(base) == 0
+    plain = capsys.readouterr().out
+    assert cli_main(base + ["--batch-invariant", "--speculative-config",
+                            '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    assert capsys.readouterr().out == plain and asked == [None, True]
