@@ -1,0 +1,263 @@
+"""Batch invariance on the GPU: is a row's result the same bits whatever else the step holds, and
+what does it cost?
+
+    python -m benchmarks.invariance --out $OUT          # GPU (H100: ~4 minutes)
+    python -m benchmarks.invariance --out DIR --tiny    # CPU check of the script
+
+1. products: `kernels.invariant_matmul` on the Llama-3-8B layer shapes (and the LM head, read
+   [N, K] as a tied embedding is) for M from 1 to 8192 rows of one random x: each call's rows
+   against the 8192-row call's, bit for bit, for the picked tiles and four forced ones; XLA's
+   own dot beside it (how far its rows move with M); the error against a float32-accumulated
+   reference; the device time of both (L2 flushed, median).
+2. engine: the 8B-shaped model (random bf16 weights) through `LLM`, `batch_invariant` off and
+   on: batch-1 decode ms a token (`LLM.stream`), the wall time of 64 sequences (`LLM.generate`,
+   128-token prompts and outputs, greedy), and whether prompt 0 alone gives the tokens it gives
+   among the 64.
+
+Writes OUT/invariance.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasite import kernels
+from pallasite.kernels import invariant_matmul as im
+from pallasite.kernels import tuning
+
+from .common import device_times, run_info
+
+SHAPES = [("qkv", 4096, 6144, "kn"), ("o", 4096, 4096, "kn"), ("gate_up", 4096, 28672, "kn"),
+          ("down", 14336, 4096, "kn"), ("lm_head", 4096, 128256, "nk")]
+TINY_SHAPES = [("qkv", 256, 384, "kn"), ("lm_head", 256, 512, "nk")]
+FORCED = [dict(block_m=64, block_n=64, block_k=64, split=True),
+          dict(block_m=64, block_n=128, block_k=64, split=False, flat=False),
+          dict(block_m=128, block_n=128, block_k=64, split=False, num_warps=8, num_stages=3),
+          dict(block_m=128, block_n=256, block_k=64, split=True, num_warps=8, num_stages=3)]
+
+
+def products(tiny: bool, reps: int, names=None, timed_too: bool = True, rows=None,
+             forced: bool = True) -> list[dict]:
+    interpret = tiny
+    rows = rows or ([1, 2, 5, 16, 64] if tiny else [1, 2, 5, 8, 64, 200, 1024, 8192])
+    timed = [1, 16, 64] if tiny else [1, 8, 64, 256, 1024, 8192]
+    records = []
+    for name, k, n, layout in TINY_SHAPES if tiny else SHAPES:
+        if names and name not in names:
+            continue
+        if n > 100_000 and not tiny:  # the LM head's float32 logits: 1024 rows at most
+            rows = [r for r in rows if r <= 1024]
+        key = jax.random.key(k + n)
+        x = jax.random.normal(key, (rows[-1], k), jnp.bfloat16)
+        wshape = (n, k) if layout == "nk" else (k, n)
+        w = (jax.random.normal(jax.random.fold_in(key, 1), wshape, jnp.float32)
+             / np.sqrt(k)).astype(jnp.bfloat16)
+
+        # The weight is an argument everywhere: closed over, it became a constant of each
+        # compiled program (1 GB for the LM head), and compiling took minutes.
+        def ours(xm, wm=w, **blocks):
+            kw = im.blocks_for(xm.shape[0], k, n) | blocks
+            return im.invariant_matmul(xm, wm, layout=layout, interpret=interpret, **kw)
+        xla_jit = jax.jit(lambda xm, wm: kernels.matmul(xm, wm, layout=layout))
+        xla = lambda xm: xla_jit(xm, w)
+        full, full_xla = np.asarray(ours(x), np.float32), np.asarray(xla(x), np.float32)
+        ref = np.asarray(im.reference(x, w, layout=layout, out_dtype=jnp.float32))
+        rec = dict(name=name, k=k, n=n, layout=layout, finite=bool(np.isfinite(full).all()),
+                   rel_err=float(np.linalg.norm(full - ref) / np.linalg.norm(ref)),
+                   xla_rel_err=float(np.linalg.norm(full_xla - ref) / np.linalg.norm(ref)),
+                   rows_bitwise={}, xla_rows_max_diff={}, forced_bitwise={}, ms={})
+        for m in rows[:-1]:
+            rec["rows_bitwise"][m] = bool(np.array_equal(np.asarray(ours(x[:m]), np.float32),
+                                                          full[:m]))
+            rec["xla_rows_max_diff"][m] = float(np.max(np.abs(
+                np.asarray(xla(x[:m]), np.float32) - full_xla[:m])))
+        for i, blocks in enumerate(FORCED if forced else []):
+            for m in (rows[1], rows[-1]):
+                if n % blocks["block_n"] == 0:
+                    got = np.asarray(ours(x[:m], **blocks), np.float32)
+                    rec["forced_bitwise"][f"{i}@{m}"] = bool(np.array_equal(got, full[:m]))
+        for m in timed if timed_too else []:  # one trace per size: all of them in one outgrew the profiler's limit
+            (t, _), (t_xla, _) = device_times([(jax.jit(ours), (x[:m], w)),
+                                               (xla_jit, (x[:m], w))], reps)
+            rec["ms"][m] = dict(invariant=t, xla=t_xla, ratio=t / t_xla)
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+    records += [norm_rows(rows, tiny), attention_rows(tiny)]
+    print(json.dumps(records[-2:]), flush=True)
+    return records
+
+
+def attention_rows(tiny: bool) -> dict:
+    """Inside `batch_invariant`, sequence 0's decode row in a step of 1 sequence (2-token
+    bucket) against the same row among 64 sequences, and among 63 decoding sequences plus a
+    100-token prefill chunk (a mixed step), on one random cache (32/8 heads, d 128, bf16)."""
+    H, KV, D, ps, ctx = (8, 2, 32, 16, 100) if tiny else (32, 8, 128, 16, 700)
+    S, width = 64, -(-ctx // ps) + 2
+    key = jax.random.key(11)
+    kp, vp = (jax.random.normal(jax.random.fold_in(key, i), (KV, S * width, ps, D), jnp.bfloat16)
+              for i in range(2))
+    table = jnp.arange(S * width, dtype=jnp.int32).reshape(S, width)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (256, H, D), jnp.bfloat16)
+
+    def step(q_lens, T):
+        qs = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        lens = jnp.asarray([ctx] * len(q_lens), jnp.int32)
+        with tuning.batch_invariant():
+            f = jax.jit(lambda *a: kernels.ragged_paged_attention(*a, interpret=tiny))
+            return np.asarray(f(q[:T], kp, vp, qs, lens, table[:len(q_lens)])[0], np.float32)
+    alone = step([1], 2)
+    return dict(name="attention", among_64=bool(np.array_equal(alone, step([1] * 64, 64))),
+                mixed=bool(np.array_equal(alone, step([1] * 63 + [100], 256))))
+
+
+def norm_rows(rows, tiny: bool) -> dict:
+    """The model's RMSNorm (an XLA reduction over each row) on the first m rows against the
+    same rows of the largest call."""
+    from pallasite.model.layers import RMSNorm
+    hidden = 256 if tiny else 4096
+    norm = RMSNorm(hidden, 1e-5, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(5), (rows[-1], hidden), jnp.bfloat16) * 3
+    params = norm.init(jax.random.key(0), x[:1])
+    f = jax.jit(norm.apply)
+    full = np.asarray(f(params, x), np.float32)
+    return dict(name="rms_norm", hidden=hidden, rows_bitwise={
+        m: bool(np.array_equal(np.asarray(f(params, x[:m]), np.float32), full[:m]))
+        for m in rows[:-1]})
+
+
+LARGE = [dict(block_m=128, block_n=128, split=False, num_warps=8, num_stages=3),
+         dict(block_m=128, block_n=128, split=False, flat=True, num_warps=8, num_stages=3),
+         dict(block_m=128, block_n=256, split=False, flat=True, num_warps=8, num_stages=3),
+         dict(block_m=128, block_n=256, split=False, num_warps=8, num_stages=4),
+         dict(block_m=128, block_n=128, split=False, flat=True, num_warps=4, num_stages=4),
+         dict(block_m=64, block_n=128, split=False, flat=True, num_warps=4, num_stages=4),
+         dict(block_m=256, block_n=128, split=False, flat=True, num_warps=8, num_stages=3),
+         dict(block_m=128, block_n=128, block_k=128, split=False, flat=True, num_warps=8,
+              num_stages=3)]
+SMALL = [dict(block_m=64, block_n=128, split=True, num_warps=4, num_stages=4),
+         dict(block_m=64, block_n=64, split=True, num_warps=4, num_stages=4),
+         dict(block_m=64, block_n=64, split=True, num_warps=4, num_stages=6),
+         dict(block_m=64, block_n=32, split=True, num_warps=4, num_stages=4),
+         dict(block_m=64, block_n=128, block_k=128, split=True, num_warps=4, num_stages=3),
+         dict(block_m=64, block_n=64, split=True, num_warps=4, num_stages=3)]
+
+
+def sweep(tiny: bool, reps: int) -> list[dict]:
+    """Tiles against each other at decode and prefill sizes, each checked bit for bit against
+    the picked tiles' rows of the full call."""
+    records = []
+    for name, k, n, layout in (TINY_SHAPES if tiny else SHAPES[:4])[:3]:
+        key = jax.random.key(k + n)
+        m_max = 64 if tiny else 8192
+        x = jax.random.normal(key, (m_max, k), jnp.bfloat16)
+        w = (jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32)
+             / np.sqrt(k)).astype(jnp.bfloat16)
+        run = lambda xm, **b: im.invariant_matmul(xm, w, interpret=tiny, **b)
+        full = np.asarray(run(x, **im.blocks_for(m_max, k, n)), np.float32)
+        for m in ([1, 16, 64] if tiny else [1, 8, 64, 256, 1024, 8192]):
+            configs = [c for c in (SMALL if m <= 256 else LARGE) if n % c["block_n"] == 0]
+            xm, bits = x[:m], []
+            for c in configs:
+                bits.append(bool(np.array_equal(np.asarray(run(xm, **c), np.float32),
+                                                full[:m])))
+            calls = [(jax.jit(lambda a, b, c=c: im.invariant_matmul(a, b, interpret=tiny, **c)),
+                      (xm, w)) for c in configs]
+            calls.append((jax.jit(lambda a, b: kernels.matmul(a, b)), (xm, w)))
+            times = [t for t, _ in device_times(calls, reps)]
+            for c, t, b in zip(configs, times, bits):
+                rec = dict(name=name, m=m, config=c, ms=t, xla_ms=times[-1],
+                           ratio=t / times[-1], bitwise=b)
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+    return records
+
+
+def engine(tiny: bool) -> list[dict]:
+    from benchmarks.bench_quant import LLAMA3_8B, TINY
+    from pallasite.model import config_from_dict, init_params
+    from pallasite.serving.llm import LLM, SamplingParams
+
+    config = config_from_dict(TINY if tiny else LLAMA3_8B)
+    params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
+    prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, 64)
+    pages = -(-(prompt_len + new) // 16)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
+    sampling = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    records = []
+    for invariant in (False, True):
+        llm = LLM.from_params(config, params, None, max_num_seqs=batch, batch_invariant=invariant,
+                              max_num_batched_tokens=prompt_len, num_pages=batch * pages + 8,
+                              token_buckets=[2, 8, batch, prompt_len], page_buckets=[pages],
+                              max_model_len=prompt_len + new)
+        many = llm.generate(prompts, sampling)
+        list(llm.stream(prompts[0], sampling))
+        stamps = [time.perf_counter() for _ in llm.stream(prompts[0], sampling)]
+        alone = llm.generate(prompts[:1], sampling)
+        t = time.perf_counter()
+        llm.generate(prompts, sampling)
+        rec = dict(batch_invariant=invariant,
+                   batch1_ms_per_token=1e3 * float(np.median(np.diff(stamps[1:]))),
+                   batch64_wall_s=time.perf_counter() - t,
+                   alone_equals_in_batch=alone[0].token_ids == many[0].token_ids,
+                   first_difference=next((i for i, (a, b) in enumerate(
+                       zip(alone[0].token_ids, many[0].token_ids)) if a != b), None))
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+        llm.close()
+    return records
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="small shapes, interpret mode (CPU)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
+    ap.add_argument("--engine-only", action="store_true")
+    ap.add_argument("--shapes", help="comma-separated products to run (default: all)")
+    ap.add_argument("--bits-only", action="store_true", help="no timing of the products")
+    ap.add_argument("--rows", help="comma-separated row counts, the last one the full call")
+    ap.add_argument("--no-forced", action="store_true", help="only the picked tiles")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        (out / "invariance_sweep.json").write_text(json.dumps(
+            dict(run_info(device=not args.tiny), sweep=sweep(args.tiny, args.reps)), indent=1))
+        return
+    result = dict(run_info(device=not args.tiny),
+                  products=[] if args.engine_only else products(
+                      args.tiny, args.reps, args.shapes and args.shapes.split(","),
+                      not args.bits_only, args.rows and [int(r) for r in args.rows.split(",")],
+                      not args.no_forced))
+    if not args.skip_engine:
+        result["engine"] = engine(args.tiny)
+    (out / "invariance.json").write_text(json.dumps(result, indent=1))
+    print("| product | M | bitwise to 8192 rows | XLA: max row diff | ours ms | XLA ms | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["products"]:
+        if "ms" not in r:
+            print(f"  {r}")
+            continue
+        for m, t in r["ms"].items():
+            print(f"| {r['name']} {r['k']}x{r['n']} | {m} | {r['rows_bitwise'].get(m, '-')} | "
+                  f"{r['xla_rows_max_diff'].get(m, '-')} | {t['invariant']:.4f} | "
+                  f"{t['xla']:.4f} | {t['ratio']:.2f} |")
+        print(f"  {r['name']}: rel err {r['rel_err']:.1e} (XLA {r['xla_rel_err']:.1e}); forced "
+              f"tiles bitwise: {r['forced_bitwise']}; all rows bitwise: "
+              f"{all(r['rows_bitwise'].values())}")
+    for r in result.get("engine", []):
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
