@@ -89,8 +89,8 @@ def products(tiny: bool, reps: int, names=None, timed_too: bool = True, rows=Non
             rec["ms"][m] = dict(invariant=t, xla=t_xla, ratio=t / t_xla)
         print(json.dumps(rec), flush=True)
         records.append(rec)
-    records += [norm_rows(rows, tiny), attention_rows(tiny)]
-    print(json.dumps(records[-2:]), flush=True)
+    records += [norm_rows(rows, tiny), attention_rows(tiny), layer_rows(tiny)]
+    print(json.dumps(records[-3:]), flush=True)
     return records
 
 
@@ -130,6 +130,60 @@ def norm_rows(rows, tiny: bool) -> dict:
     return dict(name="rms_norm", hidden=hidden, rows_bitwise={
         m: bool(np.array_equal(np.asarray(f(params, x[:m]), np.float32), full[:m]))
         for m in rows[:-1]})
+
+
+def layer_rows(tiny: bool) -> dict:
+    """Where a decode row first depends on its batch: the model's forward (2 layers of the 8B
+    shape, random bf16 weights and cache) inside `batch_invariant(True)` for sequence 0 decoding
+    alone (2-token bucket), among 64 decoding sequences, and beside a 100-token prefill chunk;
+    every module's output row 0 (flax `capture_intermediates`) compared bit for bit, in the
+    order the modules ran."""
+    from benchmarks.bench_quant import LLAMA3_8B, TINY
+    from pallasite.model import config_from_dict, init_params
+    from pallasite.model.attention import Batch
+    from pallasite.model.transformer import Decoder, init_kv_cache
+    config = config_from_dict(dict(TINY if tiny else LLAMA3_8B, num_hidden_layers=2))
+    params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
+    ps, ctx, S = 16, 300, 64
+    width = -(-(ctx + 100) // ps) + 1
+    kv = [tuple(jax.random.normal(jax.random.key(3 * i + j), a.shape, a.dtype)
+                for j, a in enumerate(layer))
+          for i, layer in enumerate(init_kv_cache(config, S * width, ps, jnp.bfloat16))]
+    table = jnp.arange(S * width, dtype=jnp.int32).reshape(S, width)
+    rng = np.random.default_rng(0)
+
+    def run(q_lens, T):
+        n = len(q_lens)
+        qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        pos = np.concatenate([np.arange(ctx - q, ctx) for q in q_lens]).astype(np.int32)
+        seq = np.repeat(np.arange(n), q_lens)
+        slots = (np.asarray(table)[seq, pos // ps] * ps + pos % ps).astype(np.int32)
+        pad = T - len(pos)
+        tokens = np.concatenate([[7], rng.integers(0, config.vocab_size, len(pos) - 1), [0] * pad])
+        batch = Batch(jnp.asarray(qs), jnp.full((n,), ctx, jnp.int32), table[:n],
+                      jnp.asarray(np.concatenate([slots, [-1] * pad]), jnp.int32),
+                      jnp.asarray(qs[1:] - 1))
+
+        def f(params, kv, tokens, pos):
+            with tuning.batch_invariant(True):
+                return Decoder(config, jnp.bfloat16).apply(
+                    {"params": params}, tokens, pos, None, kv, batch,
+                    capture_intermediates=True, mutable=["intermediates"])
+        (_, _), state = jax.jit(f)(params, kv, jnp.asarray(tokens, jnp.int32),
+                                   jnp.asarray(np.concatenate([pos, [0] * pad]), jnp.int32))
+        rows = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state["intermediates"]):
+            if 1 <= leaf.ndim <= 3 and leaf.shape[0] in (T, n):  # not the [KV, pages, ...] cache
+                rows[jax.tree_util.keystr(path)] = np.asarray(leaf[0], np.float32)
+        return rows
+
+    alone = run([1], 2)
+    out = dict(name="layers", modules=len(alone))
+    for case, (q_lens, T) in {"among_64": ([1] * S, S), "mixed": ([1, 100], 128)}.items():
+        other = run(q_lens, T)
+        differ = [k for k in alone if k in other and not np.array_equal(alone[k], other[k])]
+        out[case] = dict(first_different=differ[:3], different=len(differ))
+    return out
 
 
 LARGE = [dict(block_m=128, block_n=128, split=False, num_warps=8, num_stages=3),
@@ -223,6 +277,8 @@ def main(argv=None):
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     ap.add_argument("--engine-only", action="store_true")
+    ap.add_argument("--probes", action="store_true",
+                    help="only the row checks of the norm, the attention and each module")
     ap.add_argument("--shapes", help="comma-separated products to run (default: all)")
     ap.add_argument("--bits-only", action="store_true", help="no timing of the products")
     ap.add_argument("--rows", help="comma-separated row counts, the last one the full call")
@@ -230,6 +286,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.probes:  # the row checks alone
+        result = dict(run_info(device=not args.tiny), probes=[
+            norm_rows([1, 2, 8, 64, 1024], args.tiny), attention_rows(args.tiny),
+            layer_rows(args.tiny)])
+        (out / "invariance_probes.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["probes"], indent=1))
+        return
     if args.sweep:
         (out / "invariance_sweep.json").write_text(json.dumps(
             dict(run_info(device=not args.tiny), sweep=sweep(args.tiny, args.reps)), indent=1))

@@ -487,8 +487,8 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
 def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=False, **blocks):
     """x [..., K] times a plain weight w [K, N] (or [N, K], layout "nk") -> [..., N] in
     `out_dtype` (x's by default), accumulated in float32. XLA's dot, except inside
-    `tuning.batch_invariant(True)` with the Pallas kernels, where it is `invariant_matmul`: each row's
-    bits then do not depend on how many rows the call has (for a K in whole 64-tiles)."""
+    `tuning.batch_invariant(True)` with the Pallas kernels, where it is `invariant_matmul`:
+    each row's bits then do not depend on how many rows the call has (K in whole 64-tiles)."""
     from . import invariant_matmul as im
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     n = w.shape[0] if layout == "nk" else w.shape[1]

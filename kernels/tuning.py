@@ -8,6 +8,7 @@ That heuristic reads the whole call's shape, so a row's sums depend on the batch
 Inside `batch_invariant()` the paged attention kernels cut keys into splits of a fixed
 `invariant_keys` instead: a row's result then depends only on its own context (speculative
 verification checks k tokens in one step and must score each as a decode step would).
+`batch_invariant(True)` fixes the matrix products' order too (`invariant_matmul.py`).
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def batch_invariant(on: bool | str = True):
     """Kernels traced inside take a row's sums in an order that does not depend on the batch:
     "attention" fixes the paged attention's key splits (see the module doc; free), True also
     sends plain matrix products to `invariant_matmul` and the attention to one tile shape for
-    every step (a row's bits are then the same in any batch), False neither."""
+    every step (each of their rows then comes out the same bits in any batch), False neither."""
     if on not in (False, True, "attention"):
         raise ValueError(f"batch_invariant {on!r} is not True, False or 'attention'")
     token = _invariant.set(on)
