@@ -104,6 +104,9 @@ class Engine:
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
                  seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None,
                  batch_invariant: bool | str | None = None):
+        if batch_invariant is True and mesh is not None and mesh.devices.size > 1:
+            # XLA partitions the products over the mesh; the invariant kernel is one device's.
+            raise ValueError("batch_invariant=True runs on one device, not on a mesh")
         self.config, self.params, self.tokenizer, self.overlap = config, params, tokenizer, overlap
         # The KV pages' dtype (None: the weights'); float8 pages carry per-KV-head scales.
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or jax.tree.leaves(params)[0].dtype)

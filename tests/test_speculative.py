@@ -293,6 +293,15 @@ def test_a_speculating_engine_traces_its_steps_with_batch_invariant_splits(monke
         assert products and set(products) == {want is True}
 
 
+def test_batch_invariant_products_are_refused_on_a_mesh():
+    import types
+    config = config_from_dict(LLAMA)
+    with pytest.raises(ValueError, match="not on a mesh"):
+        Engine(config, init_params(config, seed=0), num_pages=8, page_size=4, max_num_seqs=2,
+               max_num_batched_tokens=8, mesh=types.SimpleNamespace(devices=np.empty(2)),
+               batch_invariant=True)
+
+
 def test_ngram_proposes_what_followed_the_latest_match():
     assert ngram_propose([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 3, 1, 3) == [5, 1, 2]
     assert ngram_propose([1, 2, 3, 4, 1, 2, 3, 5, 9, 2, 3], 3, 1, 3) == [5, 9, 2]  # n=2 match
