@@ -76,10 +76,13 @@ def invariant_matmul(x, w, *, block_m: int = 64, block_n: int = 128, block_k: in
                      interpret: bool = False):
     """x [M, K], w [K, N] (or [N, K] with layout "nk") -> [M, N] in `out_dtype` (x's dtype by
     default). `split`: a program per segment and the partial sums added after (few rows);
-    otherwise a program runs all segments (many rows). The result's bits do not depend on M,
-    `split`, block_m or block_n; block_m stays at 64 or more so every M takes the same MMA."""
+    otherwise a program runs all segments (`flat`: in one loop) (many rows). The result's bits
+    do not depend on M, `split`, `flat` or the tiles; block_m is 64 or more, so every M takes
+    the same MMA."""
     if layout not in ("kn", "nk"):
         raise ValueError(f"invariant_matmul: layout {layout!r} is not 'kn' or 'nk'")
+    if block_m < 64:
+        raise ValueError(f"invariant_matmul: block_m={block_m} under 64 would take another MMA")
     nk = layout == "nk"
     m, k = x.shape
     n = w.shape[0] if nk else w.shape[1]
