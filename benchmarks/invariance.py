@@ -49,11 +49,12 @@ def products(tiny: bool, reps: int, names=None, timed_too: bool = True, rows=Non
     rows = rows or ([1, 2, 5, 16, 64] if tiny else [1, 2, 5, 8, 64, 200, 1024, 8192])
     timed = [1, 16, 64] if tiny else [1, 8, 64, 256, 1024, 8192]
     records = []
+    all_rows = rows
     for name, k, n, layout in TINY_SHAPES if tiny else SHAPES:
         if names and name not in names:
             continue
-        if n > 100_000 and not tiny:  # the LM head's float32 logits: 1024 rows at most
-            rows = [r for r in rows if r <= 1024]
+        # The LM head's float32 logits: 1024 rows at most.
+        rows = [r for r in all_rows if r <= 1024] if n > 100_000 and not tiny else all_rows
         key = jax.random.key(k + n)
         x = jax.random.normal(key, (rows[-1], k), jnp.bfloat16)
         wshape = (n, k) if layout == "nk" else (k, n)
@@ -89,7 +90,7 @@ def products(tiny: bool, reps: int, names=None, timed_too: bool = True, rows=Non
             rec["ms"][m] = dict(invariant=t, xla=t_xla, ratio=t / t_xla)
         print(json.dumps(rec), flush=True)
         records.append(rec)
-    records += [norm_rows(rows, tiny), attention_rows(tiny), layer_rows(tiny)]
+    records += [norm_rows(all_rows, tiny), attention_rows(tiny), layer_rows(tiny)]
     print(json.dumps(records[-3:]), flush=True)
     return records
 

@@ -80,18 +80,16 @@ def main(argv=None):
         copy = [(s + llm.tokenizer.encode("\n\n") + s[:REPEAT])[:1024 - args.max_tokens]
                 for s in sources]
         outs, _ = generate_timed(llm, copy, args.max_tokens)
-    proposers = {
-        "lookup": lambda src: lambda ctx, t: ngram_propose(ctx, K, 1, 4),
-        "best match": lambda src: None,  # needs the output: below
-        "copy": lambda src: lambda ctx, t: src[REPEAT + t:REPEAT + t + K],
+    proposers = {  # (document, output) -> propose(context, output position)
+        "lookup": lambda src, out: lambda ctx, t: ngram_propose(ctx, K, 1, 4),
+        "best match": lambda src, out: lambda ctx, t: best_match(ctx, out[t:]),
+        "copy": lambda src, out: lambda ctx, t: src[REPEAT + t:REPEAT + t + K],
     }
     totals = {name: np.zeros(3) for name in proposers}
     share, runs = [], []
     for src, prompt, out in zip(sources, copy, outs):
         for name, make in proposers.items():
-            propose = make(src) if name != "best match" else (
-                lambda ctx, t, out=out: best_match(ctx, out[t:]))
-            totals[name] += replay(prompt, out, propose)
+            totals[name] += replay(prompt, out, make(src, out))
         same = [a == b for a, b in zip(out, src[REPEAT:])]
         share.append(float(np.mean(same)) if same else 0.0)
         runs.append(next((i for i, s in enumerate(same) if not s), len(same)))

@@ -46,8 +46,8 @@ _DEFAULT = {
     # 1 and 0.272 in 4 (H100; H200 0.236 / 0.289 / 0.246).
     # Batch-invariant splits: 512 keys each, so a batch-1 decode has 2 splits a kv head at 640
     # tokens of context and 64 at 32k (where the heuristic's 16 measured 71 us against 83 for
-    # 64, on the H100). Their cost on the GPU is not measured yet: more programs than the
-    # heuristic's at large batch, and a long prefill chunk writes and reads a float32 partial
+    # 64, on the H100). On the H100's decode grid they cost nothing measurable (0.99-1.01x the
+    # heuristic's time, 2026-11-26); a long prefill chunk writes and reads a float32 partial
     # output per split.
     "splits": dict(target_programs=264, target_programs_mixed=1056, max_splits=16,
                    invariant_keys=512),
