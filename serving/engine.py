@@ -245,6 +245,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.seqs or self._outbox)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so that later prompts are computed whole (a clean
+        state for measurements). Only when idle; False, and nothing changed, otherwise."""
+        if self.has_unfinished() or self._inflight:
+            return False
+        self.pages.reset_cache()
+        return True
+
     def stats(self) -> dict:
         steps = max(self.totals["steps"], 1)
         return {**self.pages.stats(), **self.scheduler.stats(), "compilations": self.compilations,

@@ -51,6 +51,20 @@ class EngineLoop:
             self._commands.append(("abort", request_id))
             self._cond.notify()
 
+    def reset_prefix_cache(self) -> bool:
+        """`Engine.reset_prefix_cache` on the loop's thread; False while requests run."""
+        done, result = threading.Event(), []
+        with self._cond:
+            if self.error is not None or self._closing:
+                raise RuntimeError("the engine loop has stopped") from self.error
+            self._commands.append(("reset", lambda: (result.append(
+                self.engine.reset_prefix_cache()), done.set())))
+            self._cond.notify()
+        while not done.wait(0.05):
+            if self.error is not None:
+                raise RuntimeError("the engine loop has stopped") from self.error
+        return result[0]
+
     def close(self):
         with self._cond:
             self._closing = True
@@ -82,6 +96,9 @@ class EngineLoop:
     def _apply(self, command):
         if command[0] == "abort":
             self.engine.abort(command[1])
+            return
+        if command[0] == "reset":
+            command[1]()
             return
         _, request_id, prompt_ids, sampling, stream = command
         try:

@@ -176,6 +176,14 @@ class KVPages:
             n += self.page_size
         return n
 
+    def reset_cache(self):
+        """Forget every cached prefix: unreferenced cached pages return to the free list, and
+        pages still held stay their sequences' but are no longer found by later prompts."""
+        self.free_list.extend(reversed(self.lru))
+        self.lru.clear()
+        self.cache.clear()
+        self.key_of.clear()
+
     # -- internals -----------------------------------------------------------------------------
     def _ref(self, page: int):
         if self.refs[page] == 0:

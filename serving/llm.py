@@ -303,6 +303,11 @@ class LLM:
             if not finished:
                 self.loop.abort(name)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's `LLM.reset_prefix_cache`): later prompts
+        are computed whole. Returns False, changing nothing, while requests are running."""
+        return self.loop.reset_prefix_cache()
+
     def close(self):
         self.loop.close()
 

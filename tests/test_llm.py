@@ -113,6 +113,25 @@ def test_concurrent_callers(llm):
         assert results[i] == greedy(llm, llm.tokenizer.encode(text), 6)
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_compute_whole(llm):
+    ids = list(range(40, 80))  # five full pages of 8
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    first = llm.generate([ids], sp)[0]
+    again = llm.generate([ids], sp)[0]
+    assert again.cached_tokens == 32 and again.token_ids == first.token_ids
+    before = llm.engine.stats()["pages_cached"]
+    assert before > 0 and llm.reset_prefix_cache()
+    stats = llm.engine.stats()
+    assert stats["pages_cached"] == 0 and stats["pages_free"] == stats["pages_total"]
+    fresh = llm.generate([ids], sp)[0]
+    assert fresh.cached_tokens == 0 and fresh.token_ids == first.token_ids
+    llm.engine.pages.check()
+    stream = llm.stream(ids, SamplingParams(max_tokens=50, **GREEDY))
+    next(stream)  # a request is running: nothing is reset
+    assert not llm.reset_prefix_cache()
+    stream.close()
+
+
 def test_seeded_generate_is_reproducible(llm):
     sp = SamplingParams(temperature=1.0, top_k=40, seed=5, max_tokens=10, ignore_eos=True)
     a = llm.generate(["The quick", "Python"], sp)
