@@ -115,7 +115,29 @@ def attention_rows(tiny: bool) -> dict:
             return np.asarray(f(q[:T], kp, vp, qs, lens, table[:len(q_lens)])[0], np.float32)
     alone = step([1], 2)
     return dict(name="attention", among_64=bool(np.array_equal(alone, step([1] * 64, 64))),
-                mixed=bool(np.array_equal(alone, step([1] * 63 + [100], 256))))
+                mixed=bool(np.array_equal(alone, step([1] * 63 + [100], 256))),
+                chunks=chunk_rows(q, kp, vp, table, tiny))
+
+
+def chunk_rows(q, kp, vp, table, tiny: bool) -> dict:
+    """One sequence's last 16 positions as the tail of a whole-prompt chunk, as a 16-token
+    chunk over a cached prefix (a prefix-cache hit), and as 16 decode rows (tokens made one at
+    a time): the attention rows of each, bit for bit against the whole prompt's."""
+    n, tail = (64, 16) if tiny else (256, 16)
+
+    def call(queries, q_lens, lens):
+        qs = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        rows = jnp.repeat(table[:1], len(q_lens), axis=0)  # every row: sequence 0's pages
+        with tuning.batch_invariant():
+            f = jax.jit(lambda *a: kernels.ragged_paged_attention(*a, interpret=tiny))
+            return np.asarray(f(queries, kp, vp, qs, jnp.asarray(lens, jnp.int32), rows),
+                              np.float32)
+    whole = call(q[:n], [n], [n])[n - tail:]
+    cached = call(q[n - tail:n], [tail], [n])
+    decode = call(q[n - tail:n], [1] * tail, list(range(n - tail + 1, n + 1)))
+    return dict(prefix_hit=bool(np.array_equal(whole, cached)),
+                decode_rows=bool(np.array_equal(whole, decode)),
+                max_diff=float(max(np.abs(whole - cached).max(), np.abs(whole - decode).max())))
 
 
 def norm_rows(rows, tiny: bool) -> dict:
@@ -234,7 +256,17 @@ def sweep(tiny: bool, reps: int) -> list[dict]:
     return records
 
 
-def engine(tiny: bool) -> list[dict]:
+def differences(name: str, a, b) -> dict:
+    """Whether two completions agree, and the first token and the first logprob (the first
+    step whose logits differ) at which they part."""
+    first = lambda xs, ys: next((i for i, (x, y) in enumerate(zip(xs, ys)) if x != y), None)
+    return {f"{name}_equals_in_batch": a.token_ids == b.token_ids,
+            f"{name}_first_token_difference": first(a.token_ids, b.token_ids),
+            f"{name}_first_logprob_difference": first([t.logprob for t in a.logprobs],
+                                                      [t.logprob for t in b.logprobs])}
+
+
+def engine(tiny: bool, modes=(False, True)) -> list[dict]:
     from benchmarks.bench_quant import LLAMA3_8B, TINY
     from pallasite.model import config_from_dict, init_params
     from pallasite.serving.llm import LLM, SamplingParams
@@ -245,9 +277,9 @@ def engine(tiny: bool) -> list[dict]:
     pages = -(-(prompt_len + new) // 16)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
-    sampling = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
     records = []
-    for invariant in (False, True):
+    for invariant in modes:
         llm = LLM.from_params(config, params, None, max_num_seqs=batch, batch_invariant=invariant,
                               max_num_batched_tokens=prompt_len, num_pages=batch * pages + 8,
                               token_buckets=[2, 8, batch, prompt_len], page_buckets=[pages],
@@ -255,15 +287,22 @@ def engine(tiny: bool) -> list[dict]:
         many = llm.generate(prompts, sampling)
         list(llm.stream(prompts[0], sampling))
         stamps = [time.perf_counter() for _ in llm.stream(prompts[0], sampling)]
-        alone = llm.generate(prompts[:1], sampling)
+        cached = llm.generate(prompts[:1], sampling)[0]  # its prompt's pages found cached
+        llm.reset_prefix_cache()
+        alone = llm.generate(prompts[:1], sampling)[0]  # computed whole, as in the batch
         t = time.perf_counter()
         llm.generate(prompts, sampling)
+        wall = time.perf_counter() - t
+        llm.reset_prefix_cache()
+        again = llm.generate(prompts, sampling)  # the same run twice: is the device deterministic?
         rec = dict(batch_invariant=invariant,
                    batch1_ms_per_token=1e3 * float(np.median(np.diff(stamps[1:]))),
-                   batch64_wall_s=time.perf_counter() - t,
-                   alone_equals_in_batch=alone[0].token_ids == many[0].token_ids,
-                   first_difference=next((i for i, (a, b) in enumerate(
-                       zip(alone[0].token_ids, many[0].token_ids)) if a != b), None))
+                   batch64_wall_s=wall,
+                   cached_tokens=cached.cached_tokens,
+                   rerun_equal=[a.token_ids for a in again] == [m.token_ids for m in many],
+                   **differences("rerun", again[0], many[0]),
+                   **differences("alone", alone, many[0]),
+                   **differences("prefix_hit", cached, many[0]))
         print(json.dumps(rec), flush=True)
         records.append(rec)
         llm.close()
@@ -284,6 +323,8 @@ def main(argv=None):
     ap.add_argument("--bits-only", action="store_true", help="no timing of the products")
     ap.add_argument("--rows", help="comma-separated row counts, the last one the full call")
     ap.add_argument("--no-forced", action="store_true", help="only the picked tiles")
+    ap.add_argument("--modes", choices=("both", "plain", "invariant"), default="both",
+                    help="the engine check's batch_invariant settings")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,7 +345,8 @@ def main(argv=None):
                       not args.bits_only, args.rows and [int(r) for r in args.rows.split(",")],
                       not args.no_forced))
     if not args.skip_engine:
-        result["engine"] = engine(args.tiny)
+        modes = {"both": (False, True), "plain": (False,), "invariant": (True,)}[args.modes]
+        result["engine"] = engine(args.tiny, modes)
     (out / "invariance.json").write_text(json.dumps(result, indent=1))
     print("| product | M | bitwise to 8192 rows | XLA: max row diff | ours ms | XLA ms | ratio |")
     print("|---|---|---|---|---|---|---|")
