@@ -53,12 +53,16 @@ def make_draft_dir(path: Path, target: Path, draft: dict = DRAFT) -> Path:
 
 
 def write_generated(path: Path, corpus: Path, target: Path, max_prompts: int, new_tokens: int,
-                    seed: int = 0, eval_fraction: float = 0.05) -> dict:
+                    seed: int = 0, eval_fraction: float = 0.05, sampled: int = 0,
+                    temperature: float = 1.0) -> dict:
     """The target's own greedy continuations of the beginnings of training documents, as a
     corpus. Speculation proposes for text the target writes, which is more predictable than
     the documentation it learned from; a draft that also learns that text agrees with it more.
     Only documents wholly inside the training rows (the same shuffle as `build_dataset`, with
-    room to spare before the held-out end) give prompts, so no held-out text leaks in."""
+    room to spare before the held-out end) give prompts, so no held-out text leaks in.
+    `sampled` more continuations of each prompt are drawn at `temperature` (seeded): text near
+    the target's own that the greedy path alone never reaches, with the target's distributions
+    as labels all the same."""
     import numpy as np
     from pallasite.serving.llm import LLM, SamplingParams
     from pallasite.train.data import read_documents
@@ -69,13 +73,18 @@ def write_generated(path: Path, corpus: Path, target: Path, max_prompts: int, ne
     ends = np.cumsum([len(ids[i]) + 1 for i in order])
     train = [ids[i] for i, end in zip(order, ends) if end < (1 - 2 * eval_fraction) * ends[-1]]
     prompts = [d[:min(48, len(d) // 2)] for d in train if len(d) >= 24][:max_prompts]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
+    params = [SamplingParams(max_tokens=new_tokens, temperature=0.0)] * len(prompts) + [
+        SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed + i)
+        for i in range(sampled * len(prompts))]
+    prompts = prompts * (1 + sampled)
+    outs = llm.generate(prompts, params)
     llm.close()
     with open(path, "w") as f:
         for p, o in zip(prompts, outs):
             f.write(json.dumps({"text": llm.tokenizer.decode(p + o.token_ids)}) + "\n")
     return {"generated_documents": len(prompts),
-            "generated_tokens": sum(len(o.token_ids) for o in outs)}
+            "generated_tokens": sum(len(o.token_ids) for o in outs),
+            "sampled_per_prompt": sampled, "sampled_temperature": temperature}
 
 
 def training_args(model_dir: Path, corpus: Path, run_dir: Path, smoke: bool, seconds: float,
@@ -120,6 +129,11 @@ def main(argv=None) -> int:
                         help="also train on the target's greedy continuations of N training "
                              "documents' beginnings (0: none; --smoke: 8)")
     parser.add_argument("--generated-tokens", type=int, default=192)
+    parser.add_argument("--generated-file", metavar="JSONL",
+                        help="the continuations of an earlier run (its generated.jsonl), reused")
+    parser.add_argument("--sampled", type=int, default=0, metavar="N",
+                        help="N more continuations of each prompt, sampled at --temperature")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--hidden", type=int, default=DRAFT["hidden_size"])
     parser.add_argument("--layers", type=int, default=DRAFT["num_hidden_layers"])
     parser.add_argument("--intermediate", type=int, default=DRAFT["intermediate_size"])
@@ -132,9 +146,12 @@ def main(argv=None) -> int:
     corpus = Path(args.corpus) if args.corpus else out / "corpus.jsonl"
     corpus_info = {} if args.corpus else write_corpus(corpus)
     extra = out / "generated.jsonl" if args.generated else None
-    if extra:
+    if args.generated_file:
+        extra = Path(args.generated_file)
+    elif extra:
         n, tokens = (8, 16) if args.smoke else (args.generated, args.generated_tokens)
-        corpus_info |= write_generated(extra, corpus, Path(args.target), n, tokens)
+        corpus_info |= write_generated(extra, corpus, Path(args.target), n, tokens,
+                                       sampled=args.sampled, temperature=args.temperature)
     draft = draft_config(args.hidden, args.layers, args.intermediate)
     model_dir = make_draft_dir(out / "model", Path(args.target), draft)
     cmd = training_args(model_dir, corpus, out / "run", args.smoke, args.minutes * 60,
