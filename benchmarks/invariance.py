@@ -116,7 +116,29 @@ def attention_rows(tiny: bool) -> dict:
     alone = step([1], 2)
     return dict(name="attention", among_64=bool(np.array_equal(alone, step([1] * 64, 64))),
                 mixed=bool(np.array_equal(alone, step([1] * 63 + [100], 256))),
-                chunks=chunk_rows(q, kp, vp, table, tiny))
+                chunks=chunk_rows(q, kp, vp, table, tiny),
+                contexts={width: context_rows(q, kp, vp, table[:, :width], tiny)
+                          for width in ((4, 9) if tiny else (16, 46))})
+
+
+def context_rows(q, kp, vp, table, tiny: bool) -> dict:
+    """A decode row alone (2-token bucket) against the same row among 64 decoding sequences of
+    other contexts, for every context the table holds: the contexts at which they differ. The
+    table's width sets the number of key splits (one for 16 pages, two for 46)."""
+    S, T = 64, 64
+    top = min(table.shape[1] * kp.shape[2], 96 if tiny else 768)
+    others = np.random.default_rng(1).integers(1, top + 1, S)
+    with tuning.batch_invariant():
+        f = jax.jit(lambda *a: kernels.ragged_paged_attention(*a, interpret=tiny)[0])
+        one = jnp.asarray([0, 1], jnp.int32)
+        many = jnp.arange(S + 1, dtype=jnp.int32)
+        differ = []
+        for ctx in range(1, top + 1):
+            a = f(q[:2], kp, vp, one, jnp.asarray([ctx], jnp.int32), table[:1])
+            b = f(q[:T], kp, vp, many, jnp.asarray([ctx, *others[1:]], jnp.int32), table[:S])
+            if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)):
+                differ.append(ctx)
+    return dict(checked=top, differ=len(differ), first=differ[:24])
 
 
 def chunk_rows(q, kp, vp, table, tiny: bool) -> dict:
@@ -140,6 +162,31 @@ def chunk_rows(q, kp, vp, table, tiny: bool) -> dict:
                 max_diff=float(max(np.abs(whole - cached).max(), np.abs(whole - decode).max())))
 
 
+def sampler_rows(rows, tiny: bool) -> dict:
+    """The sampler's reductions over the vocabulary (log-softmax for logprobs, argmax for
+    greedy tokens) on the first m rows of float32 logits against the same rows of the largest
+    call."""
+    V = 512 if tiny else 128256
+    x = jax.random.normal(jax.random.key(9), (rows[-1], V), jnp.float32) * 4
+    lsm, arg = jax.jit(lambda a: jax.nn.log_softmax(a, axis=-1)), jax.jit(
+        lambda a: jnp.argmax(a, axis=-1))
+    full_lsm, full_arg = np.asarray(lsm(x)), np.asarray(arg(x))
+    from pallasite.serving import sampling
+    sample = jax.jit(sampling.sample, static_argnames="mode")
+
+    def engine_sampler(m):  # greedy rows that ask for logprobs: the sampler's "sample" mode
+        floats, ints = sampling.pack_rows([dict(temperature=0.0, logprobs=5)] * m, m)
+        rows = sampling.Rows.from_packed(jnp.asarray(floats), jnp.asarray(ints))
+        return [np.asarray(a) for a in sample(x[:m], rows, sampling.init_history(m, V), "sample")]
+    full = engine_sampler(rows[-1])
+    return dict(name="sampler", vocab=V, log_softmax_rows_bitwise={
+        m: bool(np.array_equal(np.asarray(lsm(x[:m])), full_lsm[:m])) for m in rows[:-1]},
+        argmax_rows_equal={m: bool(np.array_equal(np.asarray(arg(x[:m])), full_arg[:m]))
+                           for m in rows[:-1]},
+        sample_mode_rows_bitwise={m: all(np.array_equal(a, b[:m]) for a, b in zip(
+            engine_sampler(m), full)) for m in rows[:-1]})
+
+
 def norm_rows(rows, tiny: bool) -> dict:
     """The model's RMSNorm (an XLA reduction over each row) on the first m rows against the
     same rows of the largest call."""
@@ -155,7 +202,7 @@ def norm_rows(rows, tiny: bool) -> dict:
         for m in rows[:-1]})
 
 
-def layer_rows(tiny: bool) -> dict:
+def layer_rows(tiny: bool, ctx: int = 300, width: int | None = None, layers: int = 2) -> dict:
     """Where a decode row first depends on its batch: the model's forward (2 layers of the 8B
     shape, random bf16 weights and cache) inside `batch_invariant(True)` for sequence 0 decoding
     alone (2-token bucket), among 64 decoding sequences, and beside a 100-token prefill chunk;
@@ -164,11 +211,11 @@ def layer_rows(tiny: bool) -> dict:
     from benchmarks.bench_quant import LLAMA3_8B, TINY
     from pallasite.model import config_from_dict, init_params
     from pallasite.model.attention import Batch
-    from pallasite.model.transformer import Decoder, init_kv_cache
-    config = config_from_dict(dict(TINY if tiny else LLAMA3_8B, num_hidden_layers=2))
+    from pallasite.model.transformer import Decoder, forward, init_kv_cache
+    config = config_from_dict(dict(TINY if tiny else LLAMA3_8B, num_hidden_layers=layers))
     params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
-    ps, ctx, S = 16, 300, 64
-    width = -(-(ctx + 100) // ps) + 1
+    ps, S = 16, 64
+    width = width or -(-(ctx + 100) // ps) + 1
     kv = [tuple(jax.random.normal(jax.random.key(3 * i + j), a.shape, a.dtype)
                 for j, a in enumerate(layer))
           for i, layer in enumerate(init_kv_cache(config, S * width, ps, jnp.bfloat16))]
@@ -198,14 +245,26 @@ def layer_rows(tiny: bool) -> dict:
         for path, leaf in jax.tree_util.tree_leaves_with_path(state["intermediates"]):
             if 1 <= leaf.ndim <= 3 and leaf.shape[0] in (T, n):  # not the [KV, pages, ...] cache
                 rows[jax.tree_util.keystr(path)] = np.asarray(leaf[0], np.float32)
+
+        def g(params, kv, tokens, pos):  # as the engine compiles it: no module output kept
+            with tuning.batch_invariant(True):
+                return forward(params, config, tokens, pos, kv, batch)
+        logits, new_kv = jax.jit(g)(params, kv, jnp.asarray(tokens, jnp.int32),
+                                    jnp.asarray(np.concatenate([pos, [0] * pad]), jnp.int32))
+        rows["forward: logits"] = np.asarray(logits[0], np.float32)
+        page, slot = int(table[0, (ctx - 1) // ps]), (ctx - 1) % ps
+        for i, layer in enumerate(new_kv):
+            rows[f"forward: layer {i} K/V"] = np.stack(
+                [np.asarray(a[:, page, slot], np.float32) for a in layer[:2]])
         return rows
 
     alone = run([1], 2)
-    out = dict(name="layers", modules=len(alone))
+    out = dict(name="layers", layers=layers, modules=len(alone), context=ctx, pages=width)
     for case, (q_lens, T) in {"among_64": ([1] * S, S), "mixed": ([1, 100], 128)}.items():
         other = run(q_lens, T)
         differ = [k for k in alone if k in other and not np.array_equal(alone[k], other[k])]
-        out[case] = dict(first_different=differ[:3], different=len(differ))
+        out[case] = dict(first_different=differ[:3], different=len(differ),
+                         forward_different=[k for k in differ if k.startswith("forward")])
     return out
 
 
@@ -260,30 +319,62 @@ def differences(name: str, a, b) -> dict:
     """Whether two completions agree, and the first token and the first logprob (the first
     step whose logits differ) at which they part."""
     first = lambda xs, ys: next((i for i, (x, y) in enumerate(zip(xs, ys)) if x != y), None)
-    return {f"{name}_equals_in_batch": a.token_ids == b.token_ids,
+    return {f"{name}_equal": a.token_ids == b.token_ids,
             f"{name}_first_token_difference": first(a.token_ids, b.token_ids),
             f"{name}_first_logprob_difference": first([t.logprob for t in a.logprobs],
                                                       [t.logprob for t in b.logprobs])}
 
 
-def engine(tiny: bool, modes=(False, True)) -> list[dict]:
+def engine_setup(tiny: bool, layers: int | None = None):
+    """The engine check's model (8B shape, random bf16; `layers` of them if given), prompts and
+    greedy settings."""
     from benchmarks.bench_quant import LLAMA3_8B, TINY
     from pallasite.model import config_from_dict, init_params
-    from pallasite.serving.llm import LLM, SamplingParams
-
-    config = config_from_dict(TINY if tiny else LLAMA3_8B)
+    from pallasite.serving.llm import SamplingParams
+    config = TINY if tiny else LLAMA3_8B
+    config = config_from_dict(dict(config, num_hidden_layers=layers) if layers else config)
     params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
     prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, 64)
-    pages = -(-(prompt_len + new) // 16)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
     sampling = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
+    pages = -(-(prompt_len + new) // 16)
+    sizes = dict(max_num_seqs=batch, max_num_batched_tokens=prompt_len,
+                 num_pages=batch * pages + 8, page_buckets=[pages], max_model_len=prompt_len + new)
+    return config, params, prompts, sampling, sizes
+
+
+def buckets(tiny: bool, layers: int | None = None) -> dict:
+    """Does prompt 0 part from the batch through the decode step's shape or through the other
+    rows in it? Batch-invariant engines whose smallest token bucket is 2 ("small") or the
+    batch's own 64 ("wide"): prompt 0 alone and among the 64 in each, compared pairwise."""
+    from pallasite.serving.llm import LLM
+    config, params, prompts, sampling, sizes = engine_setup(tiny, layers)
+    batch, prompt_len = len(prompts), len(prompts[0])
+    runs = {}
+    for name, token_buckets in (("small", [2, 8, batch, prompt_len]), ("wide", [batch, prompt_len])):
+        llm = LLM.from_params(config, params, None, batch_invariant=True,
+                              token_buckets=token_buckets, **sizes)
+        runs[f"{name}_many"] = llm.generate(prompts, sampling)[0]
+        llm.reset_prefix_cache()
+        runs[f"{name}_alone"] = llm.generate(prompts[:1], sampling)[0]
+        llm.close()
+    out = dict(name="buckets", layers=config.num_layers)
+    for a, b in (("small_alone", "wide_alone"), ("wide_alone", "wide_many"),
+                 ("small_alone", "small_many"), ("small_many", "wide_many")):
+        out |= differences(f"{a}_vs_{b}", runs[a], runs[b])
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def engine(tiny: bool, modes=(False, True)) -> list[dict]:
+    from pallasite.serving.llm import LLM
+    config, params, prompts, sampling, sizes = engine_setup(tiny)
+    batch, prompt_len = len(prompts), len(prompts[0])
     records = []
     for invariant in modes:
-        llm = LLM.from_params(config, params, None, max_num_seqs=batch, batch_invariant=invariant,
-                              max_num_batched_tokens=prompt_len, num_pages=batch * pages + 8,
-                              token_buckets=[2, 8, batch, prompt_len], page_buckets=[pages],
-                              max_model_len=prompt_len + new)
+        llm = LLM.from_params(config, params, None, batch_invariant=invariant,
+                              token_buckets=[2, 8, batch, prompt_len], **sizes)
         many = llm.generate(prompts, sampling)
         list(llm.stream(prompts[0], sampling))
         stamps = [time.perf_counter() for _ in llm.stream(prompts[0], sampling)]
@@ -299,7 +390,7 @@ def engine(tiny: bool, modes=(False, True)) -> list[dict]:
                    batch1_ms_per_token=1e3 * float(np.median(np.diff(stamps[1:]))),
                    batch64_wall_s=wall,
                    cached_tokens=cached.cached_tokens,
-                   rerun_equal=[a.token_ids for a in again] == [m.token_ids for m in many],
+                   rerun_all_equal=[a.token_ids for a in again] == [m.token_ids for m in many],
                    **differences("rerun", again[0], many[0]),
                    **differences("alone", alone, many[0]),
                    **differences("prefix_hit", cached, many[0]))
@@ -317,6 +408,10 @@ def main(argv=None):
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     ap.add_argument("--engine-only", action="store_true")
+    ap.add_argument("--layers", type=int, help="the buckets check's model depth (default 32); "
+                    "with --probes, one more layer check at this depth")
+    ap.add_argument("--buckets", action="store_true",
+                    help="only the engine check of the decode step's shape against its rows")
     ap.add_argument("--probes", action="store_true",
                     help="only the row checks of the norm, the attention and each module")
     ap.add_argument("--shapes", help="comma-separated products to run (default: all)")
@@ -330,10 +425,17 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if args.probes:  # the row checks alone
         result = dict(run_info(device=not args.tiny), probes=[
-            norm_rows([1, 2, 8, 64, 1024], args.tiny), attention_rows(args.tiny),
-            layer_rows(args.tiny)])
+            norm_rows([1, 2, 8, 64, 1024], args.tiny), sampler_rows([1, 2, 8, 64, 256], args.tiny),
+            attention_rows(args.tiny),
+            layer_rows(args.tiny), layer_rows(args.tiny, 141, 16), layer_rows(args.tiny, 241, 16),
+            *([layer_rows(args.tiny, 241, 16, args.layers)] if args.layers else [])])
         (out / "invariance_probes.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result["probes"], indent=1))
+        return
+    if args.buckets:
+        (out / "invariance_buckets.json").write_text(json.dumps(
+            dict(run_info(device=not args.tiny), buckets=buckets(args.tiny, args.layers)),
+            indent=1))
         return
     if args.sweep:
         (out / "invariance_sweep.json").write_text(json.dumps(
