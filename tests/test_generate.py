@@ -93,3 +93,19 @@ def test_cli_generate_batch_invariant_speculation_keeps_the_greedy_answer(capsys
     assert cli_main(base + ["--batch-invariant", "--speculative-config",
                             '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
     assert capsys.readouterr().out == plain and asked == [None, True]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("spec, words", [
+    ('{"method": "medusa"}', ["medusa"]),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', ["num_speculative_tokens"]),
+    ('{"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 4}',
+     ["/no/such/draft"]),
+    ("not json", ["JSON"])])
+def test_a_bad_speculative_config_is_a_usage_error(command, spec, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        args = [command, "--prompt", "x"] if command == "generate" else [command]
+        cli_main(args + ["--speculative-config", spec])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--speculative-config" in err
+    assert all(w in err for w in words), err

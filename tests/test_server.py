@@ -183,7 +183,7 @@ def test_tokenize_detokenize_model_info(llm, client):
     assert (info.model_name, info.context_length, info.vocab_size, info.dtype) == (
         "tiny", MAX_MODEL_LEN, llm.config.vocab_size, "float32")
     assert info.has_chat_template and info.max_num_seqs == 8 and info.page_size == 8
-    assert info.quantization == ""  # plain weights
+    assert info.quantization == "" and info.speculative == ""  # plain weights, no speculation
     assert info.mesh and info.kv_cache_dtype == "float32"
 
 
@@ -432,6 +432,36 @@ def test_metrics(llm, server, client):
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert {"pallasite_queue_depth", "pallasite_running_sequences", "pallasite_kv_pages_used",
             "pallasite_kv_pages_cached", "pallasite_prefix_hit_tokens_total"} <= names
+
+
+def test_a_speculating_server_answers_as_plain_decoding_and_reports_acceptance(llm, checkpoint):
+    """Prompt lookup behind the service: the same greedy tokens as the plain engine, the
+    acceptance counts on the last message's Usage, the method in ModelInfo, and the counters
+    in the metrics."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(checkpoint, speculative_config=spec, **ENGINE, **BUCKETS) as spec_llm:
+        srv = BackgroundServer(lambda: spec_llm, "tiny-ngram", host="127.0.0.1", port=0,
+                               metrics_port=0, grace_s=5).wait_ready(60)
+        try:
+            with Client(f"127.0.0.1:{srv.port}", timeout=60) as c:
+                prompt = "one two three one two three one two three one two"
+                want = llm.generate(prompt, SamplingParams(max_tokens=24, **GREEDY))[0]
+                got = join(c.stream(prompt, max_tokens=24, **GREEDY))
+                unary = c.generate(prompt, max_tokens=24, **GREEDY)
+                assert list(got.token_ids) == list(unary.token_ids) == want.token_ids
+                proposed = got.usage.speculative_proposed_tokens
+                assert proposed > 0 and 0 <= got.usage.speculative_accepted_tokens <= proposed
+                assert unary.usage.speculative_proposed_tokens == proposed
+                assert c.model_info().speculative.startswith("ngram")
+            text = scrape(srv)
+            stats = spec_llm.engine.stats()
+            assert metric(text, "pallasite_spec_proposed_tokens_total") == stats[
+                "spec_proposed_tokens"] >= 2 * proposed
+            assert metric(text, "pallasite_spec_accepted_tokens_total") == stats[
+                "spec_accepted_tokens"]
+            assert metric(text, "pallasite_spec_mean_accepted_length") >= 1.0
+        finally:
+            srv.drain(0)
 
 
 def test_one_json_log_line_per_request(client, caplog):
