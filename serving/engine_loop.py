@@ -54,11 +54,14 @@ class EngineLoop:
     def reset_prefix_cache(self) -> bool:
         """`Engine.reset_prefix_cache` on the loop's thread; False while requests run."""
         done, result = threading.Event(), []
+
+        def reset():  # on the loop's thread, between steps
+            result.append(self.engine.reset_prefix_cache())
+            done.set()
         with self._cond:
             if self.error is not None or self._closing:
                 raise RuntimeError("the engine loop has stopped") from self.error
-            self._commands.append(("reset", lambda: (result.append(
-                self.engine.reset_prefix_cache()), done.set())))
+            self._commands.append(("reset", reset))
             self._cond.notify()
         while not done.wait(0.05):
             if self.error is not None:
