@@ -9,12 +9,15 @@ what does it cost?
    against the 8192-row call's, bit for bit, for the picked tiles and four forced ones; XLA's
    own dot beside it (how far its rows move with M); the error against a float32-accumulated
    reference; the device time of both (L2 flushed, median).
-2. engine: the 8B-shaped model (random bf16 weights) through `LLM`, `batch_invariant` off and
+2. probes (alone with --probes): the rows of the norm, the sampler's reductions, the attention
+   and every module of the forward, alone against among 64 and in a mixed step.
+3. engine: the 8B-shaped model (random bf16 weights) through `LLM`, `batch_invariant` off and
    on: batch-1 decode ms a token (`LLM.stream`), the wall time of 64 sequences (`LLM.generate`,
-   128-token prompts and outputs, greedy), and whether prompt 0 alone gives the tokens it gives
-   among the 64.
+   128-token prompts and outputs, greedy), and whether prompt 0 alone (from a clean prefix
+   cache, and with its prompt cached) gives the tokens and logprobs it gives among the 64.
+   --buckets instead: prompt 0 alone in 2-token against 64-token decode steps.
 
-Writes OUT/invariance.json and prints the tables.
+Writes OUT/invariance*.json and prints the tables.
 """
 
 from __future__ import annotations
@@ -90,9 +93,15 @@ def products(tiny: bool, reps: int, names=None, timed_too: bool = True, rows=Non
             rec["ms"][m] = dict(invariant=t, xla=t_xla, ratio=t / t_xla)
         print(json.dumps(rec), flush=True)
         records.append(rec)
-    records += [norm_rows(all_rows, tiny), attention_rows(tiny), layer_rows(tiny)]
-    print(json.dumps(records[-3:]), flush=True)
     return records
+
+
+def probes(tiny: bool, layers: int | None = None) -> list[dict]:
+    """Row checks of the step's parts: the norm, the sampler's reductions, the attention and
+    every module of the forward (2 layers; and `layers` of them at context 241)."""
+    return [norm_rows([1, 2, 8, 64, 1024], tiny), sampler_rows([1, 2, 8, 64, 256], tiny),
+            attention_rows(tiny), layer_rows(tiny), layer_rows(tiny, 141, 16),
+            layer_rows(tiny, 241, 16), *([layer_rows(tiny, 241, 16, layers)] if layers else [])]
 
 
 def attention_rows(tiny: bool) -> dict:
@@ -424,11 +433,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.probes:  # the row checks alone
-        result = dict(run_info(device=not args.tiny), probes=[
-            norm_rows([1, 2, 8, 64, 1024], args.tiny), sampler_rows([1, 2, 8, 64, 256], args.tiny),
-            attention_rows(args.tiny),
-            layer_rows(args.tiny), layer_rows(args.tiny, 141, 16), layer_rows(args.tiny, 241, 16),
-            *([layer_rows(args.tiny, 241, 16, args.layers)] if args.layers else [])])
+        result = dict(run_info(device=not args.tiny), probes=probes(args.tiny, args.layers))
         (out / "invariance_probes.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result["probes"], indent=1))
         return
@@ -445,7 +450,8 @@ def main(argv=None):
                   products=[] if args.engine_only else products(
                       args.tiny, args.reps, args.shapes and args.shapes.split(","),
                       not args.bits_only, args.rows and [int(r) for r in args.rows.split(",")],
-                      not args.no_forced))
+                      not args.no_forced),
+                  probes=[] if args.engine_only else probes(args.tiny, args.layers))
     if not args.skip_engine:
         modes = {"both": (False, True), "plain": (False,), "invariant": (True,)}[args.modes]
         result["engine"] = engine(args.tiny, modes)
@@ -453,9 +459,6 @@ def main(argv=None):
     print("| product | M | bitwise to 8192 rows | XLA: max row diff | ours ms | XLA ms | ratio |")
     print("|---|---|---|---|---|---|---|")
     for r in result["products"]:
-        if "ms" not in r:
-            print(f"  {r}")
-            continue
         for m, t in r["ms"].items():
             print(f"| {r['name']} {r['k']}x{r['n']} | {m} | {r['rows_bitwise'].get(m, '-')} | "
                   f"{r['xla_rows_max_diff'].get(m, '-')} | {t['invariant']:.4f} | "
@@ -463,7 +466,7 @@ def main(argv=None):
         print(f"  {r['name']}: rel err {r['rel_err']:.1e} (XLA {r['xla_rel_err']:.1e}); forced "
               f"tiles bitwise: {r['forced_bitwise']}; all rows bitwise: "
               f"{all(r['rows_bitwise'].values())}")
-    for r in result.get("engine", []):
+    for r in result["probes"] + result.get("engine", []):
         print(r)
 
 

@@ -494,9 +494,7 @@ def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=Fal
     n = w.shape[0] if layout == "nk" else w.shape[1]
     if not (tuning.invariant_products() and _use_pallas(impl, interpret)
             and im.takes(x.shape[-1], n)):
-        w = w.T if layout == "nk" else w
-        return x @ w if out_dtype == x.dtype else jnp.matmul(x, w,
-                                                             preferred_element_type=out_dtype)
+        return jnp.matmul(x, w.T if layout == "nk" else w, preferred_element_type=out_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     kw = im.blocks_for(x2.shape[0], x2.shape[1], n) | blocks
     y = im.invariant_matmul(x2, w, layout=layout, out_dtype=out_dtype, interpret=interpret, **kw)
