@@ -6,6 +6,8 @@ device), with the copy bandwidth measured in the same run for the roofline.
     python -m benchmarks.bench_serving --online ...     # handed to benchmarks/bench_online.py
     python -m benchmarks.bench_serving --sharegpt offline|online --out DIR   # the ShareGPT
         workload with the engine's own sizes: benchmarks/serving_sharegpt.py
+    python -m benchmarks.bench_serving --long-context 1x640,8x8192,32x2048 --out DIR   # a few
+        long conversations at once against batch 1: benchmarks/serving_long.py
 
 --offline measures (a) batch-1 decode latency per token, with and without the engine's
 one-step-ahead overlap, and (b) throughput of 512 requests (prompts uniform in 128..2048 tokens,
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import serving_sharegpt
+from . import serving_long, serving_sharegpt
 from .common import run_info
 
 
@@ -48,6 +50,7 @@ def parse(argv):
     ap.add_argument("--workers", type=int, default=8, help="parallel compilations in warm-up")
     ap.add_argument("--seed", type=int, default=0)
     serving_sharegpt.add_arguments(ap)
+    serving_long.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -273,8 +276,11 @@ def main(argv=None):
     args = parse(argv)
     if args.sharegpt:
         return serving_sharegpt.main(args)
+    if args.long_context:
+        return serving_long.main(args)
     if not args.offline:
-        sys.exit("choose a mode: --offline, --sharegpt offline|online (or --online)")
+        sys.exit("choose a mode: --offline, --sharegpt offline|online, --long-context SHAPES "
+                 "(or --online)")
     bench_offline(args)
 
 

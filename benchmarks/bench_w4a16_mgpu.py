@@ -1,10 +1,14 @@
 """The Hopper W4A16 kernel (`kernels/w4a16_mgpu.py`, the dequantized weight as the MMA's register
 operand) against the library's two paths (`kernels.int_matmul`: with the Triton layout the
 Pallas Triton kernel up to INT_MATMUL_MAX_ROWS rows, with the Hopper layout this kernel at the
-library's tiles; above, the weight dequantized in the graph then XLA's dot), the dequantize-then-dot form at every M, and XLA's bf16 product, at Llama-3-8B layer
-shapes (INT4, group 128) and M from 1 to 1024.
+library's tiles; above, the weight dequantized in the graph then XLA's dot), the
+dequantize-then-dot form at every M, and XLA's bf16 product, at Llama-3-8B layer shapes and M
+from 1 to 1024, for each weight form of `--quant-forms` (default INT4 in symmetric groups of
+128; zero points, act-order, INT8 and other group sizes on request).
 
     python -m benchmarks.bench_w4a16_mgpu --out DIR            # H100
+    python -m benchmarks.bench_w4a16_mgpu --out DIR --forms library,library_hopper \
+        --quant-forms int4_g128_zero,int4_g128_zero_perm,int8_gk   # the checkpoint forms
     python -m benchmarks.bench_w4a16_mgpu --tiny --out DIR     # CPU, interpret mode
 
 Every variant is first checked against `w4a16_matmul.int_matmul_reference` on fresh random
@@ -35,7 +39,7 @@ from pallasite.kernels import w4a16_mgpu as mg
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
 MS = (1, 16, 64, 128, 256, 512, 1024)
-GROUP, LIMIT = 128, 1e-2
+LIMIT = 1e-2
 
 
 def mgpu_variants(m, n, k_tiles, tiny):
@@ -65,13 +69,30 @@ def check(fn, args, ref):
     return common.rel_err(out, ref), None
 
 
-def run_shape(name, k, n, ms, args, deadline):
+def parse_form(form: str) -> dict:
+    """'int4_g128' -> bits 4, group 128, symmetric; '_zero' adds zero points (AWQ, asymmetric
+    GPTQ), '_perm' a K permutation (GPTQ act-order); 'gk': one group a column (channel)."""
+    parts = form.split("_")
+    bits, group = parts[0], parts[1] if len(parts) > 1 else ""
+    if bits not in ("int4", "int8") or not group.startswith("g") or not (
+            group[1:] == "k" or group[1:].isdigit()) or set(parts[2:]) - {"zero", "perm"}:
+        raise ValueError(f"--quant-forms {form!r}: write int4|int8 _gN|_gk [_zero] [_perm]")
+    return dict(name=form, bits=int(bits[3:]), group=None if group[1:] == "k" else int(group[1:]),
+                zero="zero" in parts, perm="perm" in parts)
+
+
+def run_shape(name, k, n, ms, args, deadline, form=None):
+    form = form or parse_form("int4_g128")
+    bits = form["bits"]
+    group = form["group"] or k
     rng = np.random.default_rng(k * 7 + n)
-    codes = rng.integers(0, 16, (k, n))
-    scale = rng.uniform(0.005, 0.02, (k // GROUP, n)).astype(np.float32)
-    words, s, _, g = im.pack_weight(codes, scale, None, bits=4, group_size=GROUP)
-    words_t = mg.pack_t(codes, 4)  # the Hopper kernel's layout, made once as at load
-    w_bf16 = im.dequantize(words, s, None, bits=4, group_size=g).astype(jnp.bfloat16)
+    codes = rng.integers(0, 1 << bits, (k, n))
+    scale = rng.uniform(0.005, 0.02, (-(-k // group), n)).astype(np.float32)
+    zero = rng.integers(0, 1 << bits, scale.shape).astype(np.float32) if form["zero"] else None
+    perm = jnp.asarray(rng.permutation(k).astype(np.int32)) if form["perm"] else None
+    words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group)
+    words_t = mg.pack_t(codes, bits)  # the Hopper kernel's layout, made once as at load
+    w_bf16 = im.dequantize(words, s, z, bits=bits, group_size=g, k=k).astype(jnp.bfloat16)
     interpret = args.tiny
     records = []
     for m in ms:
@@ -79,21 +100,24 @@ def run_shape(name, k, n, ms, args, deadline):
             break
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
         xc = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.bfloat16)
-        ref = im.int_matmul_reference(xc, words, s, bits=4, group_size=g)
-        jobs = [("mgpu", kw, jax.jit(lambda x, w, s, kw=kw: mg.int_matmul(
-                    x, w, s, bits=4, group_size=g, interpret=interpret, **kw)), (words_t, s))
+        ref = im.int_matmul_reference(xc, words, s, z, perm, bits=bits, group_size=g)
+        kw_w = dict(bits=bits, group_size=g, interpret=interpret)
+        jobs = [("mgpu", kw, jax.jit(lambda x, w, s, z, kw=kw: mg.int_matmul(
+                    x, w, s, z, perm, **kw_w, **kw)), (words_t, s, z))
                 for kw in mgpu_variants(m, n, words_t.shape[1] // 16, args.tiny)]
-        jobs.append(("library", {}, jax.jit(lambda x, w, s: kernels.int_matmul(
-            x, w, s, bits=4, group_size=g, interpret=interpret)), (words, s)))
-        jobs.append(("library_hopper", {}, jax.jit(lambda x, w, s: kernels.int_matmul(
-            x, w, s, bits=4, group_size=g, layout="nk16", interpret=interpret)), (words_t, s)))
-        jobs.append(("dequant_dot", {}, jax.jit(lambda x, w, s: x @ im.dequantize(
-            w, s, None, bits=4, group_size=g).astype(x.dtype)), (words, s)))
+        jobs.append(("library", {}, jax.jit(lambda x, w, s, z: kernels.int_matmul(
+            x, w, s, z, perm, **kw_w)), (words, s, z)))
+        jobs.append(("library_hopper", {}, jax.jit(lambda x, w, s, z: kernels.int_matmul(
+            x, w, s, z, perm, layout="nk16", **kw_w)), (words_t, s, z)))
+        jobs.append(("dequant_dot", {}, jax.jit(lambda x, w, s, z: (
+            x if perm is None else x[:, perm]) @ im.dequantize(
+            w, s, z, bits=bits, group_size=g, k=k).astype(x.dtype)), (words, s, z)))
         jobs = [j for j in jobs if j[0] in args.forms.split(",")]
         timed = []
         for kernel, kw, fn, wargs in jobs:
             err, fail = check(fn, (xc, *wargs), ref)
-            rec = dict(kernel=kernel, shape=name, k=k, n=n, m=m, params=kw, rel_err=err)
+            rec = dict(kernel=kernel, shape=name, k=k, n=n, m=m, params=kw, rel_err=err,
+                       form=form["name"])
             if fail or err is None or not err <= LIMIT:
                 rec["error"] = fail or f"relative error {err} > {LIMIT}"
                 print(f"  {kernel} {name} M={m} {kw}: FAILED {rec['error'][:300]}", flush=True)
@@ -115,7 +139,7 @@ def run_shape(name, k, n, ms, args, deadline):
                 best[rec["kernel"]] = rec
         line = "  ".join(f"{k_} {r['us']:.1f} us ({r['speedup_vs_bf16']:.2f}x)"
                          for k_, r in best.items())
-        print(f"{name} M={m}: bf16 {bf16_us:.1f} us  {line}  best mgpu "
+        print(f"{form['name']} {name} M={m}: bf16 {bf16_us:.1f} us  {line}  best mgpu "
               f"{best.get('mgpu', {}).get('params')}", flush=True)
     return records
 
@@ -131,6 +155,9 @@ def main(argv=None):
     ap.add_argument("--forms", default="mgpu,library,library_hopper,dequant_dot",
                     help="which forms to time: mgpu (each tile variant), library (the Triton "
                          "layout's path), library_hopper (the Hopper layout's), dequant_dot")
+    ap.add_argument("--quant-forms", default="int4_g128",
+                    help="weight forms, comma-separated: int4|int8 _gN|_gk (one group a column) "
+                         "[_zero] (zero points) [_perm] (act-order), e.g. int4_g128_zero")
     ap.add_argument("--time-limit", type=float, default=500)
     args = ap.parse_args(argv)
     deadline = time.time() + args.time_limit
@@ -139,8 +166,9 @@ def main(argv=None):
     shapes = {"tiny": (512, 128)} if args.tiny else {s: SHAPES[s] for s in args.shapes.split(",")}
     ms = [3, 20] if args.tiny else [int(v) for v in args.ms.split(",")]
     records = []
-    for name, (k, n) in shapes.items():
-        records += run_shape(name, k, n, ms, args, deadline)
+    forms = [parse_form(f) for f in args.quant_forms.split(",")]
+    for form, (name, (k, n)) in itertools.product(forms, shapes.items()):
+        records += run_shape(name, k, n, ms, args, deadline, form)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_w4a16_mgpu.json"), "w") as f:
             json.dump(dict(info, command=common.command(), records=records), f, indent=1)

@@ -23,14 +23,17 @@ def workload(tiny: bool):
         model = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
         return model, dict(b1=(1, 32), b64=(4, 64), b768=(8, 40), mixed=(2, 16, 6, 40),
-                           gen=16, steps=(10, 20), dtype="float32")
+                           b8x8k=(2, 128), b32x2k=(4, 64), gen=16, steps=(10, 20),
+                           dtype="float32")
     model = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 max_position_embeddings=8192, rope_theta=500000.0)
+                 max_position_embeddings=16384, rope_theta=500000.0)  # b8x8k's 8192 + gen
     # b768 and mixed: ShareGPT-like rows at high concurrency (mean context ~320), the mixed
-    # step as the offline run's: 8192 tokens of prefill chunks plus 512 decode rows.
+    # step as the offline run's: 8192 tokens of prefill chunks plus 512 decode rows. b8x8k and
+    # b32x2k: a few long conversations (benchmarks/serving_long.py).
     return model, dict(b1=(1, 512), b64=(64, 1024), b768=(768, 320), mixed=(30, 256, 512, 320),
-                       gen=256, steps=(30, 60), dtype="bfloat16")
+                       b8x8k=(8, 8192), b32x2k=(32, 2048), gen=256, steps=(30, 60),
+                       dtype="bfloat16")
 
 
 def random_params(config, dtype, seed=0):
