@@ -415,6 +415,8 @@ def main():
                     help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
     ap.add_argument("--only", default="prefill,decode,mixed,kv_write",
                     help="parts to run; `fa3` times FlashAttention-3 (flash-attn3-jax) beside ours")
+    ap.add_argument("--fa3-parts", default="mixed,decode,prefill",
+                    help="with --only fa3: which of its parts run")
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--flush", choices=("write", "read"), default="read",
                     help="how the L2 is emptied before each timed call (see common.l2_flush)")

@@ -145,10 +145,35 @@ def mixed(f, records, record):
     records.append(record("ragged_paged_attention", batch=64, seq=512, context=8192,
                           page_size=PAGE, dtype="bfloat16", ours_ms=ms, rel_err=err,
                           baselines={"fa3_two_calls": fa3_ms}, fa3_by_splits=best,
+                          parts=mixed_parts(f, q, kp, vp, kc, vc, qs, ctx, table),
                           timing="device", part="fa3",
                           ratio_vs_fa3=fa3_ms / ms if ms and fa3_ms else None,
                           note="512-token chunk over 8k + 63 decode rows at 4k"))
     log(f"fa3 mixed ours={ms} fa3={best} err={err}")
+
+
+def mixed_parts(f, q, kp, vp, kc, vc, qs, ctx, table) -> dict:
+    """The mixed step's two halves apart, ms: the chunk alone and the decode rows alone, ours
+    (the ragged call on each half; the decode rows also through the paged decode kernel) and
+    FA3's (its best splits), to say which half a gap comes from."""
+    ragged = lambda q, kp, vp, qs, ctx, table: K.ragged_paged_attention(
+        q, kp, vp, qs, ctx, table, impl="pallas")
+    rows_q, rows_qs = q[512:], qs[1:] - 512
+    out = dict(
+        ours_chunk=try_time("ours chunk", ragged, q[:512], kp, vp, qs[:2], ctx[:1], table[:1],
+                            device=True),
+        ours_rows=try_time("ours rows", ragged, rows_q, kp, vp, rows_qs, ctx[1:], table[1:],
+                           device=True),
+        ours_rows_decode_kernel=try_time("ours rows (decode kernel)", lambda *a: K.paged_attention(
+            *a, impl="pallas"), rows_q, kp, vp, ctx[1:], table[1:], device=True))
+    for n in (1, 2, 4):
+        chunk = lambda q, kc, vc, ctx, table, n=n: f.flash_mha_with_kvcache(
+            q[None], kc, vc, cache_seqlens=ctx, page_table=table, is_causal=True, num_splits=n)
+        out[f"fa3_chunk_splits{n}"] = try_time("fa3 chunk", chunk, q[:512], kc, vc, ctx[:1],
+                                               table[:1], device=True)
+    out["fa3_rows"] = best_fa3_decode(f, rows_q, kc, vc, ctx[1:], table[1:], (1, 2, 4))[0]
+    log(f"fa3 mixed parts {out}")
+    return out
 
 
 def bench_fa3(args, records, ceiling, record):
@@ -158,6 +183,8 @@ def bench_fa3(args, records, ceiling, record):
     for name, part in (("mixed", lambda: mixed(f, records, record)),
                        ("decode", lambda: decode(f, records, record, ceiling, args.quick)),
                        ("prefill", lambda: prefill(f, records, record, args.quick))):
+        if name not in args.fa3_parts.split(","):
+            continue
         try:
             part()
         except Exception as e:
