@@ -230,14 +230,20 @@ def for_kernels(params, layout: str | None = None):
     """Every packed linear weight (experts aside) of a params tree in `layout` (default: the
     one `kernels.int_layout()` reads fastest on this device), in place like `fuse.fuse_params`:
     each weight's old words go as its new ones are made. Returns `params`.
-    By default only the form the Hopper kernel was run in on the GPU moves (INT4, symmetric,
-    groups of 128); INT8 and zero points keep the Triton kernel until measured there."""
+    By default every form the Hopper kernel can tile moves there (INT4 and INT8, with or without
+    zero points or act-order, any group size): on the H100 it ran 8B layers 0.94-4.3x the Triton
+    kernel's speed from 16 rows up (under 1.0x only INT8 channel-wise gate/up) and 0.85-1.66x at
+    one row (`benchmarks/bench_w4a16_mgpu.py --quant-forms`)."""
     def wanted(p: PackedInt) -> str:
         if layout is not None:
             return layout
-        if (p.bits, p.zero is None, p.group_size) != (4, True, 128):
-            return "kn"
-        return kernels.int_layout()
+        to = kernels.int_layout()
+        if to == "nk16" and p.layout == "kn":
+            kw, n = p.words.shape
+            if mg.supported(16, kw * (32 // p.bits), n, bits=p.bits, group_size=p.group_size,
+                            block_n=64):
+                return "kn"  # a shape the Hopper kernel cannot tile keeps the Triton kernel
+        return to
 
     def walk(tree):
         for key, leaf in tree.items():

@@ -107,21 +107,33 @@ def test_dequantize_t_is_the_transposed_weight():
                                rtol=1e-6, atol=1e-6)
 
 
-def test_only_the_measured_form_moves_by_default(monkeypatch):
-    """On an sm_90 GPU the engine moves symmetric INT4 g128 weights only; zero points and INT8
-    keep the Triton kernel's layout."""
+def test_every_form_the_hopper_kernel_tiles_moves_by_default(monkeypatch):
+    """On an sm_90 GPU the engine moves INT4 and INT8 weights, symmetric or with zero points,
+    into the Hopper layout; a weight whose columns it cannot tile keeps the Triton layout."""
     from pallasite import kernels
     from pallasite.model import quant_int
     monkeypatch.setattr(kernels, "int_layout", lambda: "nk16")
     rng = np.random.default_rng(5)
 
-    def packed(bits, asym):
-        codes, scale, zero = random_weight(rng, 256, 64, bits, 128, asym)
-        lin = quant_int.IntLinear(codes, scale, zero, bits, 128, None)
-        return quant_int.pack_linear(lin, (256, 64), 1)
-    params = {"a": {"sym4": packed(4, False), "asym4": packed(4, True), "sym8": packed(8, False)}}
+    def packed(bits, asym, n=64, group=128):
+        codes, scale, zero = random_weight(rng, 256, n, bits, group, asym)
+        lin = quant_int.IntLinear(codes, scale, zero, bits, group, None)
+        return quant_int.pack_linear(lin, (256, n), 1)
+    forms = {"sym4": packed(4, False), "asym4": packed(4, True), "sym8": packed(8, False),
+             "asym8_g32": packed(8, True, group=32), "narrow": packed(4, False, n=96)}
+    params = {"a": dict(forms)}
     quant_int.for_kernels(params)
-    assert [params["a"][k].layout for k in ("sym4", "asym4", "sym8")] == ["nk16", "kn", "kn"]
+    got = {k: params["a"][k].layout for k in forms}
+    assert got == dict(sym4="nk16", asym4="nk16", sym8="nk16", asym8_g32="nk16", narrow="kn")
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    for k in ("asym4", "asym8_g32"):  # the moved weight multiplies as it did
+        p, q = params["a"][k], forms[k]
+        got = kernels.int_matmul(x, p.words, p.scale, p.zero, bits=p.bits,
+                                 group_size=p.group_size, layout="nk16", interpret=True)
+        want = kernels.int_matmul(x, q.words, q.scale, q.zero, bits=q.bits,
+                                  group_size=q.group_size, interpret=True)
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # weights rounded to bf16
 
 
 def test_engine_in_the_hopper_layout_generates_as_in_the_triton_layout(tmp_path, monkeypatch):
