@@ -1,0 +1,127 @@
+"""Tiles of the ragged paged-attention kernel (`kernels/paged.py`, the Triton lowering) for the
+steps it runs: mixed prefill + decode steps and pure prefill chunks over paged K/V.
+
+    python -m benchmarks.sweep_ragged --out DIR           # H100, about 2 minutes
+    python -m benchmarks.sweep_ragged --tiny --out DIR    # CPU, interpret mode (does it run)
+
+Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
+- fa3_mixed: a 512-token chunk over 8k of context plus 63 decode rows at 4k (the mixed step of
+  `bench_kernels --only fa3`), also timed as its two halves, and against FlashAttention-3's two
+  calls when `flash-attn3-jax` is installed;
+- sharegpt_mixed: 30 fresh prompt chunks of 256 tokens plus 512 decode rows at context 320 (the
+  offline ShareGPT run's mixed step);
+- prefill_2k: one 2048-token prompt.
+
+Every variant (block_rows, block_k, num_warps, num_stages; splits by the library's rule) is
+first checked against the jnp reference on fresh random inputs with freed memory poisoned, then
+timed (GPU time of its kernels, L2 flushed before each call, median of --reps). Writes
+DIR/sweep_ragged.json and prints each case's variants, fastest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from benchmarks.attention import paged_inputs
+from pallasite import kernels as K
+from pallasite.kernels import reference
+
+H, KV, D, PAGE = 32, 8, 128, 16
+CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
+         "sharegpt_mixed": ([256] * 30 + [1] * 512, [256] * 30 + [320] * 512),
+         "prefill_2k": ([2048], [2048])}
+TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5)}
+# (block_rows, block_k, num_warps, num_stages); the first is the H100's table entry today
+VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3),
+            (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)]
+
+
+def fa3_two_calls(q, kp, vp, qs, ctx, table, chunk):
+    """FA3's chunk call and its decode call (best num_splits of 1, 2, 4), or None."""
+    from .fa3 import fa3, fa3_pages
+    f = fa3()
+    if f is None:
+        return None
+    kc, vc = fa3_pages(kp), fa3_pages(vp)
+    best = []
+    for n in (1, 2, 4):
+        def theirs(q, kc, vc, ctx, table, n=n):
+            a = f.flash_mha_with_kvcache(q[None, :chunk], kc, vc, cache_seqlens=ctx[:1],
+                                         page_table=table[:1], is_causal=True, num_splits=n)
+            b = f.flash_mha_with_kvcache(q[chunk:, None], kc, vc, cache_seqlens=ctx[1:],
+                                         page_table=table[1:], is_causal=True, num_splits=n)
+            return jnp.concatenate([a[0], b[:, 0]])
+        best.append(common.device_times([(jax.jit(theirs), (q, kc, vc, ctx, table))], 20)[0][0])
+    return min(best)
+
+
+def run_case(name, q_lens, ctx, args):
+    rng = np.random.default_rng(len(q_lens))
+    q, kp, vp, qs, ctx_a, table = paged_inputs(rng, q_lens, ctx, H if not args.tiny else 4,
+                                               KV if not args.tiny else 2, D if not args.tiny
+                                               else 32, PAGE, jnp.bfloat16)
+    ref = jax.jit(reference.ragged_paged_attention_reference)(q, kp, vp, qs, ctx_a, table)
+    variants = VARIANTS[:2] if args.tiny else VARIANTS
+    records, calls = [], []
+    for rows, bk, warps, stages in variants:
+        kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps, num_stages=stages)
+        fn = jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(*a, interpret=args.tiny, **kw))
+        rec = dict(case=name, block_rows=rows, block_k=bk, num_warps=warps, num_stages=stages)
+        common.poison()
+        try:
+            rec["rel_err"] = common.rel_err(fn(q, kp, vp, qs, ctx_a, table), ref)
+        except Exception as e:  # a tile that does not compile is recorded, not fatal
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if rec.get("rel_err") is not None and rec["rel_err"] <= 1e-2:
+            calls.append((rec, fn))
+        records.append(rec)
+    times = common.device_times([(fn, (q, kp, vp, qs, ctx_a, table)) for _, fn in calls],
+                                args.reps)
+    for (rec, _), (ms, _) in zip(calls, times):
+        rec["ms"] = ms
+    base = {}
+    if name == "fa3_mixed" and not args.tiny:
+        base["fa3_two_calls_ms"] = fa3_two_calls(q, kp, vp, qs, ctx_a, table, q_lens[0])
+    for rec in records:
+        rec.update(base)
+    return records
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    info = common.run_info()
+    print(json.dumps(info), flush=True)
+    cases = TINY if args.tiny else {c: CASES[c] for c in args.cases.split(",")}
+    records = []
+    for name, (q_lens, ctx) in cases.items():
+        recs = run_case(name, q_lens, ctx, args)
+        records += recs
+        timed = sorted((r for r in recs if "ms" in r), key=lambda r: r["ms"])
+        fa3 = recs[0].get("fa3_two_calls_ms")
+        print(f"{name}: " + ("" if fa3 is None else f"FA3 two calls {fa3:.4f} ms; ") +
+              "  ".join(f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s "
+                        f"{r['ms']:.4f}" for r in timed), flush=True)
+        for r in recs:
+            if "error" in r or "ms" not in r:
+                print(f"  {name} {r}: not timed", flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sweep_ragged.json"), "w") as f:
+            json.dump(dict(info, records=records), f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()
