@@ -1,7 +1,7 @@
 """Tiles of the ragged paged-attention kernel (`kernels/paged.py`, the Triton lowering) for the
 steps it runs: mixed prefill + decode steps and pure prefill chunks over paged K/V.
 
-    python -m benchmarks.sweep_ragged --out DIR           # H100, about 2 minutes
+    python -m benchmarks.sweep_ragged --out DIR [--mosaic]   # H100, about 2 minutes
     python -m benchmarks.sweep_ragged --tiny --out DIR    # CPU, interpret mode (does it run)
 
 Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
@@ -11,6 +11,10 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
 - sharegpt_mixed: 30 fresh prompt chunks of 256 tokens plus 512 decode rows at context 320 (the
   offline ShareGPT run's mixed step);
 - prefill_2k: one 2048-token prompt.
+
+With --mosaic, the Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`: a CTA's 64 rows are
+a block of one sequence's tokens times their query heads, K/V pages by TMA, warpgroup MMAs)
+runs beside it at its own tiles and splits, and a 512-token chunk over 8k runs alone too.
 
 Every variant (block_rows, block_k, num_warps, num_stages; splits by the library's rule) is
 first checked against the jnp reference on fresh random inputs with freed memory poisoned, then
@@ -35,12 +39,16 @@ from pallasite.kernels import reference
 
 H, KV, D, PAGE = 32, 8, 128, 16
 CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
+         "chunk_8k": ([512], [8192]),
          "sharegpt_mixed": ([256] * 30 + [1] * 512, [256] * 30 + [320] * 512),
          "prefill_2k": ([2048], [2048])}
 TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5)}
 # (block_rows, block_k, num_warps, num_stages); the first is the H100's table entry today
 VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3),
             (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)]
+# The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
+# num_splits)
+MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
 
 
 def fa3_two_calls(q, kp, vp, qs, ctx, table, chunk):
@@ -66,14 +74,24 @@ def run_case(name, q_lens, ctx, args):
     rng = np.random.default_rng(len(q_lens))
     q, kp, vp, qs, ctx_a, table = paged_inputs(rng, q_lens, ctx, H if not args.tiny else 4,
                                                KV if not args.tiny else 2, D if not args.tiny
-                                               else 32, PAGE, jnp.bfloat16)
+                                               else 64, PAGE, jnp.bfloat16)
     ref = jax.jit(reference.ragged_paged_attention_reference)(q, kp, vp, qs, ctx_a, table)
-    variants = VARIANTS[:2] if args.tiny else VARIANTS
-    records, calls = [], []
-    for rows, bk, warps, stages in variants:
+    jobs = []
+    for rows, bk, warps, stages in (VARIANTS[:2] if args.tiny else VARIANTS):
         kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps, num_stages=stages)
-        fn = jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(*a, interpret=args.tiny, **kw))
-        rec = dict(case=name, block_rows=rows, block_k=bk, num_warps=warps, num_stages=stages)
+        jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
+                          num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
+                              *a, interpret=args.tiny, **kw))))
+    if args.mosaic:
+        from pallasite.kernels import paged_mgpu
+        for bk, stages, splits in (MOSAIC[:1] if args.tiny else MOSAIC):
+            kw = dict(block_k=bk, num_stages=stages, num_splits=splits)
+            jobs.append((dict(kernel="mosaic", **kw), jax.jit(
+                lambda *a, kw=kw: paged_mgpu.ragged_paged_attention(*a, interpret=args.tiny,
+                                                                    **kw))))
+    records, calls = [], []
+    for desc, fn in jobs:
+        rec = dict(case=name, **desc)
         common.poison()
         try:
             rec["rel_err"] = common.rel_err(fn(q, kp, vp, qs, ctx_a, table), ref)
@@ -94,6 +112,12 @@ def run_case(name, q_lens, ctx, args):
     return records
 
 
+def label(r) -> str:
+    if r["kernel"] == "mosaic":
+        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp"
+    return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +125,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--mosaic", action="store_true",
+                    help="also the Mosaic GPU ragged kernel (Hopper), at its tiles and splits")
     args = ap.parse_args(argv)
     info = common.run_info()
     print(json.dumps(info), flush=True)
@@ -112,8 +138,7 @@ def main(argv=None):
         timed = sorted((r for r in recs if "ms" in r), key=lambda r: r["ms"])
         fa3 = recs[0].get("fa3_two_calls_ms")
         print(f"{name}: " + ("" if fa3 is None else f"FA3 two calls {fa3:.4f} ms; ") +
-              "  ".join(f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s "
-                        f"{r['ms']:.4f}" for r in timed), flush=True)
+              "  ".join(f"{label(r)} {r['ms']:.4f}" for r in timed), flush=True)
         for r in recs:
             if "error" in r or "ms" not in r:
                 print(f"  {name} {r}: not timed", flush=True)

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu import wgmma_iota, wgmma_pv, wgmma_qk
-from .paged import merge_splits
+from .paged import block_metadata, merge_splits
 from .reference import NEG_INF
 
 LOG2E = math.log2(math.e)
@@ -95,10 +95,14 @@ def _split_tiles(ctx, split, *, block_k, num_splits):
 
 
 def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_stages,
-            num_splits, interpret):
+            num_splits, group, ragged, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
-    kv, split, s = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("seq")
-    ctx = jnp.minimum(ctx_ref[s], pt_ref.shape[1] * k_ref.shape[2])  # within the table
+    kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("seq")
+    if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
+        s, ctx, n = ctx_ref[0, b], ctx_ref[1, b], ctx_ref[2, b]
+    else:  # decode: block b is sequence b's one token
+        s, ctx, n = b, ctx_ref[b], 1
+    ctx = jnp.minimum(ctx, pt_ref.shape[1] * k_ref.shape[2])  # within the table
     lo, hi = _split_tiles(ctx, split, block_k=block_k, num_splits=num_splits)
     wg = lax.axis_index("wg")
     smem, (k_full, v_full, q_full), (k_free, v_free) = scratch
@@ -108,8 +112,8 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_sta
 
     @pl.when(wg == 0)
     def _consumer():
-        _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, s=s, ctx=ctx,
-                 scale=scale, interpret=interpret, **ring)
+        _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, b=b, ctx=ctx, n=n,
+                 group=group, ragged=ragged, scale=scale, interpret=interpret, **ring)
 
     @pl.when(wg == 1)
     def _producer():
@@ -163,10 +167,11 @@ def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full
             plgpu.barrier_wait(v_free.at[i])
 
 
-def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, s, ctx, scale, k_smem,
-             v_smem, k_full, v_full, k_free, v_free, lo, hi, block_k, num_stages, interpret):
+def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, group, ragged,
+             scale, k_smem, v_smem, k_full, v_full, k_free, v_free, lo, hi, block_k, num_stages,
+             interpret):
     D = q_ref.shape[-1]
-    plgpu.copy_gmem_to_smem(q_ref.at[s, kv], q_smem, q_full)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, kv], q_smem, q_full)
     plgpu.barrier_wait(q_full)
 
     def layout(x, lay):
@@ -177,6 +182,11 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, s, ctx, scal
     acc = layout(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     cols = wgmma_iota((ROWS, block_k), 1, interpret=interpret)
     v_rows = wgmma_iota((block_k, D), 0, interpret=interpret)
+    # Causal rows (several tokens a block): row r is token r // group of the block, which sees
+    # the keys up to ctx - n + r // group; a key column c of tile j is visible to row r when
+    # c - r // group <= ctx - n - j * block_k.
+    diag = (cols - lax.div(wgmma_iota((ROWS, block_k), 0, interpret=interpret), group)
+            if ragged else None)
 
     def step(j, carry, masked):
         acc, m, l = carry
@@ -185,10 +195,15 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, s, ctx, scal
         plgpu.barrier_arrive(k_free.at[slot])
         valid = ctx - j * block_k  # keys of this tile before the context end
         if masked:
-            sc = jnp.where(cols < valid, sc, -jnp.inf)
+            keep = cols < valid
+            if ragged:
+                keep = keep & (diag <= valid - n)
+            sc = jnp.where(keep, sc, -jnp.inf)
         m_new = jnp.maximum(m, sc.max(axis=1) * scale)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+        # A row may see no key yet (its first tiles all past its causal limit): keep exp2 finite.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked and ragged else m_new
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_use, sc.shape, [0]))
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_full.at[slot])
@@ -205,8 +220,9 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, s, ctx, scal
     def _():
         plgpu.barrier_wait(k_full.at[0])
 
-    # Tiles before ctx // block_k hold only live keys; at most one tile crosses the end.
-    whole = jnp.clip(ctx // block_k, lo, hi)
+    # Tiles before (ctx - n + 1) // block_k hold only keys every row sees; the rest (one tile
+    # for decode, which crosses the end) are masked.
+    whole = jnp.clip((ctx - n + 1) // block_k, lo, hi)
     carry = lax.fori_loop(lo, whole, functools.partial(step, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(whole, hi, functools.partial(step, masked=True), carry)
 
@@ -216,14 +232,14 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, s, ctx, scal
     if len(out_refs) == 1:  # one split: the final output, through q's buffer
         q_smem[...] = acc.astype(q_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[live], out_refs[0].at[s, kv])
+        plgpu.copy_smem_to_gmem(q_smem.at[live], out_refs[0].at[b, kv])
     else:
         o_tile, lse_tile = o_smem
         o_tile[...] = acc
         lse_tile[...] = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_tile.at[live], out_refs[0].at[split, s, kv])
-        plgpu.copy_smem_to_gmem(lse_tile.at[live], out_refs[1].at[split, s, kv])
+        plgpu.copy_smem_to_gmem(o_tile.at[live], out_refs[0].at[split, b, kv])
+        plgpu.copy_smem_to_gmem(lse_tile.at[live], out_refs[1].at[split, b, kv])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -270,6 +286,47 @@ def _scratch(dtype, D, block_k, num_stages, num_splits, copies):
     return [smem, full, free]
 
 
+def _launch(blocks, page_table, q_packed, k_pages, v_pages, *, group, ragged, rows, sm_scale,
+            block_k, num_stages, num_splits, interpret):
+    """The kernel over q_packed [NB, KV, 64, D]: `blocks` is context_lens [NB] for decode or,
+    `ragged`, [3, NB] (sequence, keys its last token sees, tokens) for blocks of query tokens
+    of one sequence, `group` rows a token. Returns [NB, KV, rows, D] in q's dtype, or with splits float32
+    partial outputs [splits, NB, KV, rows, D] and base-2 log-sum-exps [splits, NB, KV, rows]."""
+    NB, KV, _, D = q_packed.shape
+    page_size = k_pages.shape[2]
+    max_tiles = pl.cdiv(page_table.shape[1] * page_size, block_k)
+    num_stages = max(1, min(num_stages, pl.cdiv(max_tiles, num_splits)))
+    scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
+    scratch = _scratch(q_packed.dtype, D, block_k, num_stages, num_splits,
+                       copies=block_k // min(page_size, block_k))
+    body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
+                             num_splits=num_splits, group=group, ragged=ragged,
+                             interpret=interpret)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
+
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct((NB, KV, rows, D), q_packed.dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((num_splits, NB, KV, rows, D), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, NB, KV, rows), jnp.float32))
+    interp = interpret or None
+    if interpret is True:  # or an InterpretGPUParams, e.g. with detect_races=True
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(KV, num_splits, NB),
+        grid_names=("kv", "split", "seq"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interp,
+    )(blocks.astype(jnp.int32), page_table.astype(jnp.int32), q_packed, k_pages, v_pages)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "num_splits",
                                              "interpret"))
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
@@ -280,43 +337,78 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     S, H, D = q.shape
-    KV, _, page_size, _ = k_pages.shape
-    pages_per_seq = page_table.shape[1]
-    max_tiles = pl.cdiv(pages_per_seq * page_size, block_k)
-    num_stages = max(1, min(num_stages, pl.cdiv(max_tiles, num_splits)))
-    scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
-    scratch = _scratch(q.dtype, D, block_k, num_stages, num_splits,
-                       copies=block_k // min(page_size, block_k))
-    body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
-                             num_splits=num_splits, interpret=interpret)
-
-    def entry(*refs):
-        pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
-
+    KV = k_pages.shape[0]
     rows = out_rows(H // KV)
-    if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct((S, KV, rows, D), q.dtype)
-    else:
-        out_type = (jax.ShapeDtypeStruct((num_splits, S, KV, rows, D), jnp.float32),
-                    jax.ShapeDtypeStruct((num_splits, S, KV, rows), jnp.float32))
-    interp = interpret or None
-    if interpret is True:  # or an InterpretGPUParams, e.g. with detect_races=True
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        interp = InterpretGPUParams()
-    out = plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(KV, num_splits, S),
-        grid_names=("kv", "split", "seq"),
-        num_threads=2,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interp,
-    )(context_lens.astype(jnp.int32), page_table.astype(jnp.int32), pack(q, KV), k_pages,
-      v_pages)
+    out = _launch(context_lens, page_table, pack(q, KV), k_pages, v_pages, group=H // KV,
+                  ragged=False, rows=rows,
+                  sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
+                  num_splits=num_splits, interpret=interpret)
     if num_splits == 1:
         return unpack(out, H)
     o, lse = out  # merged and the padding rows dropped in one launch
     o = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1), S * H, q.dtype,
                      group=H // KV, stride=rows, interpret=bool(interpret))
     return o.reshape(S, H, D)
+
+
+# -- mixed prefill chunks and decode tokens ------------------------------------------------------
+def ragged_blocks(query_start, context_lens, tokens, num_blocks):
+    """Per block of up to `tokens` query tokens of one sequence: [3, NB] (sequence, keys its
+    last token sees, its tokens) for the kernel, and the block's first token. Blocks past the
+    last real one see no keys, so they read no page."""
+    seq, tok = block_metadata(query_start, tokens, num_blocks)
+    real = seq < query_start.shape[0] - 1
+    seq = jnp.where(real, seq, 0)
+    end = query_start[seq + 1]  # the sequence's query tokens end there
+    n = jnp.where(real, jnp.minimum(tokens, end - tok), 0)
+    sees = jnp.where(real, context_lens[seq] - (end - tok - n), 0)
+    return jnp.stack([seq, sees, n]).astype(jnp.int32), tok
+
+
+def token_places(query_start, T, tokens):
+    """Each of T tokens' block and first row there (blocks as `block_metadata` cuts them)."""
+    S = query_start.shape[0] - 1
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start[1:], t, side="right", method="compare_all"),
+                   0, S - 1)
+    n_blk = (query_start[1:] - query_start[:-1] + tokens - 1) // tokens
+    i = t - query_start[seq]
+    return jnp.cumsum(n_blk)[seq] - n_blk[seq] + i // tokens, i % tokens
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "num_splits",
+                                             "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
+                           sm_scale=None, block_k=64, num_stages=2, num_splits=1,
+                           interpret=False):
+    """Prefill chunks and decode tokens on one flat token axis, q [T, H, D] -> [T, H, D], as
+    `paged.ragged_paged_attention` (tokens past query_start[-1] get zeros). A CTA's 64 rows are
+    up to 64 // G tokens of one sequence times their G query heads, causal among themselves."""
+    why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits)
+    if why:
+        raise ValueError(f"paged_mgpu cannot take this call: {why}")
+    T, H, D = q.shape
+    KV, S = k_pages.shape[0], page_table.shape[0]
+    G = H // KV
+    tpb = ROWS // G  # tokens a block
+    nb = pl.cdiv(T, tpb) + S
+    blocks, tok = ragged_blocks(query_start, context_lens, tpb, nb)
+    # Row t * G + g holds token t of the block, head g; rows past the block's tokens hold
+    # whatever tokens follow, and their outputs are never read.
+    idx = jnp.minimum(tok[:, None] + jnp.arange(tpb)[None], T - 1)
+    qp = q[idx].reshape(nb, tpb, KV, G, D).transpose(0, 2, 1, 3, 4).reshape(nb, KV, tpb * G, D)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - tpb * G), (0, 0)))
+    rows = out_rows(tpb * G)
+    out = _launch(blocks, page_table, qp, k_pages, v_pages, group=G, ragged=True, rows=rows,
+                  sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
+                  num_splits=num_splits, interpret=interpret)
+    if num_splits > 1:
+        o, lse = out
+        out = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1),
+                           nb * KV * rows, q.dtype, interpret=bool(interpret))
+    out = out.reshape(nb, KV, rows, D)
+    blk, place = token_places(query_start, T, tpb)
+    o = out[blk[:, None, None], jnp.arange(KV)[None, :, None],
+            (place * G)[:, None, None] + jnp.arange(G)[None, None, :]]  # [T, KV, G, D]
+    live = jnp.arange(T) < query_start[-1]
+    return jnp.where(live[:, None, None, None], o, 0).reshape(T, H, D).astype(q.dtype)
