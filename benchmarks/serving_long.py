@@ -1,7 +1,8 @@
 """The long-context mode of the serving benchmark: a few long conversations at once, the zone of
 RAG, agents and chat with history. The engine on the 8B-shaped model (random bf16 weights), for
 each shape N x C: N requests whose prompts are C tokens of random ids, 128 new tokens each (EOS
-ignored), submitted together; then their pure-decode steps (all N rows decoding) against their
+ignored), submitted together; the time of the steps that carry prompt tokens (`prefill_s`, the
+first step's excluded), then the pure-decode steps (all N rows decoding) against their
 roofline (benchmarks/step_budget.py: weights plus every row's K/V at the copy bandwidth measured
 in the run, or the FLOPs at the dense bf16 peak if larger).
 
@@ -89,7 +90,9 @@ def record(cost, log, n, ctx, bw, peak) -> dict:
     dt = float(np.median([d for _, d in steps]))
     roof = float(np.mean([b["roofline_s"] for b in budgets]))
     kv = float(np.mean([cost.kv_bytes_per_token * e["context_tokens"] for e, _ in steps]))
+    prefill = [dt for e, dt in step_times(log) if e["tokens"] > e["decode_rows"]]
     return dict(mode="long_context", sequences=n, context=ctx, new_tokens=NEW_TOKENS,
+                prefill_steps=len(prefill), prefill_s=float(sum(prefill)),
                 decode_steps=len(steps), decode_step_ms=1e3 * dt, roofline_ms=1e3 * roof,
                 memory_ms=1e3 * float(np.mean([b["memory_s"] for b in budgets])),
                 compute_ms=1e3 * float(np.mean([b["compute_s"] for b in budgets])),

@@ -223,6 +223,12 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
     # Batch-invariant calls keep one tile shape (and so one MMA) for every step.
     mixed = T > 2 * S or tuning.invariant_products()
+    mosaic = None if (used or blocks or not mixed) else _ragged_mosaic(q, k_pages, page_table)
+    if mosaic is not None:
+        from . import paged_mgpu
+        return paged_mgpu.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
+                                                 page_table, sm_scale=sm_scale,
+                                                 interpret=interpret, **mosaic)
     kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
                        k_pages.shape[2]) | blocks
     tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
@@ -242,6 +248,20 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                         page_table, sm_scale=sm_scale, interpret=interpret,
                                         **opts, **kw)
+
+
+def _ragged_mosaic(q, k_pages, page_table) -> dict | None:
+    """The Mosaic GPU ragged kernel's tiles for a mixed step on a Hopper GPU whose tuning
+    names them, where the page table reaches their `min_keys` (long contexts: with short ones
+    the Triton kernel is faster) and the kernel takes the call; else None.
+    `PALLASITE_RAGGED_BACKEND=triton` keeps the Triton kernel."""
+    from . import paged_mgpu
+    kw = tuning.ragged_mosaic()
+    if (kw is None or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
+            or tuning.invariant() or not _is_hopper() or _PORTABLE[0]
+            or page_table.shape[1] * k_pages.shape[2] < kw.pop("min_keys")):
+        return None
+    return None if paged_mgpu.supported(q, k_pages, **kw) else kw
 
 
 def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_lens, page_table,

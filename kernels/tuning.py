@@ -68,6 +68,15 @@ _H100 = dict(
     # place (2026-11-23, 8 kv heads, d=128): 2.9 vs 7.1 us for 1 token, 3.4 vs 4.9 for 64, 15.8
     # vs 44.1 for 2048; the serving step's kernels 0.05-0.1 ms shorter (docs/BENCHMARKS.md).
     kv_write=dict(impl="pallas"),
+    # Mixed and prefill steps whose page table reaches `min_keys` keys run the Mosaic GPU ragged
+    # kernel (`paged_mgpu.ragged_paged_attention`); narrower ones the Triton kernel. H100,
+    # 2026-11-26 (`benchmarks/sweep_ragged.py --mosaic`, 128-key tiles, 2 stages, 1 split, the
+    # best of seven): a 512-token chunk over 8k + 63 decode rows at 4k 0.438 ms against Triton's
+    # 0.502 and FA3's 0.497; the chunk alone 0.191 against 0.251; a 2048-token prompt 0.156
+    # against 0.173; but the offline ShareGPT mixed step (512 decode rows at 320 keys, 30 chunks
+    # of 256) 0.633 against 0.408: short contexts leave each CTA too little to do. The H200
+    # inherits this entry unmeasured.
+    ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
 )
 
 # H200, JAX 0.11.2, `benchmarks/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
@@ -278,6 +287,13 @@ def params(kernel: str, page_size: int | None = None) -> dict:
     if page_size is not None and "block_k" in p:
         p["pages_per_block"] = max(1, p.pop("block_k") // page_size)
     return p
+
+
+def ragged_mosaic() -> dict | None:
+    """The Mosaic GPU ragged kernel's tiles and the page-table reach from which it runs mixed
+    steps on this GPU, or None (the Triton kernel always)."""
+    entry = TABLE[gpu_key()].get("ragged_mosaic")
+    return dict(entry) if entry else None
 
 
 def decode_backend() -> str:

@@ -119,6 +119,36 @@ def test_ragged_mgpu_lowers_for_hopper():
         assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_ragged_backend_choice(monkeypatch):
+    """kernels.ragged_paged_attention runs a mixed step through the Mosaic GPU kernel on a
+    Hopper GPU whose tuning names it, where the page table reaches its `min_keys`; narrower
+    tables, decode-only steps, options the kernel lacks and batch-invariant mode keep Triton."""
+    from pallasite import kernels
+    from pallasite.kernels import tuning
+    called = []
+    real = paged_mgpu.ragged_paged_attention
+    monkeypatch.setattr(paged_mgpu, "ragged_paged_attention",
+                        lambda *a, **kw: called.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
+    monkeypatch.setattr(tuning, "ragged_mosaic", lambda: dict(
+        block_k=64, num_stages=2, num_splits=1, min_keys=64))
+    q, kp, vp, qs, ctx, table = paged_case(3, [20, 1], [30, 40], 8, 2, 64, 16)
+    q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
+    ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table)
+    out = kernels.ragged_paged_attention(q, kp, vp, qs, ctx, table, interpret=True)
+    assert len(called) == 1 and called[0]["block_k"] == 64
+    assert rel_err(out, ref) < 1e-2
+    narrow = table[:, :3]  # 48 keys: under min_keys (contexts cut to fit the table)
+    kernels.ragged_paged_attention(q, kp, vp, qs, jnp.minimum(ctx, 48), narrow, interpret=True)
+    kernels.ragged_paged_attention(q, kp, vp, qs, ctx, table, logit_softcap=30.0,
+                                   interpret=True)
+    with tuning.batch_invariant(True):
+        kernels.ragged_paged_attention(q, kp, vp, qs, ctx, table, interpret=True)
+    monkeypatch.setenv("PALLASITE_RAGGED_BACKEND", "triton")
+    kernels.ragged_paged_attention(q, kp, vp, qs, ctx, table, interpret=True)
+    assert len(called) == 1
+
+
 def test_paged_mgpu_supported():
     q = jnp.zeros((2, 8, 128), jnp.bfloat16)
     kp = jnp.zeros((2, 10, 16, 128), jnp.bfloat16)
