@@ -188,7 +188,7 @@ def bench_fa3(args, records, ceiling, record):
             continue
         try:
             part()
-        except Exception as e:
+        except Exception:
             import traceback
             log(f"fa3 {name} FAILED: {traceback.format_exc()[-1500:]}")
 
