@@ -1,17 +1,23 @@
-"""Paged attention decode for Hopper, Pallas with the Mosaic GPU backend.
+"""Paged attention for Hopper, Pallas with the Mosaic GPU backend: decode, and mixed steps of
+prefill chunks and decode tokens.
 
-q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D], context_lens [S],
+Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D], context_lens [S],
 page_table [S, pages_per_seq] -> [S, H, D]; bf16 or fp16 with float32 softmax and accumulation;
-the same results as `reference.paged_attention_reference`.
+the same results as `reference.paged_attention_reference`. Mixed (`ragged_paged_attention`): q
+[T, H, D] on one flat token axis cut by query_start, as `reference.ragged_paged_attention_reference`;
+a CTA's block is then up to 64 // G query tokens of one sequence (blocks as `paged.block_metadata`
+cuts them), its rows token-major, each row masked at its own token's causal limit. Decode is the
+case of one token a block.
 
-One CTA per (kv head, split, sequence) runs two warpgroups:
+One CTA per (kv head, split, block) runs two warpgroups:
 - a producer that streams the split's key tiles (`block_k` keys each) into a ring of
   `num_stages` shared-memory slots for K and for V: one TMA copy per page (or per `block_k`
   rows of a page larger than the tile), the page id read from the page table in global memory.
   A slot's "full" barrier expects one arrival per copy, so it completes when the whole tile has
   landed; a slot is refilled once the consumer released it (K right after S, V after P V);
 - a consumer whose 64 rows are the G = H // KV query heads of the kv head (q is packed to
-  [S, KV, 64, D] outside, zero rows past G), so each K/V page is read once for the whole group.
+  [S, KV, 64, D] outside, zero rows past G; for mixed steps, the block's tokens times their G
+  heads), so each K/V page is read once for the whole group.
   Each tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded in), then
   O += P V with P straight from registers.
 Split-K: a split takes an even share of the sequence's key tiles and writes a normalized float32
