@@ -103,7 +103,7 @@ def _split_tiles(ctx, split, *, block_k, num_splits):
 def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_stages,
             num_splits, group, ragged, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
-    kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("seq")
+    kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("block")
     if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
         s, ctx, n = ctx_ref[0, b], ctx_ref[1, b], ctx_ref[2, b]
     else:  # decode: block b is sequence b's one token
@@ -325,7 +325,7 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, *, group, ragged, ro
         entry,
         out_type=out_type,
         grid=(KV, num_splits, NB),
-        grid_names=("kv", "split", "seq"),
+        grid_names=("kv", "split", "block"),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
