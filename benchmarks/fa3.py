@@ -117,6 +117,18 @@ def decode(f, records, record, ceiling, quick):
         del q, kp, vp, kc, vc, out
 
 
+def two_calls(f, chunk: int, num_splits: int):
+    """FA3 on a mixed step whose first sequence is a `chunk`-token prefill and the rest decode
+    rows: a chunk call (causal) and a decode call, (q, kc, vc, ctx, table) -> [T, H, D]."""
+    def call(q, kc, vc, ctx, table):
+        a = f.flash_mha_with_kvcache(q[None, :chunk], kc, vc, cache_seqlens=ctx[:1],
+                                     page_table=table[:1], is_causal=True, num_splits=num_splits)
+        b = f.flash_mha_with_kvcache(q[chunk:, None], kc, vc, cache_seqlens=ctx[1:],
+                                     page_table=table[1:], is_causal=True, num_splits=num_splits)
+        return jnp.concatenate([a[0], b[:, 0]])
+    return call
+
+
 def mixed(f, records, record):
     """A 512-token chunk over 8k of context plus 63 decode rows at 4k: ours in one ragged call,
     FA3 as a chunk call (512 query rows, causal) and a decode call."""
@@ -131,15 +143,8 @@ def mixed(f, records, record):
     err = rel_err(out, jax.jit(reference.ragged_paged_attention_reference)(
         q, kp, vp, qs, ctx, table))
     ms = try_time("ours mixed", ours, q, kp, vp, qs, ctx, table, device=True)
-    best = {}
-    for n in (1, 2, 4):
-        def theirs(q, kc, vc, ctx, table, n=n):
-            chunk = f.flash_mha_with_kvcache(q[None, :512], kc, vc, cache_seqlens=ctx[:1],
-                                             page_table=table[:1], is_causal=True, num_splits=n)
-            rows = f.flash_mha_with_kvcache(q[512:, None], kc, vc, cache_seqlens=ctx[1:],
-                                            page_table=table[1:], is_causal=True, num_splits=n)
-            return jnp.concatenate([chunk[0], rows[:, 0]])
-        best[n] = try_time(f"fa3 mixed splits={n}", theirs, q, kc, vc, ctx, table, device=True)
+    best = {n: try_time(f"fa3 mixed splits={n}", two_calls(f, 512, n), q, kc, vc, ctx, table,
+                        device=True) for n in (1, 2, 4)}
     ok = {n: t for n, t in best.items() if t is not None}
     fa3_ms = min(ok.values()) if ok else None
     records.append(record("ragged_paged_attention", batch=64, seq=512, context=8192,

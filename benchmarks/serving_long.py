@@ -82,15 +82,15 @@ def run_shape(engine, config, n, ctx, seed) -> tuple[list, float]:
 
 def record(cost, log, n, ctx, bw, peak) -> dict:
     """The pure-decode steps with all n rows: median time against the mean roofline."""
-    steps = [(e, dt) for e, dt in step_times(log)
-             if e["tokens"] == e["decode_rows"] == n]
+    timed = step_times(log)
+    steps = [(e, dt) for e, dt in timed if e["tokens"] == e["decode_rows"] == n]
     if not steps:
         raise SystemExit(f"{n}x{ctx}: no pure-decode step with {n} rows was logged")
     budgets = [step_budget.budget(cost, e, bw, peak) for e, _ in steps]
     dt = float(np.median([d for _, d in steps]))
     roof = float(np.mean([b["roofline_s"] for b in budgets]))
     kv = float(np.mean([cost.kv_bytes_per_token * e["context_tokens"] for e, _ in steps]))
-    prefill = [dt for e, dt in step_times(log) if e["tokens"] > e["decode_rows"]]
+    prefill = [d for e, d in timed if e["tokens"] > e["decode_rows"]]
     return dict(mode="long_context", sequences=n, context=ctx, new_tokens=NEW_TOKENS,
                 prefill_steps=len(prefill), prefill_s=float(sum(prefill)),
                 decode_steps=len(steps), decode_step_ms=1e3 * dt, roofline_ms=1e3 * roof,

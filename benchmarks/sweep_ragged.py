@@ -6,8 +6,8 @@ steps it runs: mixed prefill + decode steps and pure prefill chunks over paged K
 
 Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
 - fa3_mixed: a 512-token chunk over 8k of context plus 63 decode rows at 4k (the mixed step of
-  `bench_kernels --only fa3`), also timed as its two halves, and against FlashAttention-3's two
-  calls when `flash-attn3-jax` is installed;
+  `bench_kernels --only fa3`), against FlashAttention-3's two calls when `flash-attn3-jax` is
+  installed; chunk_8k: its chunk alone;
 - sharegpt_mixed: 30 fresh prompt chunks of 256 tokens plus 512 decode rows at context 320 (the
   offline ShareGPT run's mixed step);
 - prefill_2k: one 2048-token prompt.
@@ -51,23 +51,15 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
 
 
-def fa3_two_calls(q, kp, vp, qs, ctx, table, chunk):
-    """FA3's chunk call and its decode call (best num_splits of 1, 2, 4), or None."""
-    from .fa3 import fa3, fa3_pages
+def fa3_two_calls(q, kp, vp, ctx, table, chunk):
+    """FA3's chunk call and decode call (`fa3.two_calls`, best num_splits of 1, 2, 4), or None."""
+    from .fa3 import fa3, fa3_pages, two_calls
     f = fa3()
     if f is None:
         return None
     kc, vc = fa3_pages(kp), fa3_pages(vp)
-    best = []
-    for n in (1, 2, 4):
-        def theirs(q, kc, vc, ctx, table, n=n):
-            a = f.flash_mha_with_kvcache(q[None, :chunk], kc, vc, cache_seqlens=ctx[:1],
-                                         page_table=table[:1], is_causal=True, num_splits=n)
-            b = f.flash_mha_with_kvcache(q[chunk:, None], kc, vc, cache_seqlens=ctx[1:],
-                                         page_table=table[1:], is_causal=True, num_splits=n)
-            return jnp.concatenate([a[0], b[:, 0]])
-        best.append(common.device_times([(jax.jit(theirs), (q, kc, vc, ctx, table))], 20)[0][0])
-    return min(best)
+    return min(common.device_times([(jax.jit(two_calls(f, chunk, n)), (q, kc, vc, ctx, table))],
+                                   20)[0][0] for n in (1, 2, 4))
 
 
 def run_case(name, q_lens, ctx, args):
@@ -106,7 +98,7 @@ def run_case(name, q_lens, ctx, args):
         rec["ms"] = ms
     base = {}
     if name == "fa3_mixed" and not args.tiny:
-        base["fa3_two_calls_ms"] = fa3_two_calls(q, kp, vp, qs, ctx_a, table, q_lens[0])
+        base["fa3_two_calls_ms"] = fa3_two_calls(q, kp, vp, ctx_a, table, q_lens[0])
     for rec in records:
         rec.update(base)
     return records

@@ -258,10 +258,12 @@ def _ragged_mosaic(q, k_pages, page_table) -> dict | None:
     from . import paged_mgpu
     kw = tuning.ragged_mosaic()
     if (kw is None or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
-            or tuning.invariant() or not _is_hopper() or _PORTABLE[0]
-            or page_table.shape[1] * k_pages.shape[2] < kw.pop("min_keys")):
+            or tuning.invariant() or not _is_hopper() or _PORTABLE[0]):
         return None
-    return None if paged_mgpu.supported(q, k_pages, **kw) else kw
+    reach = page_table.shape[1] * k_pages.shape[2]  # keys the step's page table can hold
+    if reach < kw.pop("min_keys") or paged_mgpu.supported(q, k_pages, **kw):
+        return None
+    return kw
 
 
 def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_lens, page_table,
