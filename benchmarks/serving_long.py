@@ -9,6 +9,8 @@ in the run, or the FLOPs at the dense bf16 peak if larger).
     python -m benchmarks.bench_serving --long-context 1x640,8x8192,32x2048 --out DIR   # GPU
     python -m benchmarks.bench_serving --long-context 1x40,4x200 --tiny --out DIR      # CPU
 
+`--kv-cache-dtype fp8` runs the engine on float8 pages (the roofline counts their bytes).
+
 The first shape is the reference (by default batch 1 at 640 tokens, where decode runs near its
 roofline): each record carries `vs_reference`, its fraction of roofline over the reference's.
 One engine serves every shape (sized for the largest), so the shapes differ only in the batch.
@@ -49,8 +51,10 @@ def build(args, shapes):
     from pallasite.model import config_from_dict, init_params
     from pallasite.model.fuse import fuse_params
     from pallasite.serving.engine import Engine, min_token_bucket
+    from pallasite.serving.llm import kv_cache_dtype_of
     from pallasite.serving.settings import engine_sizes
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    kv_dtype = kv_cache_dtype_of(args.kv_cache_dtype) or dtype
     max_len = max(c for _, c in shapes) + NEW_TOKENS
     model = dict(TINY if args.tiny else MODEL)  # positions as far as the longest (Llama 3.1: 128k)
     model["max_position_embeddings"] = max(model["max_position_embeddings"], max_len)
@@ -58,13 +62,13 @@ def build(args, shapes):
     params = fuse_params(jax.jit(lambda: init_params(config, args.seed, dtype))())
     seqs = max(n for n, _ in shapes)
     need = sum(n * -(-(c + NEW_TOKENS) // PAGE) for n, c in shapes)
-    sizes = engine_sizes(config, dtype, max_model_len=max_len, page_size=PAGE, max_num_seqs=seqs,
+    sizes = engine_sizes(config, kv_dtype, max_model_len=max_len, page_size=PAGE, max_num_seqs=seqs,
                          max_num_batched_tokens=2048 if args.tiny else 8192,
                          first_bucket=min_token_bucket(params))
     sizes["num_pages"] = max(sizes["num_pages"], need + 8)  # each shape's pages stay cached
     widths = sorted({-(-(c + NEW_TOKENS) // PAGE) for _, c in shapes})
     engine = Engine(config, params, page_size=PAGE, max_model_len=max_len, page_buckets=widths,
-                    kv_cache_dtype=dtype, **sizes)
+                    kv_cache_dtype=kv_dtype, **sizes)
     return config, engine
 
 
@@ -108,7 +112,9 @@ def main(args):
     from .common import copy_bandwidth, run_info
     shapes = args.long_context
     env = dict(**run_info(), attention=choose_impl(),
-               model="tiny" if args.tiny else "llama3-8b-shaped")
+               model="tiny" if args.tiny else "llama3-8b-shaped",
+               kv_cache_dtype=args.kv_cache_dtype,
+               ragged_backend=os.environ.get("PALLASITE_RAGGED_BACKEND", "default"))
     print(json.dumps(env), flush=True)
     bw, how = copy_bandwidth(gb=0.05 if args.tiny else 4)
     peak = step_budget.peak_bf16(env["gpu"]) or (1e12 if args.tiny else None)
@@ -116,7 +122,8 @@ def main(args):
         raise SystemExit(f"no dense bf16 peak known for {env['gpu']!r}: add it to "
                          "benchmarks/step_budget.py PEAK_BF16")
     config, engine = build(args, shapes)
-    cost = step_budget.model_cost(config, itemsize=4 if args.tiny else 2)
+    cost = step_budget.model_cost(config, itemsize=4 if args.tiny else 2,
+                                  kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None)
     t = time.perf_counter()
     engine.warmup(workers=args.workers)
     env.update(warmup_s=time.perf_counter() - t, copy_tbps=bw / 1e12, copy_how=how,

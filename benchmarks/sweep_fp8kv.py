@@ -24,7 +24,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import common
 from pallasite import kernels as K
@@ -62,6 +61,19 @@ VARIANTS = [
 ]
 
 
+def _m(block_k, stages, fp8_stages, layout="WGMMA"):
+    """The Mosaic GPU kernel: `fp8_stages` float8 tiles in flight, converted by its producer
+    warpgroup into `stages` float16 slots."""
+    name = f"fp8 mosaic k={block_k} st={stages} f8={fp8_stages} {layout}"
+    return name, dict(backend="mosaic", block_k=block_k, num_stages=stages,
+                      fp8_stages=fp8_stages, convert_layout=layout)
+
+
+MOSAIC = [_m(64, 2, 4), _m(64, 2, 4, "WGMMA_UPCAST_2X"), _m(64, 3, 4),
+          _m(128, 2, 2), _m(128, 2, 1), _m(128, 1, 2), _m(128, 1, 3),
+          _m(128, 1, 3, "WGMMA_UPCAST_2X"), _m(256, 1, 1)]
+
+
 def inputs(key, B, lo, hi):
     """q [B, H, D]; bf16 pages and their float8 form with per-kv-head scales; lengths in
     [lo, hi]; a shuffled page table."""
@@ -96,11 +108,22 @@ def sweep_shape(log, name, B, lo, hi, smoke, only):
         q, k8, v8, lens, table)
     ref16 = jax.jit(reference.paged_attention_reference)(q, kp, vp, lens, table)
     runs = [("bf16 default", (kp, vp), {}, ref16), ("fp8 default", (k8, v8), sc, ref8)]
-    runs += [(n, (k8, v8), dict(sc, **kw), ref8) for n, kw in VARIANTS if only in n]
+    # The engine's entry for a decode step (one token per sequence on the ragged axis), which
+    # picks its kernel by the page table's reach
+    runs.append(("fp8 engine path", (k8, v8), dict(sc, ragged=True), ref8))
+    if not smoke:  # the Mosaic GPU kernel runs on Hopper only (its CPU tests interpret it)
+        runs.append(("bf16 mosaic", (kp, vp), dict(backend="mosaic"), ref16))
+    runs += [(n, (k8, v8), dict(sc, **kw), ref8) for n, kw in VARIANTS + MOSAIC * (not smoke)
+             if only in n]
     rows = {}
+    starts = jnp.arange(B + 1, dtype=jnp.int32)
     for vname, (k, v), kw, ref in runs:
-        fn = jax.jit(lambda q, k, v, l, t, kw=kw: K.paged_attention(q, k, v, l, t, **pallas,
-                                                                    **kw))
+        if kw.pop("ragged", False):
+            fn = jax.jit(lambda q, k, v, l, t, kw=kw: K.ragged_paged_attention(
+                q, k, v, starts, l, t, **pallas, **kw))
+        else:
+            fn = jax.jit(lambda q, k, v, l, t, kw=kw: K.paged_attention(q, k, v, l, t,
+                                                                        **pallas, **kw))
         try:
             if not smoke:
                 common.poison()

@@ -69,7 +69,7 @@ _KERNEL_TAKES = {
     "flash": {"sliding_window", "logit_softcap", "sinks"},
     "flash_mosaic": set(),
     "paged": {"sliding_window", "logit_softcap", "sinks", "k_scale", "v_scale"},
-    "paged_mosaic": set(),
+    "paged_mosaic": {"k_scale", "v_scale"},
 }
 
 
@@ -136,7 +136,8 @@ def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
 
 
 def _mosaic_decode_params(q, k_pages, page_table, blocks):
-    kw = tuning.params("decode_mosaic") | blocks
+    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn  # float8 pages: their own rings and tiles
+    kw = tuning.params("decode_mosaic_fp8" if fp8 else "decode_mosaic") | blocks
     if "num_splits" not in kw:
         tiles = -(-page_table.shape[1] * k_pages.shape[2] // kw["block_k"])
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -223,12 +224,12 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     # A step of (nearly) only decode tokens packs one token per block: small blocks waste less.
     # Batch-invariant calls keep one tile shape (and so one MMA) for every step.
     mixed = T > 2 * S or tuning.invariant_products()
-    mosaic = None if (used or blocks or not mixed) else _ragged_mosaic(q, k_pages, page_table)
+    mosaic = None if blocks else _ragged_mosaic(q, k_pages, page_table, used, mixed)
     if mosaic is not None:
         from . import paged_mgpu
         return paged_mgpu.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                                  page_table, sm_scale=sm_scale,
-                                                 interpret=interpret, **mosaic)
+                                                 interpret=interpret, **opts, **mosaic)
     kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
                        k_pages.shape[2]) | blocks
     tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
@@ -250,20 +251,29 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                                         **opts, **kw)
 
 
-def _ragged_mosaic(q, k_pages, page_table) -> dict | None:
-    """The Mosaic GPU ragged kernel's tiles for a mixed step on a Hopper GPU whose tuning
-    names them, where the page table reaches their `min_keys` (long contexts: with short ones
-    the Triton kernel is faster) and the kernel takes the call; else None.
-    `PALLASITE_RAGGED_BACKEND=triton` keeps the Triton kernel."""
+def _ragged_mosaic(q, k_pages, page_table, used, mixed) -> dict | None:
+    """The Mosaic GPU ragged kernel's tiles for a step on a Hopper GPU whose tuning names them,
+    where the page table reaches their `min_keys` (long contexts: with short ones the Triton
+    kernel is faster) and the kernel takes the call; else None. 16-bit pages take it for mixed
+    steps only (decode is level with Triton's on the H100), float8 pages for decode steps too
+    (it converts their tiles off the products' path). `PALLASITE_RAGGED_BACKEND=triton` keeps
+    the Triton kernel."""
     from . import paged_mgpu
-    kw = tuning.ragged_mosaic()
-    if (kw is None or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
+    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn
+    kw = tuning.ragged_mosaic(fp8)
+    if (kw is None or not (mixed or fp8) or not used <= _KERNEL_TAKES["paged_mosaic"]
+            or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
             or tuning.invariant() or not _is_hopper() or _PORTABLE[0]):
         return None
     reach = page_table.shape[1] * k_pages.shape[2]  # keys the step's page table can hold
-    if reach < kw.pop("min_keys") or paged_mgpu.supported(q, k_pages, **kw):
+    if reach < kw.pop("min_keys"):
         return None
-    return kw
+    if "num_splits" not in kw:  # enough programs for the SMs, as for Triton's
+        blocks = max(-(-q.shape[0] * q.shape[1] // (k_pages.shape[0] * paged_mgpu.ROWS)),
+                     page_table.shape[0])
+        kw["num_splits"] = tuning.num_splits(blocks * k_pages.shape[0],
+                                             -(-reach // kw["block_k"]), mixed)
+    return None if paged_mgpu.supported(q, k_pages, **kw) else kw
 
 
 def mla_attention(q_lat, q_pe, latent_pages, rope_pages, query_start, context_lens, page_table,

@@ -31,9 +31,19 @@ slots): table entries past the sequence's last page are never read (those copies
 page again), scores of such keys are -inf, and on the one tile that crosses context_lens[s] the
 consumer zeroes the V rows past it in shared memory before P V, so 0 * NaN cannot reach O.
 
-Limits (`supported`): bf16/fp16, head_dim 64 or 128, G <= 64, block_k a multiple of 64,
-page_size a multiple of 8 that divides block_k or is a multiple of it, the ring within shared
-memory. Context lengths past pages_per_seq * page_size are clamped to it.
+Float8 pages (float8_e4m3fn with float32 scales per kv head, `k_scale`/`v_scale` [KV], the
+values stored as K / k_scale as `reference.quantize_kv` writes them): the TMA copies land in a
+float8 staging ring of `fp8_stages` slots, half the bytes of a 16-bit tile, and the producer
+warpgroup converts each tile into the consumer's ring as float16 (one `cvt.rn.f16x2.e4m3x2` a
+pair; every e4m3 value is exact in float16), so the consumer runs as for 16-bit pages with q
+and P in float16. The conversion overlaps the consumer's products and softmax instead of
+sitting in its chain. k_scale folds into the softmax scale, v_scale into the final
+normalization; the output returns in q's dtype.
+
+Limits (`supported`): bf16/fp16 (or float8_e4m3fn pages under bf16/fp16 q), head_dim 64 or 128,
+G <= 64, block_k a multiple of 64, page_size a multiple of 8 that divides block_k or is a
+multiple of it, the rings within shared memory. Context lengths past pages_per_seq * page_size
+are clamped to it.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -55,24 +65,31 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .flash_mgpu import wgmma_iota, wgmma_pv, wgmma_qk
 from .paged import block_metadata, merge_splits
 from .reference import NEG_INF
+from .w8a8_mgpu import swizzled
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per CTA: the wgmma M; a kv head's G query heads, zero-padded
 SMEM_BYTES = 227 * 1024  # shared memory one Hopper CTA may use
 
 
-def _smem_bytes(D, itemsize, block_k, num_stages, num_splits):
+FP8 = jnp.float8_e4m3fn
+
+
+def _smem_bytes(D, itemsize, block_k, num_stages, num_splits, fp8_stages=0):
     ring = 2 * num_stages * block_k * D * itemsize
+    staging = 2 * fp8_stages * block_k * D  # float8 pages: the TMA's one-byte tiles
     q = ROWS * D * itemsize
     out = ROWS * D * 4 + ROWS * 4 if num_splits > 1 else 0
-    return ring + q + out
+    return ring + staging + q + out
 
 
-def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1) -> str | None:
+def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=4,
+              **_) -> str | None:
     """Why this kernel cannot take the call (None if it can)."""
     S, H, D = q.shape
     KV, _, page_size, Dk = k_pages.shape
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+    fp8 = k_pages.dtype == FP8
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype not in (q.dtype, FP8):
         return f"dtype {q.dtype} (k/v {k_pages.dtype})"
     if D not in (64, 128) or Dk != D:
         return f"head_dim {D}"
@@ -84,9 +101,9 @@ def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1) -> str | No
         return f"block_k {block_k} not a multiple of 64"
     if page_size % 8 or (block_k % page_size and page_size % block_k):
         return f"page_size {page_size} (a multiple of 8 dividing block_k or a multiple of it)"
-    if num_splits < 1 or num_stages < 1:
-        return f"num_splits {num_splits}, num_stages {num_stages}"
-    need = _smem_bytes(D, q.dtype.itemsize, block_k, num_stages, num_splits)
+    if num_splits < 1 or num_stages < 1 or (fp8 and fp8_stages < 1):
+        return f"num_splits {num_splits}, num_stages {num_stages}, fp8_stages {fp8_stages}"
+    need = _smem_bytes(D, 2, block_k, num_stages, num_splits, fp8_stages if fp8 else 0)
     if need > SMEM_BYTES:
         return f"{need} bytes of shared memory (block_k or num_stages too large)"
     return None
@@ -100,8 +117,8 @@ def _split_tiles(ctx, split, *, block_k, num_splits):
     return lo, jnp.minimum(lo + share, n_tiles)
 
 
-def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_stages,
-            num_splits, group, ragged, interpret):
+def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, block_k, num_stages,
+            num_splits, group, ragged, fp8_stages, convert_layout, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
     kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("block")
     if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
@@ -111,44 +128,63 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_sta
     ctx = jnp.minimum(ctx, pt_ref.shape[1] * k_ref.shape[2])  # within the table
     lo, hi = _split_tiles(ctx, split, block_k=block_k, num_splits=num_splits)
     wg = lax.axis_index("wg")
-    smem, (k_full, v_full, q_full), (k_free, v_free) = scratch
+    smem, (k_full, v_full, q_full), (k_free, v_free), staging = scratch
     q_smem, k_smem, v_smem, o_smem = smem
     ring = dict(k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full, k_free=k_free,
                 v_free=v_free, lo=lo, hi=hi, block_k=block_k, num_stages=num_stages)
+    if fp8_stages:  # k_scale folds into the scores' scale, v_scale into the normalization
+        scale = scale * scales_ref[0, kv]
 
     @pl.when(wg == 0)
     def _consumer():
         _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, b=b, ctx=ctx, n=n,
-                 group=group, ragged=ragged, scale=scale, interpret=interpret, **ring)
+                 group=group, ragged=ragged, scale=scale,
+                 v_scale=scales_ref[1, kv] if fp8_stages else None, interpret=interpret,
+                 **ring)
 
     @pl.when(wg == 1)
     def _producer():
-        _produce(pt_ref, k_ref, v_ref, kv=kv, s=s, ctx=ctx, **ring)
+        if fp8_stages:
+            _produce_fp8(pt_ref, k_ref, v_ref, staging, kv=kv, s=s, ctx=ctx,
+                         fp8_stages=fp8_stages, convert_layout=convert_layout,
+                         interpret=interpret, **ring)
+        else:
+            _produce(pt_ref, k_ref, v_ref, kv=kv, s=s, ctx=ctx, **ring)
+
+
+def _page_ids(pt_ref, *, s, ctx, lo, page_size, block_k):
+    """Table entries of a tile's copies (a page each, or the tile's rows of one page); copies
+    past the last page fetch it again (their keys are masked), so entries past the sequence
+    are never read."""
+    chunk = min(page_size, block_k)
+    last_page = jnp.maximum(ctx - 1, 0) // page_size
+
+    def ids(step):
+        first = (lo + step) * block_k
+        return [pt_ref[s, jnp.minimum((first + c * chunk) // page_size, last_page)]
+                for c in range(block_k // chunk)]
+    return ids
+
+
+def _issue(src, dst, full, ids, step, slot, *, kv, lo, block_k):
+    """TMA copies of one tile's pages (or rows of a page) into ring slot `slot`."""
+    page_size = src.shape[2]
+    chunk = min(page_size, block_k)
+    if page_size > block_k:  # the tile is rows [row, row + block_k) of one page
+        rows = pl.ds(lax.rem((lo + step) * block_k, page_size), chunk)
+    else:
+        rows = pl.ds(0, chunk)
+    for c, page in enumerate(ids):
+        tile_rows = dst.at[slot] if len(ids) == 1 else dst.at[slot, pl.ds(c * chunk, chunk)]
+        plgpu.copy_gmem_to_smem(src.at[kv, page, rows], tile_rows, full.at[slot])
 
 
 def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full, k_free,
              v_free, lo, hi, block_k, num_stages):
-    page_size = k_ref.shape[2]
-    chunk = min(page_size, block_k)  # keys per TMA copy: a page, or a tile's part of a page
-    copies = block_k // chunk
-    last_page = jnp.maximum(ctx - 1, 0) // page_size
+    page_ids = _page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=k_ref.shape[2],
+                         block_k=block_k)
+    issue = functools.partial(_issue, kv=kv, lo=lo, block_k=block_k)
     steps = hi - lo
-
-    def page_ids(step):
-        """Table entries of this tile's copies; copies past the last page fetch it again (their
-        keys are masked), so entries past the sequence are never read."""
-        first = (lo + step) * block_k
-        return [pt_ref[s, jnp.minimum((first + c * chunk) // page_size, last_page)]
-                for c in range(copies)]
-
-    def issue(src, dst, full, ids, step, slot):
-        if page_size > block_k:  # the tile is rows [row, row + block_k) of one page
-            rows = pl.ds(lax.rem((lo + step) * block_k, page_size), chunk)
-        else:
-            rows = pl.ds(0, chunk)
-        for c, page in enumerate(ids):
-            tile_rows = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(c * chunk, chunk)]
-            plgpu.copy_gmem_to_smem(src.at[kv, page, rows], tile_rows, full.at[slot])
 
     for i in range(num_stages):
         @pl.when(i < steps)
@@ -166,16 +202,61 @@ def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full
         plgpu.barrier_wait(v_free.at[slot])
         issue(v_ref, v_smem, v_full, ids, step, slot)
 
-    for i in range(num_stages):  # leave once the ring is empty: every release is awaited
+    _drain(k_free, v_free, steps, num_stages)
+
+
+def _drain(k_free, v_free, steps, num_stages):
+    """Leave once the ring is empty: every release is awaited."""
+    for i in range(num_stages):
         @pl.when(i < steps)
         def _():
             plgpu.barrier_wait(k_free.at[i])
             plgpu.barrier_wait(v_free.at[i])
 
 
+def _produce_fp8(pt_ref, k_ref, v_ref, staging, *, kv, s, ctx, k_smem, v_smem, k_full, v_full,
+                 k_free, v_free, lo, hi, block_k, num_stages, fp8_stages, convert_layout,
+                 interpret):
+    """Float8 pages: TMA copies fill the float8 staging ring `fp8_stages` tiles ahead; each
+    tile is converted into the consumer's float16 ring, K first so S can start while V
+    converts, and its staging slot refilled once both are out."""
+    (k8, v8), (k8_full, v8_full) = staging
+    page_ids = _page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=k_ref.shape[2],
+                         block_k=block_k)
+    issue = functools.partial(_issue, kv=kv, lo=lo, block_k=block_k)
+    steps = hi - lo
+
+    def fetch(step, slot):
+        ids = page_ids(step)
+        issue(k_ref, k8, k8_full, ids, step, slot)
+        issue(v_ref, v8, v8_full, ids, step, slot)
+
+    def convert(src, dst):
+        x = src[...] if interpret else plgpu.load(src, (), layout=convert_layout)
+        dst[...] = x.astype(dst.dtype)
+        plgpu.commit_smem()  # the warpgroup's stores, fenced for the wgmma's async reads
+
+    for i in range(fp8_stages):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+    @pl.loop(0, steps)
+    def _convert(step):
+        st, slot = lax.rem(step, fp8_stages), lax.rem(step, num_stages)
+        for src, full, dst, free, ready in ((k8, k8_full, k_smem, k_free, k_full),
+                                            (v8, v8_full, v_smem, v_free, v_full)):
+            plgpu.barrier_wait(full.at[st])
+            pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+            convert(src.at[st], dst.at[slot])
+            plgpu.barrier_arrive(ready.at[slot])
+        nxt = step + fp8_stages
+        pl.when(nxt < steps)(lambda: fetch(nxt, st))
+
+    _drain(k_free, v_free, steps, num_stages)
+
+
 def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, group, ragged,
-             scale, k_smem, v_smem, k_full, v_full, k_free, v_free, lo, hi, block_k, num_stages,
-             interpret):
+             scale, v_scale, k_smem, v_smem, k_full, v_full, k_free, v_free, lo, hi, block_k,
+             num_stages, interpret):
     D = q_ref.shape[-1]
     plgpu.copy_gmem_to_smem(q_ref.at[b, kv], q_smem, q_full)
     plgpu.barrier_wait(q_full)
@@ -233,7 +314,10 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, g
     acc, m, l = lax.fori_loop(whole, hi, functools.partial(step, masked=True), carry)
 
     empty = l == 0.0  # a split without tiles (or context 0)
-    acc = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+    norm = jnp.where(empty, 1.0, l)
+    if v_scale is not None:  # float8 pages: V was read as stored, V / v_scale
+        norm = norm / v_scale
+    acc = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
     live = pl.ds(0, out_refs[0].shape[-2])  # the group's rows, rounded up to a tile of 8
     if len(out_refs) == 1:  # one split: the final output, through q's buffer
         q_smem[...] = acc.astype(q_smem.dtype)
@@ -277,7 +361,7 @@ def unpack(o, num_heads):
     return o[:, :, :num_heads // KV].reshape(S, num_heads, D)
 
 
-def _scratch(dtype, D, block_k, num_stages, num_splits, copies):
+def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages):
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=(
         plgpu.TilingTransform((8, 128 // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(128)))
     out = None
@@ -285,29 +369,43 @@ def _scratch(dtype, D, block_k, num_stages, num_splits, copies):
         out = (tiled((ROWS, D), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32))
     smem = (tiled((ROWS, D), dtype), tiled((num_stages, block_k, D), dtype),
             tiled((num_stages, block_k, D), dtype), out)
-    full = (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+    # With float8 pages the 16-bit ring is filled by the producer's arrival, not the TMA's.
+    arrivals = 1 if fp8_stages else copies
+    full = (plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
             plgpu.Barrier())
     free = (plgpu.Barrier(num_barriers=num_stages),) * 2
-    return [smem, full, free]
+    staging = None
+    if fp8_stages:
+        one_byte = plgpu.SMEM((fp8_stages, block_k, D), FP8, transforms=swizzled(D, FP8))
+        staging = ((one_byte,) * 2,
+                   (plgpu.Barrier(num_arrivals=copies, num_barriers=fp8_stages),) * 2)
+    return [smem, full, free, staging]
 
 
-def _launch(blocks, page_table, q_packed, k_pages, v_pages, *, group, ragged, rows, sm_scale,
-            block_k, num_stages, num_splits, interpret):
+def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ragged, rows,
+            sm_scale, block_k, num_stages, num_splits, fp8_stages, convert_layout, interpret):
     """The kernel over q_packed [NB, KV, 64, D]: `blocks` is context_lens [NB] for decode or,
     `ragged`, [3, NB] (sequence, keys its last token sees, tokens) for blocks of query tokens
-    of one sequence, `group` rows a token. Returns [NB, KV, rows, D] in q's dtype, or with splits float32
+    of one sequence, `group` rows a token; `scales` [2, KV] are float8 pages' k/v scales.
+    Returns [NB, KV, rows, D] in q's dtype (float16 for float8 pages), or with splits float32
     partial outputs [splits, NB, KV, rows, D] and base-2 log-sum-exps [splits, NB, KV, rows]."""
     NB, KV, _, D = q_packed.shape
     page_size = k_pages.shape[2]
+    fp8 = k_pages.dtype == FP8
+    if fp8:  # the MMAs run in float16, which holds every e4m3 value exactly
+        q_packed = q_packed.astype(jnp.float16)
     max_tiles = pl.cdiv(page_table.shape[1] * page_size, block_k)
-    num_stages = max(1, min(num_stages, pl.cdiv(max_tiles, num_splits)))
+    per_split = pl.cdiv(max_tiles, num_splits)
+    num_stages = max(1, min(num_stages, per_split))
+    fp8_stages = max(1, min(fp8_stages, per_split)) if fp8 else 0
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     scratch = _scratch(q_packed.dtype, D, block_k, num_stages, num_splits,
-                       copies=block_k // min(page_size, block_k))
+                       copies=block_k // min(page_size, block_k), fp8_stages=fp8_stages)
+    layout = getattr(plgpu.Layout, convert_layout) if fp8 and not interpret else None
     body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
                              num_splits=num_splits, group=group, ragged=ragged,
-                             interpret=interpret)
+                             fp8_stages=fp8_stages, convert_layout=layout, interpret=interpret)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -330,27 +428,46 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, *, group, ragged, ro
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interp,
-    )(blocks.astype(jnp.int32), page_table.astype(jnp.int32), q_packed, k_pages, v_pages)
+    )(blocks.astype(jnp.int32), page_table.astype(jnp.int32), q_packed, k_pages, v_pages,
+      scales)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "num_splits",
-                                             "interpret"))
-def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
-                    block_k=64, num_stages=4, num_splits=1, interpret=False):
-    """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D],
-    context_lens [S] int32, page_table [S, pages_per_seq] int32 -> [S, H, D]."""
-    why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits)
+def _scales(k_pages, k_scale, v_scale):
+    """[2, KV] float32: float8 pages' scales (which they need), ones for 16-bit pages."""
+    KV = k_pages.shape[0]
+    if k_pages.dtype != FP8:
+        return jnp.ones((2, KV), jnp.float32)
+    if k_scale is None or v_scale is None:
+        raise ValueError("float8 pages need k_scale and v_scale [num_kv_heads]")
+    return jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.float32), (KV,))
+                      for x in (k_scale, v_scale)])
+
+
+STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "fp8_stages", "convert_layout",
+          "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=None,
+                    v_scale=None, sm_scale=None, block_k=64, num_stages=4, num_splits=1,
+                    fp8_stages=4, convert_layout="WGMMA", interpret=False):
+    """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D] (with
+    float8 pages their k/v_scale [KV]), context_lens [S] int32, page_table [S, pages_per_seq]
+    int32 -> [S, H, D]."""
+    why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
+                    fp8_stages=fp8_stages)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     S, H, D = q.shape
     KV = k_pages.shape[0]
     rows = out_rows(H // KV)
-    out = _launch(context_lens, page_table, pack(q, KV), k_pages, v_pages, group=H // KV,
-                  ragged=False, rows=rows,
+    out = _launch(context_lens, page_table, pack(q, KV), k_pages, v_pages,
+                  _scales(k_pages, k_scale, v_scale), group=H // KV, ragged=False, rows=rows,
                   sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
-                  num_splits=num_splits, interpret=interpret)
+                  num_splits=num_splits, fp8_stages=fp8_stages, convert_layout=convert_layout,
+                  interpret=interpret)
     if num_splits == 1:
-        return unpack(out, H)
+        return unpack(out, H).astype(q.dtype)
     o, lse = out  # merged and the padding rows dropped in one launch
     o = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1), S * H, q.dtype,
                      group=H // KV, stride=rows, interpret=bool(interpret))
@@ -382,15 +499,15 @@ def token_places(query_start, T, tokens):
     return jnp.cumsum(n_blk)[seq] - n_blk[seq] + i // tokens, i % tokens
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "num_stages", "num_splits",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           sm_scale=None, block_k=64, num_stages=2, num_splits=1,
-                           interpret=False):
+                           k_scale=None, v_scale=None, sm_scale=None, block_k=64, num_stages=2,
+                           num_splits=1, fp8_stages=4, convert_layout="WGMMA", interpret=False):
     """Prefill chunks and decode tokens on one flat token axis, q [T, H, D] -> [T, H, D], as
     `paged.ragged_paged_attention` (tokens past query_start[-1] get zeros). A CTA's 64 rows are
     up to 64 // G tokens of one sequence times their G query heads, causal among themselves."""
-    why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits)
+    why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
+                    fp8_stages=fp8_stages)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     T, H, D = q.shape
@@ -405,9 +522,10 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     qp = q[idx].reshape(nb, tpb, KV, G, D).transpose(0, 2, 1, 3, 4).reshape(nb, KV, tpb * G, D)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - tpb * G), (0, 0)))
     rows = out_rows(tpb * G)
-    out = _launch(blocks, page_table, qp, k_pages, v_pages, group=G, ragged=True, rows=rows,
-                  sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
-                  num_splits=num_splits, interpret=interpret)
+    out = _launch(blocks, page_table, qp, k_pages, v_pages, _scales(k_pages, k_scale, v_scale),
+                  group=G, ragged=True, rows=rows, sm_scale=sm_scale, block_k=block_k,
+                  num_stages=num_stages, num_splits=num_splits, fp8_stages=fp8_stages,
+                  convert_layout=convert_layout, interpret=interpret)
     if num_splits > 1:
         o, lse = out
         out = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1),

@@ -37,6 +37,10 @@ _DEFAULT = {
     # sweeps of 2026-11-23 (benchmarks/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
+    # Float8 pages: a float8 staging ring the TMA fills, converted into a float16 ring of
+    # `num_stages`; unmeasured placeholder until the H100 sweep (benchmarks/sweep_fp8kv.py).
+    "decode_mosaic_fp8": dict(block_k=64, num_stages=2, fp8_stages=4,
+                              convert_layout="WGMMA"),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
     # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.
@@ -77,6 +81,12 @@ _H100 = dict(
     # of 256) 0.633 against 0.408: short contexts leave each CTA too little to do. The H200
     # inherits this entry unmeasured.
     ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
+    # Float8 pages, decode and mixed steps alike (`benchmarks/sweep_fp8kv.py`, H100, 2026-11-27):
+    # 128-key tiles converted by the producer, one float16 slot and three float8 ones in flight
+    # (they fit beside split-K's buffers): batch 64 at 4k 0.2815 ms against the Triton kernel's
+    # 0.3154, batch 8 at 8k 0.0773 against 0.0868; 64-key tiles 0.336-0.350 / 0.088-0.093.
+    # At 768 ShareGPT rows (64-576 keys) it loses, 0.50-0.52 against 0.385: too few tiles a CTA.
+    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, min_keys=4096),
 )
 
 # H200, JAX 0.11.2, `benchmarks/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
@@ -289,10 +299,11 @@ def params(kernel: str, page_size: int | None = None) -> dict:
     return p
 
 
-def ragged_mosaic() -> dict | None:
+def ragged_mosaic(fp8: bool = False) -> dict | None:
     """The Mosaic GPU ragged kernel's tiles and the page-table reach from which it runs mixed
-    steps on this GPU, or None (the Triton kernel always)."""
-    entry = TABLE[gpu_key()].get("ragged_mosaic")
+    steps (with float8 pages, `fp8`: decode steps too) on this GPU, or None (the Triton kernel
+    always)."""
+    entry = TABLE[gpu_key()].get("ragged_mosaic_fp8" if fp8 else "ragged_mosaic")
     return dict(entry) if entry else None
 
 

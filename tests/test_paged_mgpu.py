@@ -20,6 +20,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from pallasite.kernels import paged_mgpu, reference
+from test_attention_features import quantized
 from test_kernels import paged_case, rel_err
 
 
@@ -129,7 +130,7 @@ def test_ragged_backend_choice(monkeypatch):
     monkeypatch.setattr(paged_mgpu, "ragged_paged_attention",
                         lambda *a, **kw: called.append(kw) or real(*a, **kw))
     monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
-    monkeypatch.setattr(tuning, "ragged_mosaic", lambda: dict(
+    monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(
         block_k=64, num_stages=2, num_splits=1, min_keys=64))
     # a fresh prompt of two blocks, a decode token, and padding tokens after them
     q, kp, vp, qs, ctx, table = paged_case(3, [20, 1], [0, 40], 4, 1, 64, 16, pad_tokens=3)
@@ -147,6 +148,71 @@ def test_ragged_backend_choice(monkeypatch):
     monkeypatch.setenv("PALLASITE_RAGGED_BACKEND", "triton")
     kernels.ragged_paged_attention(q, kp, vp, qs, ctx, table, interpret=True)
     assert len(called) == 1
+
+
+def scaled_fp8(seed, kp, vp):
+    """Float8 pages as the engine stores them (K / k_scale) from kv heads of unequal size, and
+    their per-kv-head scales."""
+    KV = kp.shape[0]
+    size = jnp.linspace(0.2, 5.0, KV)[:, None, None, None]
+    scales = [jnp.max(jnp.abs(x * w), axis=(1, 2, 3)) / 300.0 for x, w in
+              ((kp, size), (vp, size[::-1]))]
+    pages = [quantized(x * w, sc) for x, w, sc in ((kp, size, scales[0]),
+                                                    (vp, size[::-1], scales[1]))]
+    return pages, dict(k_scale=scales[0], v_scale=scales[1])
+
+
+FP8_CASES = [
+    # ctx, H, KV, page_size, splits, block_k, stages, fp8_stages
+    ([37, 1, 0, 130], 8, 2, 16, 1, 64, 2, 3),    # more tiles than float8 slots, context 0 and 1
+    ([150, 64], 4, 1, 32, 2, 64, 1, 1),          # split-K through one slot of each ring
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_paged_mgpu_fp8_pages(case):
+    """Float8 pages: the producer converts each tile to float16 for the consumer; the scales
+    fold into the softmax and the normalization. Against the reference on the same pages (the
+    same math up to float16 rounding of q and P), with NaN in every stale pool slot."""
+    ctx, H, KV, page_size, splits, bk, stages, f8 = case
+    q, kp, vp, ctx, table = decode_case(sum(ctx), ctx, H, KV, 64, page_size, jnp.bfloat16)
+    (k8, v8), scales = scaled_fp8(1, kp, vp)
+    ref = reference.paged_attention_reference(q, k8, v8, ctx, table, **scales)
+    t = np.asarray(table)
+    k8, v8 = poison_stale_slots(k8, ctx, t), poison_stale_slots(v8, ctx, t)
+    out = paged_mgpu.paged_attention(q, k8, v8, ctx, table, num_splits=splits, block_k=bk,
+                                     num_stages=stages, fp8_stages=f8, interpret=True, **scales)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, ref) < 2e-3
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_mgpu.paged_attention(q, k8, v8, ctx, table, interpret=True)
+
+
+def test_ragged_fp8_backend_choice(monkeypatch):
+    """Float8 pages take the Mosaic GPU kernel for decode steps as well as mixed ones (where the
+    table reaches `min_keys`), their scales passed on; 16-bit decode steps keep Triton."""
+    from pallasite import kernels
+    from pallasite.kernels import tuning
+    called = []
+    real = paged_mgpu.ragged_paged_attention
+    monkeypatch.setattr(paged_mgpu, "ragged_paged_attention",
+                        lambda *a, **kw: called.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
+    monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(
+        block_k=64, num_stages=1, fp8_stages=2, min_keys=64))
+    # decode tokens only, then a chunk over cached keys beside a decode token
+    for q_lens, cached in (([1, 1], [70, 12]), ([9, 1], [40, 3])):
+        q, kp, vp, qs, ctx, table = paged_case(5, q_lens, cached, 4, 1, 64, 16)
+        q = q.astype(jnp.bfloat16)
+        (k8, v8), scales = scaled_fp8(2, kp, vp)
+        ref = reference.ragged_paged_attention_reference(q, k8, v8, qs, ctx, table, **scales)
+        out = kernels.ragged_paged_attention(q, k8, v8, qs, ctx, table, interpret=True,
+                                             **scales)
+        assert called[-1]["k_scale"] is scales["k_scale"] and called[-1]["num_splits"] >= 1
+        assert rel_err(out, ref) < 2e-3
+    kernels.ragged_paged_attention(q[:2], kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16),
+                                   jnp.arange(3), ctx, table, interpret=True)  # 16-bit decode
+    assert len(called) == 2
 
 
 def test_paged_mgpu_supported():
@@ -193,6 +259,26 @@ def test_paged_mgpu_lowers_for_hopper(S, H, KV, D, page_size, kw):
     lowered = paged_mgpu.paged_attention.trace(q, kp, kp, ints(S), ints(S, pps), **kw).lower(
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("kw", [dict(block_k=128, num_stages=1, fp8_stages=3, num_splits=4),
+                                dict(block_k=64, num_stages=2, fp8_stages=4,
+                                     convert_layout="WGMMA_UPCAST_2X")])
+def test_fp8_pages_lower_for_hopper(kw):
+    """Float8 pages: the staging ring, the producer's conversion and its layouts, decode and
+    mixed steps."""
+    S, KV, pps = 8, 8, 64
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    kp = jax.ShapeDtypeStruct((KV, S * pps + 3, 16, 128), jnp.float8_e4m3fn)
+    scales = dict(k_scale=jax.ShapeDtypeStruct((KV,), jnp.float32),
+                  v_scale=jax.ShapeDtypeStruct((KV,), jnp.float32))
+    for fn, q, lens in ((paged_mgpu.paged_attention, (S, 32, 128), (ints(S),)),
+                        (paged_mgpu.ragged_paged_attention, (100, 32, 128),
+                         (ints(S + 1), ints(S)))):
+        q = jax.ShapeDtypeStruct(q, jnp.bfloat16)
+        lowered = fn.trace(q, kp, kp, *lens, ints(S, pps), **scales, **kw).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_decode_backend_choice(monkeypatch):
