@@ -12,6 +12,9 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
   offline ShareGPT run's mixed step);
 - prefill_2k: one 2048-token prompt.
 
+"library" is `kernels.ragged_paged_attention` choosing for itself, as the engine calls it. With
+--fp8 every case runs on float8 pages with per-kv-head scales (FA3 is left out).
+
 With --mosaic, the Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`: a CTA's 64 rows are
 a block of one sequence's tokens times their query heads, K/V pages by TMA, warpgroup MMAs)
 runs beside it at its own tiles and splits, and a 512-token chunk over 8k runs alone too.
@@ -49,6 +52,19 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
+# With --fp8: (block_k, num_stages, num_splits, fp8_stages, convert_layout)
+MOSAIC_FP8 = [(128, 1, 1, 3, "WGMMA_UPCAST_2X"), (128, 1, 2, 3, "WGMMA_UPCAST_2X"),
+              (128, 2, 1, 2, "WGMMA"), (64, 2, 1, 4, "WGMMA_UPCAST_2X")]
+
+
+def to_fp8(kp, vp):
+    """Float8 pages with per-kv-head scales, as the engine stores them."""
+    out, scales = [], []
+    for x in (kp, vp):
+        sc = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2, 3)) / 448.0
+        out.append((x.astype(jnp.float32) / sc[:, None, None, None]).astype(jnp.float8_e4m3fn))
+        scales.append(sc)
+    return out, dict(k_scale=scales[0], v_scale=scales[1])
 
 
 def fa3_two_calls(q, kp, vp, ctx, table, chunk):
@@ -67,18 +83,26 @@ def run_case(name, q_lens, ctx, args):
     q, kp, vp, qs, ctx_a, table = paged_inputs(rng, q_lens, ctx, H if not args.tiny else 4,
                                                KV if not args.tiny else 2, D if not args.tiny
                                                else 64, PAGE, jnp.bfloat16)
-    ref = jax.jit(reference.ragged_paged_attention_reference)(q, kp, vp, qs, ctx_a, table)
-    jobs = []
+    sc = {}
+    if args.fp8:
+        (kp, vp), sc = to_fp8(kp, vp)
+    ref = jax.jit(lambda *a: reference.ragged_paged_attention_reference(*a, **sc))(
+        q, kp, vp, qs, ctx_a, table)
+    jobs = [(dict(kernel="library"), jax.jit(lambda *a: K.ragged_paged_attention(
+        *a, interpret=args.tiny, **sc)))]
     for rows, bk, warps, stages in (VARIANTS[:2] if args.tiny else VARIANTS):
         kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps, num_stages=stages)
         jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
                           num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
-                              *a, interpret=args.tiny, **kw))))
+                              *a, interpret=args.tiny, **kw, **sc))))
     if args.mosaic:
         from pallasite.kernels import paged_mgpu
-        for bk, stages, splits in (MOSAIC[:1] if args.tiny else MOSAIC):
-            kw = dict(block_k=bk, num_stages=stages, num_splits=splits)
-            jobs.append((dict(kernel="mosaic", **kw), jax.jit(
+        tiles = [dict(zip(("block_k", "num_stages", "num_splits", "fp8_stages",
+                           "convert_layout"), t)) for t in (MOSAIC_FP8 if args.fp8 else MOSAIC)]
+        for kw in tiles[:1] if args.tiny else tiles:
+            kw = dict(kw, **sc)
+            jobs.append((dict(kernel="mosaic", **{k: v for k, v in kw.items() if k not in sc}),
+                         jax.jit(
                 lambda *a, kw=kw: paged_mgpu.ragged_paged_attention(*a, interpret=args.tiny,
                                                                     **kw))))
     records, calls = [], []
@@ -97,7 +121,7 @@ def run_case(name, q_lens, ctx, args):
     for (rec, _), (ms, _) in zip(calls, times):
         rec["ms"] = ms
     base = {}
-    if name == "fa3_mixed" and not args.tiny:
+    if name == "fa3_mixed" and not args.tiny and not args.fp8:
         base["fa3_two_calls_ms"] = fa3_two_calls(q, kp, vp, ctx_a, table, q_lens[0])
     for rec in records:
         rec.update(base)
@@ -105,6 +129,8 @@ def run_case(name, q_lens, ctx, args):
 
 
 def label(r) -> str:
+    if r["kernel"] == "library":
+        return "library"
     if r["kernel"] == "mosaic":
         return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp"
     return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s"
@@ -119,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--mosaic", action="store_true",
                     help="also the Mosaic GPU ragged kernel (Hopper), at its tiles and splits")
+    ap.add_argument("--fp8", action="store_true",
+                    help="float8 pages with per-kv-head scales (the FP8 KV cache)")
     args = ap.parse_args(argv)
     info = common.run_info()
     print(json.dumps(info), flush=True)

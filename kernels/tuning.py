@@ -38,9 +38,9 @@ _DEFAULT = {
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # Float8 pages: a float8 staging ring the TMA fills, converted into a float16 ring of
-    # `num_stages`; unmeasured placeholder until the H100 sweep (benchmarks/sweep_fp8kv.py).
-    "decode_mosaic_fp8": dict(block_k=64, num_stages=2, fp8_stages=4,
-                              convert_layout="WGMMA"),
+    # `num_stages` (the H100's `ragged_mosaic_fp8` tiles, below, where they are measured).
+    "decode_mosaic_fp8": dict(block_k=128, num_stages=1, fp8_stages=3,
+                              convert_layout="WGMMA_UPCAST_2X"),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
     # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.
@@ -82,11 +82,13 @@ _H100 = dict(
     # inherits this entry unmeasured.
     ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
     # Float8 pages, decode and mixed steps alike (`benchmarks/sweep_fp8kv.py`, H100, 2026-11-27):
-    # 128-key tiles converted by the producer, one float16 slot and three float8 ones in flight
-    # (they fit beside split-K's buffers): batch 64 at 4k 0.2815 ms against the Triton kernel's
-    # 0.3154, batch 8 at 8k 0.0773 against 0.0868; 64-key tiles 0.336-0.350 / 0.088-0.093.
-    # At 768 ShareGPT rows (64-576 keys) it loses, 0.50-0.52 against 0.385: too few tiles a CTA.
-    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, min_keys=4096),
+    # 128-key tiles converted by the producer (loaded in the layout made for upcasts), one
+    # float16 slot and three float8 ones in flight (they fit beside split-K's buffers): batch 64
+    # at 4k 0.2715 ms against the Triton kernel's 0.3150, batch 8 at 8k 0.0744 against 0.0863;
+    # 64-key tiles 0.339-0.350 / 0.089-0.094; 256-key tiles 0.2646 at batch 64 but no room
+    # for splits. At 768 ShareGPT rows (64-576 keys) it loses, 0.50-0.52 against 0.385.
+    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3,
+                           convert_layout="WGMMA_UPCAST_2X", min_keys=4096),
 )
 
 # H200, JAX 0.11.2, `benchmarks/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
