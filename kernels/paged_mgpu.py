@@ -64,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu import wgmma_iota, wgmma_pv, wgmma_qk
 from .paged import block_metadata, merge_splits
-from .reference import NEG_INF
+from .reference import NEG_INF, head_scale
 from .w8a8_mgpu import swizzled
 
 LOG2E = math.log2(math.e)
@@ -439,8 +439,7 @@ def _scales(k_pages, k_scale, v_scale):
         return jnp.ones((2, KV), jnp.float32)
     if k_scale is None or v_scale is None:
         raise ValueError("float8 pages need k_scale and v_scale [num_kv_heads]")
-    return jnp.stack([jnp.broadcast_to(jnp.asarray(x, jnp.float32), (KV,))
-                      for x in (k_scale, v_scale)])
+    return jnp.stack([head_scale(x, KV) for x in (k_scale, v_scale)])
 
 
 STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "fp8_stages", "convert_layout",
