@@ -158,13 +158,14 @@ def step_inputs(engine, seqs, key, first_page: int, seed=0):
     pad = lambda m, v, fill: np.concatenate([v, np.full(m - len(v), fill)])
     decode = q[row] == 1
     starts = np.concatenate([[0], np.cumsum(q)])
-    parts = dict(tokens=pad(T, np.random.default_rng(seed).integers(0, 100, len(row)), 0),
+    parts = dict(page_table=table.ravel(),
+                 tokens=pad(T, np.random.default_rng(seed).integers(0, 100, len(row)), 0),
                  positions=pad(T, pos, 0),
                  kv_slots=pad(T, table[row, pos // ps] * ps + pos % ps, -1),
                  sources=pad(T, np.where(decode, row, -1), -1),
                  query_start=pad(S + 1, starts, starts[-1]),
                  context_lens=pad(S, ctx, 0),
-                 logits_indices=pad(S, starts[1:] - 1, 0), page_table=table.ravel())
+                 logits_indices=pad(S, starts[1:] - 1, 0))
     layout = int_layout(T, S, P)
     assert list(parts) == list(layout), f"the engine's int layout changed: {list(layout)}"
     ints = np.concatenate([parts[k] for k in layout]).astype(np.int32)

@@ -29,9 +29,11 @@ LOGPROBS = list(sampling.INT_FIELDS).index("logprobs")
 
 def int_layout(T: int, S: int, P: int, R: int = 1) -> dict[str, int]:
     """The pieces of a step's int32 input to the forward pass, in order, and their sizes. R:
-    logits rows per sequence (1 + the speculative tokens, `speculative.py`)."""
-    return dict(tokens=T, positions=T, kv_slots=T, sources=T, query_start=S + 1, context_lens=S,
-                logits_indices=S * R, page_table=S * P)
+    logits rows per sequence (1 + the speculative tokens, `speculative.py`). The page table
+    comes first: XLA passes a slice of the buffer to a kernel as a view at its offset, and the
+    Mosaic GPU kernels take only operands aligned to 256 bytes."""
+    return dict(page_table=S * P, tokens=T, positions=T, kv_slots=T, sources=T,
+                query_start=S + 1, context_lens=S, logits_indices=S * R)
 
 
 def sample_layout(S: int) -> dict[str, int]:
@@ -88,7 +90,7 @@ class BatchState:
         # Each piece is written in place, in one buffer laid out as int_layout says.
         sizes = list(int_layout(T, S, P).values())
         ints_all = np.empty(sum(sizes), np.int32)
-        tok, pos, kv_slot, src, qstart, ctx_lens, last, table = np.split(
+        table, tok, pos, kv_slot, src, qstart, ctx_lens, last = np.split(
             ints_all, np.cumsum(sizes)[:-1])
 
         # The token axis: each chunk's tokens back to back, then padding (no KV write).

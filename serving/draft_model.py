@@ -20,8 +20,9 @@ from .settings import compiler_options
 
 
 def layout(T: int, S: int, P: int) -> dict[str, int]:
-    return dict(tokens=T, positions=T, kv_slots=T, query_start=S + 1, context_lens=S,
-                logits_indices=S, page_table=S * P)
+    """The draft step's int32 input; the page table first, as `batch.int_layout` says why."""
+    return dict(page_table=S * P, tokens=T, positions=T, kv_slots=T, query_start=S + 1,
+                context_lens=S, logits_indices=S)
 
 
 class DraftModel:
@@ -37,7 +38,7 @@ class DraftModel:
 
     def _fn(self, params, kv, ints, *, shape):
         T, S, P = shape
-        tok, pos, slot, qstart, ctx, last, table = jnp.split(
+        table, tok, pos, slot, qstart, ctx, last = jnp.split(
             ints, np.cumsum(list(layout(T, S, P).values()))[:-1])
         logits, kv = forward(params, self.config, tok, pos, kv,
                              Batch(qstart, ctx, table.reshape(S, P), slot, last))
@@ -86,5 +87,5 @@ class DraftModel:
             ctx[i], last[i] = end, at - 1
         exe = self._exe.get((T, P)) or self._compile((T, P))
         out, self.kv = exe(self.params, self.kv,
-                           np.concatenate([tok, pos, slot, qstart, ctx, last, table.ravel()]))
+                           np.concatenate([table.ravel(), tok, pos, slot, qstart, ctx, last]))
         return np.asarray(out)[:len(pieces)]

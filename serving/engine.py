@@ -472,7 +472,7 @@ class Engine:
         `shape` (T, S, P) tells how `ints` is laid out."""
         T, S, P = shape
         sizes = list(int_layout(T, S, P, self.rows).values())
-        tok, pos, slot, src, qstart, ctx, last, table = jnp.split(ints, np.cumsum(sizes)[:-1])
+        table, tok, pos, slot, src, qstart, ctx, last = jnp.split(ints, np.cumsum(sizes)[:-1])
         tok = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], tok)
         batch = Batch(qstart, ctx, table.reshape(S, P), slot, last)
         logits, kv = forward(params, self.config, tok, pos, kv, batch)

@@ -394,7 +394,7 @@ def pack(state: BatchState, R: int, chunks) -> Packed:
     (T, P), n = packed.key, packed.n
     S = min(T, state.max_num_seqs)
     sizes = np.cumsum(list(int_layout(T, S, P).values()))[:-1]
-    tok, pos, kv_slot, src, qstart, ctx, _, table = np.split(packed.ints, sizes)
+    table, tok, pos, kv_slot, src, qstart, ctx, _ = np.split(packed.ints, sizes)
     ends = qstart[1:n + 1]
     dl = np.array([len(c.seq.draft) for c in chunks], np.int32)
     for i in np.flatnonzero(dl).tolist():
@@ -416,7 +416,7 @@ def pack(state: BatchState, R: int, chunks) -> Packed:
     ints_r[INDEX, r] -= dl[which] - jj
     rows_r = np.full(S * R, -1, np.int32)
     rows_r[np.arange(n) * R] = sample_row[:n]
-    packed.ints = np.concatenate([tok, pos, kv_slot, src, qstart, ctx, last, table])
+    packed.ints = np.concatenate([table, tok, pos, kv_slot, src, qstart, ctx, last])
     packed.sample_ints = np.concatenate([rows_r, ints_r.ravel()])
     packed.floats = floats_r.ravel()
     return packed
