@@ -4,7 +4,7 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
     python -m benchmarks.dispatch --out DIR            # GPU: one child process per variant
     python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
 
-Each variant is `weights:flags` (weights bf16 or fp8; flags a name in FLAGS, set as XLA_FLAGS
+Each variant is `weights:flags` (weights bf16 or fp8, `+fp8kv` for float8 KV pages; flags a name in FLAGS, set as XLA_FLAGS
 in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
 64-sequence `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
@@ -84,6 +84,7 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
 
     config = config_from_dict(TINY if tiny else LLAMA3_8B)
     params = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
+    weights, _, kv = weights.partition("+")  # e.g. "bf16+fp8kv": float8 KV pages too
     if weights == "fp8":
         params = quant.quantize_params(params)
     prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, 64)
@@ -91,7 +92,8 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
     llm = LLM.from_params(config, params, None, max_num_seqs=batch,
                           max_num_batched_tokens=prompt_len, num_pages=batch * pages + 8,
                           token_buckets=[1, 2, batch, prompt_len], page_buckets=[pages],
-                          max_model_len=prompt_len + new)
+                          max_model_len=prompt_len + new,
+                          kv_cache_dtype="fp8" if kv == "fp8kv" else "auto")
     del params
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -110,7 +112,7 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
         else:
             llm.generate(prompts, sampling)
             step_ms = None
-        rec = dict(case=case, weights=weights, wall_s=time.perf_counter() - t,
+        rec = dict(case=case, weights=weights, kv_cache_dtype=kv or "auto", wall_s=time.perf_counter() - t,
                    stream_ms_per_token=step_ms, **summary(times, engine, steps0, host0))
         print(json.dumps(rec), flush=True)
         records.append(rec)
