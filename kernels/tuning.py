@@ -38,7 +38,9 @@ _DEFAULT = {
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # Float8 pages: a float8 staging ring the TMA fills, converted into a float16 ring of
-    # `num_stages` (the H100's `ragged_mosaic_fp8` tiles, below, where they are measured).
+    # `num_stages`. H100, 2026-11-27 (`benchmarks/sweep_fp8kv.py`): batch 64 at 4k 0.2715 ms
+    # against the Triton kernel's 0.3150, batch 8 at 8k 0.0744 against 0.0863; 64-key tiles
+    # 0.339-0.350 / 0.089-0.094; 256-key tiles 0.2646 at batch 64 but no room for splits.
     "decode_mosaic_fp8": dict(block_k=128, num_stages=1, fp8_stages=3,
                               convert_layout="WGMMA_UPCAST_2X"),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
@@ -81,13 +83,13 @@ _H100 = dict(
     # of 256) 0.633 against 0.408: short contexts leave each CTA too little to do. The H200
     # inherits this entry unmeasured.
     ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
-    # Float8 pages, decode and mixed steps alike (`benchmarks/sweep_fp8kv.py`, H100, 2026-11-27):
-    # 128-key tiles converted by the producer (loaded in the layout made for upcasts), one
-    # float16 slot and three float8 ones in flight (they fit beside split-K's buffers): batch 64
-    # at 4k 0.2715 ms against the Triton kernel's 0.3150, batch 8 at 8k 0.0744 against 0.0863;
-    # 64-key tiles 0.339-0.350 / 0.089-0.094; 256-key tiles 0.2646 at batch 64 but no room
-    # for splits. At 768 ShareGPT rows (64-576 keys) it loses, 0.50-0.52 against 0.385.
-    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3,
+    # The same for float8 pages (the producer converts each tile to float16; H100, 2026-11-27,
+    # `benchmarks/sweep_ragged.py --mosaic --fp8`): 128-key tiles, one float16 slot and three
+    # float8 ones in flight, one split, loaded in the layout made for upcasts. The 512-token
+    # chunk over 8k + 63 decodes at 4k 0.520 ms against Triton's best 0.675 (0.562 in two
+    # splits); the chunk alone 0.256 against 0.275; a 2048-token prompt 0.202 against 0.209; the
+    # ShareGPT mixed step 0.709 against 0.457.
+    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, num_splits=1,
                            convert_layout="WGMMA_UPCAST_2X", min_keys=4096),
 )
 
@@ -302,9 +304,8 @@ def params(kernel: str, page_size: int | None = None) -> dict:
 
 
 def ragged_mosaic(fp8: bool = False) -> dict | None:
-    """The Mosaic GPU ragged kernel's tiles and the page-table reach from which it runs mixed
-    steps (with float8 pages, `fp8`: decode steps too) on this GPU, or None (the Triton kernel
-    always)."""
+    """The Mosaic GPU ragged kernel's tiles (for float8 pages with `fp8`) and the page-table
+    reach from which it runs mixed steps on this GPU, or None (the Triton kernel always)."""
     entry = TABLE[gpu_key()].get("ragged_mosaic_fp8" if fp8 else "ragged_mosaic")
     return dict(entry) if entry else None
 
