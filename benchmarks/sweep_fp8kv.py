@@ -61,17 +61,18 @@ VARIANTS = [
 ]
 
 
-def _m(block_k, stages, fp8_stages, layout="WGMMA"):
+def _m(block_k, stages, fp8_stages, layout="WGMMA_UPCAST_2X", converters=1):
     """The Mosaic GPU kernel: `fp8_stages` float8 tiles in flight, converted by its producer
-    warpgroup into `stages` float16 slots."""
-    name = f"fp8 mosaic k={block_k} st={stages} f8={fp8_stages} {layout}"
+    warpgroup (or one for K and one for V) into `stages` float16 slots."""
+    name = f"fp8 mosaic k={block_k} st={stages} f8={fp8_stages} {layout} cv={converters}"
     return name, dict(backend="mosaic", block_k=block_k, num_stages=stages,
-                      fp8_stages=fp8_stages, convert_layout=layout)
+                      fp8_stages=fp8_stages, convert_layout=layout, converters=converters)
 
 
-MOSAIC = [_m(64, 2, 4), _m(64, 2, 4, "WGMMA_UPCAST_2X"), _m(64, 3, 4),
-          _m(128, 2, 2), _m(128, 2, 1), _m(128, 1, 2), _m(128, 1, 3),
-          _m(128, 1, 3, "WGMMA_UPCAST_2X"), _m(256, 1, 1)]
+MOSAIC = [_m(64, 2, 4, "WGMMA"), _m(64, 2, 4), _m(128, 2, 2), _m(128, 1, 2),
+          _m(128, 1, 3, "WGMMA"), _m(128, 1, 3), _m(256, 1, 1),
+          _m(64, 2, 4, converters=2), _m(128, 1, 3, converters=2), _m(128, 2, 2, converters=2),
+          _m(256, 1, 1, converters=2)]
 
 
 def inputs(key, B, lo, hi):

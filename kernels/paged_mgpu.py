@@ -37,7 +37,7 @@ float8 staging ring of `fp8_stages` slots, half the bytes of a 16-bit tile, and 
 warpgroup converts each tile into the consumer's ring as float16 (one `cvt.rn.f16x2.e4m3x2` a
 pair; every e4m3 value is exact in float16), so the consumer runs as for 16-bit pages with q
 and P in float16. The conversion overlaps the consumer's products and softmax instead of
-sitting in its chain. k_scale folds into the softmax scale, v_scale into the final
+sitting in its chain; with `converters=2` K and V each have their own producer warpgroup. k_scale folds into the softmax scale, v_scale into the final
 normalization; the output returns in q's dtype.
 
 Limits (`supported`): bf16/fp16 (or float8_e4m3fn pages under bf16/fp16 q), head_dim 64 or 128,
@@ -118,7 +118,7 @@ def _split_tiles(ctx, split, *, block_k, num_splits):
 
 
 def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, block_k, num_stages,
-            num_splits, group, ragged, fp8_stages, convert_layout, interpret):
+            num_splits, group, ragged, fp8_stages, convert_layout, converters, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
     kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("block")
     if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
@@ -142,14 +142,17 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
                  v_scale=scales_ref[1, kv] if fp8_stages else None, interpret=interpret,
                  **ring)
 
-    @pl.when(wg == 1)
-    def _producer():
-        if fp8_stages:
-            _produce_fp8(pt_ref, k_ref, v_ref, staging, kv=kv, s=s, ctx=ctx,
-                         fp8_stages=fp8_stages, convert_layout=convert_layout,
-                         interpret=interpret, **ring)
-        else:
-            _produce(pt_ref, k_ref, v_ref, kv=kv, s=s, ctx=ctx, **ring)
+    if not fp8_stages:
+        pl.when(wg == 1)(lambda: _produce(pt_ref, k_ref, v_ref, kv=kv, s=s, ctx=ctx, **ring))
+        return
+    (k8, v8), (k8_full, v8_full) = staging
+    tensors = [(k_ref, k8, k8_full, k_smem, k_full, k_free),
+               (v_ref, v8, v8_full, v_smem, v_full, v_free)]
+    produce = functools.partial(_produce_fp8, pt_ref, kv=kv, s=s, ctx=ctx, lo=lo, hi=hi,
+                                block_k=block_k, num_stages=num_stages, fp8_stages=fp8_stages,
+                                convert_layout=convert_layout, interpret=interpret)
+    for i, mine in enumerate([tensors] if converters == 1 else [tensors[:1], tensors[1:]]):
+        pl.when(wg == 1 + i)(functools.partial(produce, mine))
 
 
 def _page_ids(pt_ref, *, s, ctx, lo, page_size, block_k):
@@ -205,31 +208,31 @@ def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full
     _drain(k_free, v_free, steps, num_stages)
 
 
-def _drain(k_free, v_free, steps, num_stages):
+def _drain(frees, steps, num_stages):
     """Leave once the ring is empty: every release is awaited."""
     for i in range(num_stages):
         @pl.when(i < steps)
         def _():
-            plgpu.barrier_wait(k_free.at[i])
-            plgpu.barrier_wait(v_free.at[i])
+            for free in frees:
+                plgpu.barrier_wait(free.at[i])
 
 
-def _produce_fp8(pt_ref, k_ref, v_ref, staging, *, kv, s, ctx, k_smem, v_smem, k_full, v_full,
-                 k_free, v_free, lo, hi, block_k, num_stages, fp8_stages, convert_layout,
-                 interpret):
+def _produce_fp8(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp8_stages,
+                 convert_layout, interpret):
     """Float8 pages: TMA copies fill the float8 staging ring `fp8_stages` tiles ahead; each
-    tile is converted into the consumer's float16 ring, K first so S can start while V
-    converts, and its staging slot refilled once both are out."""
-    (k8, v8), (k8_full, v8_full) = staging
-    page_ids = _page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=k_ref.shape[2],
+    tile is converted into the consumer's float16 ring (K before V, so S can start while V
+    converts), and its staging slot refilled once it is out. `tensors` are this warpgroup's
+    (pages, staging, staging_full, ring, ring_full, ring_free): K and V, or one of them when
+    each has its own warpgroup."""
+    page_ids = _page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=tensors[0][0].shape[2],
                          block_k=block_k)
     issue = functools.partial(_issue, kv=kv, lo=lo, block_k=block_k)
     steps = hi - lo
 
     def fetch(step, slot):
         ids = page_ids(step)
-        issue(k_ref, k8, k8_full, ids, step, slot)
-        issue(v_ref, v8, v8_full, ids, step, slot)
+        for src, stage, stage_full, *_ in tensors:
+            issue(src, stage, stage_full, ids, step, slot)
 
     def convert(src, dst):
         x = src[...] if interpret else plgpu.load(src, (), layout=convert_layout)
@@ -242,16 +245,15 @@ def _produce_fp8(pt_ref, k_ref, v_ref, staging, *, kv, s, ctx, k_smem, v_smem, k
     @pl.loop(0, steps)
     def _convert(step):
         st, slot = lax.rem(step, fp8_stages), lax.rem(step, num_stages)
-        for src, full, dst, free, ready in ((k8, k8_full, k_smem, k_free, k_full),
-                                            (v8, v8_full, v_smem, v_free, v_full)):
-            plgpu.barrier_wait(full.at[st])
+        for _, stage, stage_full, ring, ready, free in tensors:
+            plgpu.barrier_wait(stage_full.at[st])
             pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-            convert(src.at[st], dst.at[slot])
+            convert(stage.at[st], ring.at[slot])
             plgpu.barrier_arrive(ready.at[slot])
         nxt = step + fp8_stages
         pl.when(nxt < steps)(lambda: fetch(nxt, st))
 
-    _drain(k_free, v_free, steps, num_stages)
+    _drain([t[5] for t in tensors], steps, num_stages)
 
 
 def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, group, ragged,
@@ -384,7 +386,8 @@ def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages):
 
 
 def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ragged, rows,
-            sm_scale, block_k, num_stages, num_splits, fp8_stages, convert_layout, interpret):
+            sm_scale, block_k, num_stages, num_splits, fp8_stages, convert_layout, converters,
+            interpret):
     """The kernel over q_packed [NB, KV, 64, D]: `blocks` is context_lens [NB] for decode or,
     `ragged`, [3, NB] (sequence, keys its last token sees, tokens) for blocks of query tokens
     of one sequence, `group` rows a token; `scales` [2, KV] are float8 pages' k/v scales.
@@ -405,7 +408,8 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ra
     layout = getattr(plgpu.Layout, convert_layout) if fp8 and not interpret else None
     body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
                              num_splits=num_splits, group=group, ragged=ragged,
-                             fp8_stages=fp8_stages, convert_layout=layout, interpret=interpret)
+                             fp8_stages=fp8_stages, convert_layout=layout,
+                             converters=converters, interpret=interpret)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -424,7 +428,7 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ra
         out_type=out_type,
         grid=(KV, num_splits, NB),
         grid_names=("kv", "split", "block"),
-        num_threads=2,
+        num_threads=1 + (converters if fp8 else 1),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interp,
@@ -443,13 +447,13 @@ def _scales(k_pages, k_scale, v_scale):
 
 
 STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "fp8_stages", "convert_layout",
-          "interpret")
+          "converters", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=None,
                     v_scale=None, sm_scale=None, block_k=64, num_stages=4, num_splits=1,
-                    fp8_stages=4, convert_layout="WGMMA", interpret=False):
+                    fp8_stages=4, convert_layout="WGMMA", converters=1, interpret=False):
     """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D] (with
     float8 pages their k/v_scale [KV]), context_lens [S] int32, page_table [S, pages_per_seq]
     int32 -> [S, H, D]."""
@@ -464,7 +468,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=No
                   _scales(k_pages, k_scale, v_scale), group=H // KV, ragged=False, rows=rows,
                   sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
                   num_splits=num_splits, fp8_stages=fp8_stages, convert_layout=convert_layout,
-                  interpret=interpret)
+                  converters=converters, interpret=interpret)
     if num_splits == 1:
         return unpack(out, H).astype(q.dtype)
     o, lse = out  # merged and the padding rows dropped in one launch
@@ -501,7 +505,8 @@ def token_places(query_start, T, tokens):
 @functools.partial(jax.jit, static_argnames=STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            k_scale=None, v_scale=None, sm_scale=None, block_k=64, num_stages=2,
-                           num_splits=1, fp8_stages=4, convert_layout="WGMMA", interpret=False):
+                           num_splits=1, fp8_stages=4, convert_layout="WGMMA", converters=1,
+                           interpret=False):
     """Prefill chunks and decode tokens on one flat token axis, q [T, H, D] -> [T, H, D], as
     `paged.ragged_paged_attention` (tokens past query_start[-1] get zeros). A CTA's 64 rows are
     up to 64 // G tokens of one sequence times their G query heads, causal among themselves."""
@@ -524,7 +529,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     out = _launch(blocks, page_table, qp, k_pages, v_pages, _scales(k_pages, k_scale, v_scale),
                   group=G, ragged=True, rows=rows, sm_scale=sm_scale, block_k=block_k,
                   num_stages=num_stages, num_splits=num_splits, fp8_stages=fp8_stages,
-                  convert_layout=convert_layout, interpret=interpret)
+                  convert_layout=convert_layout, converters=converters, interpret=interpret)
     if num_splits > 1:
         o, lse = out
         out = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1),

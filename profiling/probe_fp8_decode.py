@@ -32,17 +32,16 @@ from pallasite import kernels as K
 from pallasite.kernels import paged_mgpu, reference
 
 
-def _pass_through(pt_ref, k_ref, v_ref, staging, *, kv, s, ctx, k_smem, v_smem, k_full, v_full,
-                  k_free, v_free, lo, hi, block_k, num_stages, fp8_stages, **_):
+def _pass_through(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp8_stages,
+                  **_):
     """The producer's TMA ring and barriers, without the conversion."""
-    (k8, v8), (k8_full, v8_full) = staging
-    ids = paged_mgpu._page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=k_ref.shape[2],
+    ids = paged_mgpu._page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=tensors[0][0].shape[2],
                                block_k=block_k)
     steps = hi - lo
 
     def fetch(step, slot):
-        for src, dst, full in ((k_ref, k8, k8_full), (v_ref, v8, v8_full)):
-            paged_mgpu._issue(src, dst, full, ids(step), step, slot, kv=kv, lo=lo,
+        for src, stage, stage_full, *_ in tensors:
+            paged_mgpu._issue(src, stage, stage_full, ids(step), step, slot, kv=kv, lo=lo,
                               block_k=block_k)
 
     for i in range(fp8_stages):
@@ -51,13 +50,13 @@ def _pass_through(pt_ref, k_ref, v_ref, staging, *, kv, s, ctx, k_smem, v_smem, 
     @pl.loop(0, steps)
     def _(step):
         st, slot = lax.rem(step, fp8_stages), lax.rem(step, num_stages)
-        for full, free, ready in ((k8_full, k_free, k_full), (v8_full, v_free, v_full)):
-            plgpu.barrier_wait(full.at[st])
+        for _, _, stage_full, _, ready, free in tensors:
+            plgpu.barrier_wait(stage_full.at[st])
             pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
             plgpu.barrier_arrive(ready.at[slot])
         pl.when(step + fp8_stages < steps)(lambda: fetch(step + fp8_stages, st))
 
-    paged_mgpu._drain(k_free, v_free, steps, num_stages)
+    paged_mgpu._drain([t[5] for t in tensors], steps, num_stages)
 
 
 def _take_and_release(q_ref, out_refs, q_smem, o_smem, q_full, *, b, kv, k_full, v_full, k_free,
