@@ -52,9 +52,9 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
-# With --fp8: (block_k, num_stages, num_splits, fp8_stages, convert_layout)
-MOSAIC_FP8 = [(128, 1, 1, 3, "WGMMA_UPCAST_2X"), (128, 1, 2, 3, "WGMMA_UPCAST_2X"),
-              (128, 2, 1, 2, "WGMMA"), (64, 2, 1, 4, "WGMMA_UPCAST_2X")]
+# With --fp8: (block_k, num_stages, num_splits, fp8_stages, convert_layout, converters)
+MOSAIC_FP8 = [(128, 1, 1, 3, "WGMMA_UPCAST_2X", 2), (128, 1, 2, 3, "WGMMA_UPCAST_2X", 2),
+              (128, 1, 1, 3, "WGMMA_UPCAST_2X", 1), (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2)]
 
 
 def to_fp8(kp, vp):
@@ -98,7 +98,8 @@ def run_case(name, q_lens, ctx, args):
     if args.mosaic:
         from pallasite.kernels import paged_mgpu
         tiles = [dict(zip(("block_k", "num_stages", "num_splits", "fp8_stages",
-                           "convert_layout"), t)) for t in (MOSAIC_FP8 if args.fp8 else MOSAIC)]
+                           "convert_layout", "converters"), t))
+                 for t in (MOSAIC_FP8 if args.fp8 else MOSAIC)]
         for kw in tiles[:1] if args.tiny else tiles:
             kw = dict(kw, **sc)
             jobs.append((dict(kernel="mosaic", **{k: v for k, v in kw.items() if k not in sc}),
@@ -132,7 +133,8 @@ def label(r) -> str:
     if r["kernel"] == "library":
         return "library"
     if r["kernel"] == "mosaic":
-        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp"
+        cv = f"/{r['converters']}cv" if "converters" in r else ""
+        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{cv}"
     return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s"
 
 

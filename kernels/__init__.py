@@ -252,23 +252,26 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 
 
 def _ragged_mosaic(q, k_pages, page_table, used, mixed) -> dict | None:
-    """The Mosaic GPU ragged kernel's tiles for a mixed step on a Hopper GPU whose tuning names
-    them (16-bit or float8 pages), where the page table reaches their `min_keys` (long
-    contexts: with short ones the Triton kernel is faster) and the kernel takes the call; else
-    None. Decode steps keep Triton: on the H100 the Mosaic GPU decode is level for 16-bit
-    pages, and for float8 pages its 8-16% lead in the kernel is lost to this entry's gathers
-    around it and did not move the engine's long-context steps (docs/BENCHMARKS.md), while its
-    compilations doubled the warm-up. `PALLASITE_RAGGED_BACKEND=triton` keeps Triton always."""
+    """The Mosaic GPU ragged kernel's tiles for a step on a Hopper GPU whose tuning names them,
+    where the page table reaches their `min_keys` (long contexts: with short ones the Triton
+    kernel is faster) and the kernel takes the call; else None. 16-bit pages take it for mixed
+    steps only (its decode is level with Triton's on the H100); float8 pages for decode steps
+    too, where its two converter warpgroups lead (`tuning.py`). `PALLASITE_RAGGED_BACKEND=triton`
+    keeps Triton always."""
     from . import paged_mgpu
     fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn
     kw = tuning.ragged_mosaic(fp8)
-    if (kw is None or not mixed or not used <= _KERNEL_TAKES["paged_mosaic"]
+    if (kw is None or not (mixed or fp8) or not used <= _KERNEL_TAKES["paged_mosaic"]
             or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
             or tuning.invariant() or not _is_hopper() or _PORTABLE[0]):
         return None
     reach = page_table.shape[1] * k_pages.shape[2]  # keys the step's page table can hold
     if reach < kw.pop("min_keys"):
         return None
+    mixed_splits = kw.pop("mixed_splits", None)
+    if "num_splits" not in kw:  # decode: enough programs for the SMs, as for Triton's
+        kw["num_splits"] = mixed_splits if mixed else tuning.num_splits(
+            page_table.shape[0] * k_pages.shape[0], -(-reach // kw["block_k"]))
     return None if paged_mgpu.supported(q, k_pages, **kw) else kw
 
 

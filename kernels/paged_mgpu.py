@@ -205,7 +205,7 @@ def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full
         plgpu.barrier_wait(v_free.at[slot])
         issue(v_ref, v_smem, v_full, ids, step, slot)
 
-    _drain(k_free, v_free, steps, num_stages)
+    _drain((k_free, v_free), steps, num_stages)
 
 
 def _drain(frees, steps, num_stages):

@@ -38,11 +38,12 @@ _DEFAULT = {
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
     # Float8 pages: a float8 staging ring the TMA fills, converted into a float16 ring of
-    # `num_stages`. H100, 2026-11-27 (`benchmarks/sweep_fp8kv.py`): batch 64 at 4k 0.2715 ms
-    # against the Triton kernel's 0.3150, batch 8 at 8k 0.0744 against 0.0863; 64-key tiles
-    # 0.339-0.350 / 0.089-0.094; 256-key tiles 0.2646 at batch 64 but no room for splits.
+    # `num_stages` by two producer warpgroups, one for K and one for V. H100, 2026-11-27
+    # (`benchmarks/sweep_fp8kv.py`): batch 64 at 4k 0.2209 ms, 82% of the copy, against the
+    # Triton kernel's 0.3155 (one converter: 0.2718; 64-key tiles 0.269-0.350); batch 8 at 8k
+    # 0.0637 against 0.0866 (one converter 0.0749).
     "decode_mosaic_fp8": dict(block_k=128, num_stages=1, fp8_stages=3,
-                              convert_layout="WGMMA_UPCAST_2X"),
+                              convert_layout="WGMMA_UPCAST_2X", converters=2),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
     # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.
@@ -83,14 +84,13 @@ _H100 = dict(
     # of 256) 0.633 against 0.408: short contexts leave each CTA too little to do. The H200
     # inherits this entry unmeasured.
     ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
-    # The same for float8 pages (the producer converts each tile to float16; H100, 2026-11-27,
-    # `benchmarks/sweep_ragged.py --mosaic --fp8`): 128-key tiles, one float16 slot and three
-    # float8 ones in flight, one split, loaded in the layout made for upcasts. The 512-token
-    # chunk over 8k + 63 decodes at 4k 0.520 ms against Triton's best 0.675 (0.562 in two
-    # splits); the chunk alone 0.256 against 0.275; a 2048-token prompt 0.202 against 0.209; the
-    # ShareGPT mixed step 0.709 against 0.457.
-    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, num_splits=1,
-                           convert_layout="WGMMA_UPCAST_2X", min_keys=4096),
+    # Float8 pages take it for decode steps too (`decode_mosaic_fp8` above: 1.36-1.43x the
+    # Triton kernel), and their mixed steps keep one split (H100, 2026-11-27,
+    # `benchmarks/sweep_ragged.py --mosaic --fp8`, one converter: the 512-token chunk over 8k +
+    # 63 decodes at 4k 0.520 ms against Triton's best 0.675, 0.562 in two splits; the chunk
+    # alone 0.256 against 0.275; a 2048-token prompt 0.202 against 0.209).
+    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, mixed_splits=1,
+                           convert_layout="WGMMA_UPCAST_2X", converters=2, min_keys=4096),
 )
 
 # H200, JAX 0.11.2, `benchmarks/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
@@ -305,7 +305,8 @@ def params(kernel: str, page_size: int | None = None) -> dict:
 
 def ragged_mosaic(fp8: bool = False) -> dict | None:
     """The Mosaic GPU ragged kernel's tiles (for float8 pages with `fp8`) and the page-table
-    reach from which it runs mixed steps on this GPU, or None (the Triton kernel always)."""
+    reach from which it runs mixed steps on this GPU (float8 pages: decode steps too), or None
+    (the Triton kernel always)."""
     entry = TABLE[gpu_key()].get("ragged_mosaic_fp8" if fp8 else "ragged_mosaic")
     return dict(entry) if entry else None
 

@@ -189,9 +189,10 @@ def test_paged_mgpu_fp8_pages(case):
 
 
 def test_ragged_fp8_backend_choice(monkeypatch):
-    """Float8 pages take the Mosaic GPU kernel for mixed steps where the table reaches
-    `min_keys`, their scales (in the cache's [KV, 1, 1, 1] form) passed on; decode steps keep
-    Triton, as for 16-bit pages."""
+    """Float8 pages take the Mosaic GPU kernel (two converter warpgroups) for mixed steps and
+    decode steps where the table reaches `min_keys`, their scales (in the cache's
+    [KV, 1, 1, 1] form) passed on; mixed steps at the entry's own splits, decode steps at the
+    library's; 16-bit decode steps keep Triton."""
     from pallasite import kernels
     from pallasite.kernels import tuning
     called = []
@@ -200,7 +201,7 @@ def test_ragged_fp8_backend_choice(monkeypatch):
                         lambda *a, **kw: called.append(kw) or real(*a, **kw))
     monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
     monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(
-        block_k=64, num_stages=1, fp8_stages=2, num_splits=2, min_keys=64))
+        block_k=64, num_stages=1, fp8_stages=2, converters=2, mixed_splits=3, min_keys=64))
     # a chunk over cached keys beside a decode token; then decode tokens only
     for q_lens, cached in (([9, 1], [40, 3]), ([1, 1], [70, 12])):
         q, kp, vp, qs, ctx, table = paged_case(5, q_lens, cached, 4, 1, 64, 16)
@@ -211,8 +212,11 @@ def test_ragged_fp8_backend_choice(monkeypatch):
         out = kernels.ragged_paged_attention(q, k8, v8, qs, ctx, table, interpret=True,
                                              **scales)
         assert rel_err(out, ref) < 2e-3
-    assert len(called) == 1 and called[0]["k_scale"] is not None
-    assert called[0]["fp8_stages"] == 2
+        assert called[-1]["k_scale"] is scales["k_scale"] and called[-1]["converters"] == 2
+    assert len(called) == 2 and called[0]["num_splits"] == 3 and called[1]["num_splits"] != 3
+    kernels.ragged_paged_attention(q, kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16), qs,
+                                   ctx, table, interpret=True)  # 16-bit decode: Triton
+    assert len(called) == 2
 
 
 def test_paged_mgpu_supported():
