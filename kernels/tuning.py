@@ -89,6 +89,7 @@ _H100 = dict(
     # `benchmarks/sweep_ragged.py --mosaic --fp8`, one converter: the 512-token chunk over 8k +
     # 63 decodes at 4k 0.520 ms against Triton's best 0.675, 0.562 in two splits; the chunk
     # alone 0.256 against 0.275; a 2048-token prompt 0.202 against 0.209).
+    decode_backend_fp8="mosaic",  # 1.16-1.43x the Triton kernel (`decode_mosaic_fp8` above)
     ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, mixed_splits=1,
                            convert_layout="WGMMA_UPCAST_2X", converters=2, min_keys=4096),
 )
@@ -311,9 +312,11 @@ def ragged_mosaic(fp8: bool = False) -> dict | None:
     return dict(entry) if entry else None
 
 
-def decode_backend() -> str:
-    """The decode kernel that measured fastest on this GPU: "triton" or "mosaic"."""
-    return TABLE[gpu_key()].get("decode_backend", "triton")
+def decode_backend(fp8: bool = False) -> str:
+    """The decode kernel that measured fastest on this GPU (for float8 pages with `fp8`):
+    "triton" or "mosaic"."""
+    entry = TABLE[gpu_key()]
+    return entry.get("decode_backend_fp8" if fp8 else "decode_backend", "triton")
 
 
 def num_splits(work_items: int, max_tiles: int, mixed: bool = False) -> int:

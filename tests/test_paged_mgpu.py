@@ -304,6 +304,9 @@ def test_decode_backend_choice(monkeypatch):
             assert kernels.decode_backend(q, kp, table) == "triton"
             assert kernels.decode_backend(q, kp, table, backend="mosaic") == "mosaic"
     assert kernels.decode_backend(*f32, table) == "triton"  # Mosaic cannot take float32
+    fp8 = kp.astype(jnp.float8_e4m3fn)
+    monkeypatch.setattr(tuning, "gpu_key", lambda: "H100")
+    assert kernels.decode_backend(q, fp8, table) == "mosaic"  # float8 pages: on the H100 too
     assert kernels.decode_backend(q, kp, table, pages_per_block=2) == "triton"  # Triton's tiles
     assert kernels.decode_backend(q, kp, table, backend="triton") == "triton"
     monkeypatch.setattr(tuning, "gpu_key", lambda: "H100")
