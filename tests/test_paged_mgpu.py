@@ -119,10 +119,9 @@ def test_ragged_mgpu_lowers_for_hopper():
         assert "mosaic_gpu" in lowered.as_text()
 
 
-def test_ragged_backend_choice(monkeypatch):
-    """kernels.ragged_paged_attention runs a mixed step through the Mosaic GPU kernel on a
-    Hopper GPU whose tuning names it, where the page table reaches its `min_keys`; narrower
-    tables, decode-only steps, options the kernel lacks and batch-invariant mode keep Triton."""
+def spy_on_ragged_mosaic(monkeypatch, entry):
+    """A Hopper GPU whose tuning names the Mosaic GPU ragged kernel with `entry`; returns the
+    keywords of each call the kernel gets (the calls still run, interpreted)."""
     from pallasite import kernels
     from pallasite.kernels import tuning
     called = []
@@ -130,8 +129,18 @@ def test_ragged_backend_choice(monkeypatch):
     monkeypatch.setattr(paged_mgpu, "ragged_paged_attention",
                         lambda *a, **kw: called.append(kw) or real(*a, **kw))
     monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
-    monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(
-        block_k=64, num_stages=2, num_splits=1, min_keys=64))
+    monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(entry))
+    return called
+
+
+def test_ragged_backend_choice(monkeypatch):
+    """kernels.ragged_paged_attention runs a mixed step through the Mosaic GPU kernel on a
+    Hopper GPU whose tuning names it, where the page table reaches its `min_keys`; narrower
+    tables, decode-only steps, options the kernel lacks and batch-invariant mode keep Triton."""
+    from pallasite import kernels
+    from pallasite.kernels import tuning
+    called = spy_on_ragged_mosaic(monkeypatch, dict(block_k=64, num_stages=2, num_splits=1,
+                                                    min_keys=64))
     # a fresh prompt of two blocks, a decode token, and padding tokens after them
     q, kp, vp, qs, ctx, table = paged_case(3, [20, 1], [0, 40], 4, 1, 64, 16, pad_tokens=3)
     q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
@@ -194,13 +203,7 @@ def test_ragged_fp8_backend_choice(monkeypatch):
     [KV, 1, 1, 1] form) passed on; mixed steps at the entry's own splits, decode steps at the
     library's; 16-bit decode steps keep Triton."""
     from pallasite import kernels
-    from pallasite.kernels import tuning
-    called = []
-    real = paged_mgpu.ragged_paged_attention
-    monkeypatch.setattr(paged_mgpu, "ragged_paged_attention",
-                        lambda *a, **kw: called.append(kw) or real(*a, **kw))
-    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
-    monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(
+    called = spy_on_ragged_mosaic(monkeypatch, dict(
         block_k=64, num_stages=1, fp8_stages=2, converters=2, mixed_splits=3, min_keys=64))
     # a chunk over cached keys beside a decode token; then decode tokens only
     for q_lens, cached in (([9, 1], [40, 3]), ([1, 1], [70, 12])):
