@@ -9,7 +9,7 @@ a CTA's block is then up to 64 // G query tokens of one sequence (blocks as `pag
 cuts them), its rows token-major, each row masked at its own token's causal limit. Decode is the
 case of one token a block.
 
-One CTA per (kv head, split, block) runs two warpgroups:
+One CTA per (kv head, split, block) runs two warpgroups (float8 pages: see below):
 - a producer that streams the split's key tiles (`block_k` keys each) into a ring of
   `num_stages` shared-memory slots for K and for V: one TMA copy per page (or per `block_k`
   rows of a page larger than the tile), the page id read from the page table in global memory.
@@ -37,8 +37,10 @@ float8 staging ring of `fp8_stages` slots, half the bytes of a 16-bit tile, and 
 warpgroup converts each tile into the consumer's ring as float16 (one `cvt.rn.f16x2.e4m3x2` a
 pair; every e4m3 value is exact in float16), so the consumer runs as for 16-bit pages with q
 and P in float16. The conversion overlaps the consumer's products and softmax instead of
-sitting in its chain; with `converters=2` K and V each have their own producer warpgroup. k_scale folds into the softmax scale, v_scale into the final
-normalization; the output returns in q's dtype.
+sitting in its chain; with `converters=2` K and V each have their own producer warpgroup (three
+warpgroups a CTA: a third warp per scheduler to hide latencies, 1.23x at batch 64 / 4k on the
+H100). k_scale folds into the softmax scale, v_scale into the final normalization; the output
+returns in q's dtype.
 
 Limits (`supported`): bf16/fp16 (or float8_e4m3fn pages under bf16/fp16 q), head_dim 64 or 128,
 G <= 64, block_k a multiple of 64, page_size a multiple of 8 that divides block_k or is a
