@@ -84,11 +84,12 @@ _H100 = dict(
     # of 256) 0.633 against 0.408: short contexts leave each CTA too little to do. The H200
     # inherits this entry unmeasured.
     ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
-    # Float8 pages take it for decode steps too (`decode_mosaic_fp8` above: 1.36-1.43x the
+    # Float8 pages take it for decode steps too (`decode_mosaic_fp8` above: 1.16-1.43x the
     # Triton kernel), and their mixed steps keep one split (H100, 2026-11-27,
-    # `benchmarks/sweep_ragged.py --mosaic --fp8`, one converter: the 512-token chunk over 8k +
-    # 63 decodes at 4k 0.520 ms against Triton's best 0.675, 0.562 in two splits; the chunk
-    # alone 0.256 against 0.275; a 2048-token prompt 0.202 against 0.209).
+    # `benchmarks/sweep_ragged.py --mosaic --fp8`, two converters: the 512-token chunk over 8k
+    # + 63 decodes at 4k 0.412 ms against Triton's best 0.679, 0.467 in two splits; the chunk
+    # alone 0.206 against 0.275; a 2048-token prompt 0.208 against 0.206, so the 4096-key
+    # threshold stays).
     decode_backend_fp8="mosaic",  # 1.16-1.43x the Triton kernel (`decode_mosaic_fp8` above)
     ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, mixed_splits=1,
                            convert_layout="WGMMA_UPCAST_2X", converters=2, min_keys=4096),
