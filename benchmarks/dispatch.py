@@ -4,8 +4,8 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
     python -m benchmarks.dispatch --out DIR            # GPU: one child process per variant
     python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
 
-Each variant is `weights:flags` (weights bf16 or fp8, `+fp8kv` for float8 KV pages; flags a name in FLAGS, set as XLA_FLAGS
-in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
+Each variant is `weights:flags` (weights bf16 or fp8, with `+fp8kv` for float8 KV pages; flags a
+name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
 64-sequence `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
 host time as the engine counts it (its device wait taken out). A call's time is what the host
@@ -112,8 +112,9 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
         else:
             llm.generate(prompts, sampling)
             step_ms = None
-        rec = dict(case=case, weights=weights, kv_cache_dtype=kv or "auto", wall_s=time.perf_counter() - t,
-                   stream_ms_per_token=step_ms, **summary(times, engine, steps0, host0))
+        rec = dict(case=case, weights=weights, kv_cache_dtype=kv or "auto",
+                   wall_s=time.perf_counter() - t, stream_ms_per_token=step_ms,
+                   **summary(times, engine, steps0, host0))
         print(json.dumps(rec), flush=True)
         records.append(rec)
         restore()
