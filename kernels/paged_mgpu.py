@@ -236,11 +236,6 @@ def _produce_fp8(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp
         for src, stage, stage_full, *_ in tensors:
             issue(src, stage, stage_full, ids, step, slot)
 
-    def convert(src, dst):
-        x = src[...] if interpret else plgpu.load(src, (), layout=convert_layout)
-        dst[...] = x.astype(dst.dtype)
-        plgpu.commit_smem()  # the warpgroup's stores, fenced for the wgmma's async reads
-
     for i in range(fp8_stages):
         pl.when(i < steps)(functools.partial(fetch, i, i))
 
@@ -250,12 +245,19 @@ def _produce_fp8(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp
         for _, stage, stage_full, ring, ready, free in tensors:
             plgpu.barrier_wait(stage_full.at[st])
             pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-            convert(stage.at[st], ring.at[slot])
+            _convert_tile(stage.at[st], ring.at[slot], convert_layout, interpret)
             plgpu.barrier_arrive(ready.at[slot])
         nxt = step + fp8_stages
         pl.when(nxt < steps)(lambda: fetch(nxt, st))
 
     _drain([t[5] for t in tensors], steps, num_stages)
+
+
+def _convert_tile(src, dst, layout, interpret):
+    """A float8 tile into its float16 slot, by the whole warpgroup."""
+    x = src[...] if interpret else plgpu.load(src, (), layout=layout)
+    dst[...] = x.astype(dst.dtype)
+    plgpu.commit_smem()  # the warpgroup's stores, fenced for the wgmma's async reads
 
 
 def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, group, ragged,

@@ -32,33 +32,6 @@ from pallasite import kernels as K
 from pallasite.kernels import paged_mgpu, reference
 
 
-def _pass_through(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp8_stages,
-                  **_):
-    """The producer's TMA ring and barriers, without the conversion."""
-    ids = paged_mgpu._page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=tensors[0][0].shape[2],
-                               block_k=block_k)
-    steps = hi - lo
-
-    def fetch(step, slot):
-        for src, stage, stage_full, *_ in tensors:
-            paged_mgpu._issue(src, stage, stage_full, ids(step), step, slot, kv=kv, lo=lo,
-                              block_k=block_k)
-
-    for i in range(fp8_stages):
-        pl.when(i < steps)(lambda i=i: fetch(i, i))
-
-    @pl.loop(0, steps)
-    def _(step):
-        st, slot = lax.rem(step, fp8_stages), lax.rem(step, num_stages)
-        for _, _, stage_full, _, ready, free in tensors:
-            plgpu.barrier_wait(stage_full.at[st])
-            pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-            plgpu.barrier_arrive(ready.at[slot])
-        pl.when(step + fp8_stages < steps)(lambda: fetch(step + fp8_stages, st))
-
-    paged_mgpu._drain([t[5] for t in tensors], steps, num_stages)
-
-
 def _take_and_release(q_ref, out_refs, q_smem, o_smem, q_full, *, b, kv, k_full, v_full, k_free,
                       v_free, lo, hi, num_stages, **_):
     """The consumer's waits and releases, without the products and the softmax."""
@@ -79,15 +52,15 @@ def _take_and_release(q_ref, out_refs, q_smem, o_smem, q_full, *, b, kv, k_full,
 
 @contextlib.contextmanager
 def stripped(producer: bool, consumer: bool):
-    saved = paged_mgpu._produce_fp8, paged_mgpu._consume
-    if producer:
-        paged_mgpu._produce_fp8 = _pass_through
+    saved = paged_mgpu._convert_tile, paged_mgpu._consume
+    if producer:  # each tile passed on as it landed: the float16 slot keeps what it held
+        paged_mgpu._convert_tile = lambda *_: None
     if consumer:
         paged_mgpu._consume = _take_and_release
     try:
         yield
     finally:
-        paged_mgpu._produce_fp8, paged_mgpu._consume = saved
+        paged_mgpu._convert_tile, paged_mgpu._consume = saved
 
 
 def main():
