@@ -61,18 +61,26 @@ VARIANTS = [
 ]
 
 
-def _m(block_k, stages, fp8_stages, layout="WGMMA_UPCAST_2X", converters=1):
+def _m(block_k, stages, fp8_stages, layout="WGMMA_UPCAST_2X", converters=1, regs=None):
     """The Mosaic GPU kernel: `fp8_stages` float8 tiles in flight, converted by its producer
-    warpgroup (or one for K and one for V) into `stages` float16 slots."""
+    warpgroup (or one for K and one for V) into `stages` float16 slots; `regs` the registers
+    a thread of the consumer and of a producer (three warpgroups)."""
     name = f"fp8 mosaic k={block_k} st={stages} f8={fp8_stages} {layout} cv={converters}"
+    if regs:
+        name += f" regs={regs[0]}/{regs[1]}"
     return name, dict(backend="mosaic", block_k=block_k, num_stages=stages,
-                      fp8_stages=fp8_stages, convert_layout=layout, converters=converters)
+                      fp8_stages=fp8_stages, convert_layout=layout, converters=converters,
+                      **(dict(registers=regs) if regs else {}))
 
 
 MOSAIC = [_m(64, 2, 4, "WGMMA"), _m(64, 2, 4), _m(128, 2, 2), _m(128, 1, 2),
           _m(128, 1, 3, "WGMMA"), _m(128, 1, 3), _m(256, 1, 1),
           _m(64, 2, 4, converters=2), _m(128, 1, 3, converters=2), _m(128, 2, 2, converters=2),
-          _m(256, 1, 1, converters=2)]
+          _m(256, 1, 1, converters=2),
+          # the register file moved to the consumer (its scores and accumulator)
+          *[_m(k, st, f8, converters=2, regs=r) for k, st, f8, r in [
+              (128, 1, 3, (232, 136)), (128, 1, 3, (248, 128)), (128, 2, 2, (232, 136)),
+              (64, 2, 4, (232, 136)), (256, 1, 1, (232, 136)), (256, 1, 1, (248, 128))]]]
 
 
 def inputs(key, B, lo, hi):

@@ -39,7 +39,9 @@ pair; every e4m3 value is exact in float16), so the consumer runs as for 16-bit 
 and P in float16. The conversion overlaps the consumer's products and softmax instead of
 sitting in its chain; with `converters=2` K and V each have their own producer warpgroup (three
 warpgroups a CTA: a third warp per scheduler to hide latencies, 1.23x at batch 64 / 4k on the
-H100). k_scale folds into the softmax scale, v_scale into the final normalization; the output
+H100). With three warpgroups the register file is split evenly unless `registers` =
+(consumer, producer) moves it to the consumer, whose scores and accumulator are the large
+part. k_scale folds into the softmax scale, v_scale into the final normalization; the output
 returns in q's dtype.
 
 Limits (`supported`): bf16/fp16 (or float8_e4m3fn pages under bf16/fp16 q), head_dim 64 or 128,
@@ -85,8 +87,14 @@ def _smem_bytes(D, itemsize, block_k, num_stages, num_splits, fp8_stages=0):
     return ring + staging + q + out
 
 
+def register_pool(warpgroups):
+    """Registers a thread of each warpgroup may hold in all: the launch gives every thread the
+    file's even share (a multiple of 8), and `setmaxnreg` only moves registers within it."""
+    return (65536 // (128 * warpgroups)) // 8 * 8 * warpgroups
+
+
 def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=4,
-              **_) -> str | None:
+              converters=1, registers=None, **_) -> str | None:
     """Why this kernel cannot take the call (None if it can)."""
     S, H, D = q.shape
     KV, _, page_size, Dk = k_pages.shape
@@ -105,6 +113,12 @@ def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=
         return f"page_size {page_size} (a multiple of 8 dividing block_k or a multiple of it)"
     if num_splits < 1 or num_stages < 1 or (fp8 and fp8_stages < 1):
         return f"num_splits {num_splits}, num_stages {num_stages}, fp8_stages {fp8_stages}"
+    if fp8 and registers:  # asking for more than the pool would wait forever in setmaxnreg
+        consumer, producer = registers
+        if (converters < 2 or consumer + converters * producer > register_pool(1 + converters)
+                or consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256):
+            return (f"registers {registers} with {converters} converters (two converters; "
+                    f"multiples of 8 within {register_pool(1 + converters)} in all)")
     need = _smem_bytes(D, 2, block_k, num_stages, num_splits, fp8_stages if fp8 else 0)
     if need > SMEM_BYTES:
         return f"{need} bytes of shared memory (block_k or num_stages too large)"
@@ -120,7 +134,8 @@ def _split_tiles(ctx, split, *, block_k, num_splits):
 
 
 def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, block_k, num_stages,
-            num_splits, group, ragged, fp8_stages, convert_layout, converters, interpret):
+            num_splits, group, ragged, fp8_stages, convert_layout, converters, registers,
+            interpret):
     out_refs, scratch = refs[:-1], refs[-1]
     kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("block")
     if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
@@ -137,8 +152,13 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
     if fp8_stages:  # k_scale folds into the scores' scale, v_scale into the normalization
         scale = scale * scales_ref[0, kv]
 
+    def regs(n, action):  # the register file split between the consumer and the producers
+        if registers and not interpret:
+            plgpu.set_max_registers(n, action=action)
+
     @pl.when(wg == 0)
     def _consumer():
+        regs(registers and registers[0], "increase")
         _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, b=b, ctx=ctx, n=n,
                  group=group, ragged=ragged, scale=scale,
                  v_scale=scales_ref[1, kv] if fp8_stages else None, interpret=interpret,
@@ -154,7 +174,10 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
                                 block_k=block_k, num_stages=num_stages, fp8_stages=fp8_stages,
                                 convert_layout=convert_layout, interpret=interpret)
     for i, mine in enumerate([tensors] if converters == 1 else [tensors[:1], tensors[1:]]):
-        pl.when(wg == 1 + i)(functools.partial(produce, mine))
+        @pl.when(wg == 1 + i)
+        def _producer(mine=mine):
+            regs(registers and registers[1], "decrease")
+            produce(mine)
 
 
 def _page_ids(pt_ref, *, s, ctx, lo, page_size, block_k):
@@ -254,9 +277,12 @@ def _produce_fp8(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp
 
 
 def _convert_tile(src, dst, layout, interpret):
-    """A float8 tile into its float16 slot, by the whole warpgroup."""
-    x = src[...] if interpret else plgpu.load(src, (), layout=layout)
-    dst[...] = x.astype(dst.dtype)
+    """A float8 tile into its float16 slot, by the whole warpgroup, 128 rows at a time (a
+    piece's float16 values are 64 registers a thread)."""
+    for r in range(0, src.shape[0], 128):
+        piece = pl.ds(r, min(128, src.shape[0] - r))
+        x = src[piece] if interpret else plgpu.load(src.at[piece], (), layout=layout)
+        dst[piece] = x.astype(dst.dtype)
     plgpu.commit_smem()  # the warpgroup's stores, fenced for the wgmma's async reads
 
 
@@ -391,7 +417,7 @@ def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages):
 
 def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ragged, rows,
             sm_scale, block_k, num_stages, num_splits, fp8_stages, convert_layout, converters,
-            interpret):
+            registers, interpret):
     """The kernel over q_packed [NB, KV, 64, D]: `blocks` is context_lens [NB] for decode or,
     `ragged`, [3, NB] (sequence, keys its last token sees, tokens) for blocks of query tokens
     of one sequence, `group` rows a token; `scales` [2, KV] are float8 pages' k/v scales.
@@ -413,7 +439,9 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ra
     body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
                              num_splits=num_splits, group=group, ragged=ragged,
                              fp8_stages=fp8_stages, convert_layout=layout,
-                             converters=converters, interpret=interpret)
+                             converters=converters,
+                             registers=registers if fp8 else None,
+                             interpret=interpret)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -451,18 +479,19 @@ def _scales(k_pages, k_scale, v_scale):
 
 
 STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "fp8_stages", "convert_layout",
-          "converters", "interpret")
+          "converters", "registers", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=None,
                     v_scale=None, sm_scale=None, block_k=64, num_stages=4, num_splits=1,
-                    fp8_stages=4, convert_layout="WGMMA", converters=1, interpret=False):
+                    fp8_stages=4, convert_layout="WGMMA", converters=1, registers=None,
+                    interpret=False):
     """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D] (with
     float8 pages their k/v_scale [KV]), context_lens [S] int32, page_table [S, pages_per_seq]
     int32 -> [S, H, D]."""
     why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                    fp8_stages=fp8_stages)
+                    fp8_stages=fp8_stages, converters=converters, registers=registers)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     S, H, D = q.shape
@@ -472,7 +501,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=No
                   _scales(k_pages, k_scale, v_scale), group=H // KV, ragged=False, rows=rows,
                   sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
                   num_splits=num_splits, fp8_stages=fp8_stages, convert_layout=convert_layout,
-                  converters=converters, interpret=interpret)
+                  converters=converters, registers=registers, interpret=interpret)
     if num_splits == 1:
         return unpack(out, H).astype(q.dtype)
     o, lse = out  # merged and the padding rows dropped in one launch
@@ -510,12 +539,12 @@ def token_places(query_start, T, tokens):
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            k_scale=None, v_scale=None, sm_scale=None, block_k=64, num_stages=2,
                            num_splits=1, fp8_stages=4, convert_layout="WGMMA", converters=1,
-                           interpret=False):
+                           registers=None, interpret=False):
     """Prefill chunks and decode tokens on one flat token axis, q [T, H, D] -> [T, H, D], as
     `paged.ragged_paged_attention` (tokens past query_start[-1] get zeros). A CTA's 64 rows are
     up to 64 // G tokens of one sequence times their G query heads, causal among themselves."""
     why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                    fp8_stages=fp8_stages)
+                    fp8_stages=fp8_stages, converters=converters, registers=registers)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     T, H, D = q.shape
@@ -533,7 +562,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     out = _launch(blocks, page_table, qp, k_pages, v_pages, _scales(k_pages, k_scale, v_scale),
                   group=G, ragged=True, rows=rows, sm_scale=sm_scale, block_k=block_k,
                   num_stages=num_stages, num_splits=num_splits, fp8_stages=fp8_stages,
-                  convert_layout=convert_layout, converters=converters, interpret=interpret)
+                  convert_layout=convert_layout, converters=converters, registers=registers,
+                  interpret=interpret)
     if num_splits > 1:
         o, lse = out
         out = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1),

@@ -41,9 +41,12 @@ _DEFAULT = {
     # `num_stages` by two producer warpgroups, one for K and one for V. H100, 2026-11-27
     # (`benchmarks/sweep_fp8kv.py`): batch 64 at 4k 0.2209 ms, 82% of the copy, against the
     # Triton kernel's 0.3155 (one converter: 0.2718; 64-key tiles 0.269-0.350); batch 8 at 8k
-    # 0.0637 against 0.0866 (one converter 0.0749).
+    # 0.0637 against 0.0866 (one converter 0.0749). With 248 of the 504 registers a thread of
+    # the three warpgroups may hold given to the consumer: 0.2193 / 0.0633 against 0.2230 /
+    # 0.0640 in the same run (2026-11-27, `sweep_fp8kv --only regs`; 232 gave 0.2215 / 0.0636).
     "decode_mosaic_fp8": dict(block_k=128, num_stages=1, fp8_stages=3,
-                              convert_layout="WGMMA_UPCAST_2X", converters=2),
+                              convert_layout="WGMMA_UPCAST_2X", converters=2,
+                              registers=(248, 128)),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
     # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.

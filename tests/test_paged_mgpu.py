@@ -175,6 +175,7 @@ FP8_CASES = [
     # ctx, H, KV, page_size, splits, block_k, stages, fp8_stages
     ([37, 1, 0, 130], 8, 2, 16, 1, 64, 2, 3),    # more tiles than float8 slots, context 0 and 1
     ([150, 64], 4, 1, 32, 2, 64, 1, 1),          # split-K through one slot of each ring
+    ([300, 40], 4, 1, 16, 1, 256, 1, 1),         # two converters, tiles converted in pieces
 ]
 
 
@@ -189,8 +190,10 @@ def test_paged_mgpu_fp8_pages(case):
     ref = reference.paged_attention_reference(q, k8, v8, ctx, table, **scales)
     t = np.asarray(table)
     k8, v8 = poison_stale_slots(k8, ctx, t), poison_stale_slots(v8, ctx, t)
+    two = dict(converters=2, registers=(232, 136)) if bk > 128 else {}
     out = paged_mgpu.paged_attention(q, k8, v8, ctx, table, num_splits=splits, block_k=bk,
-                                     num_stages=stages, fp8_stages=f8, interpret=True, **scales)
+                                     num_stages=stages, fp8_stages=f8, interpret=True, **two,
+                                     **scales)
     assert out.dtype == jnp.bfloat16
     assert rel_err(out, ref) < 2e-3
     with pytest.raises(ValueError, match="k_scale"):
@@ -237,6 +240,12 @@ def test_paged_mgpu_supported():
     assert "page_size" in why(q, jnp.zeros((2, 10, 48, 128), jnp.bfloat16))
     assert "block_k" in why(q, kp, block_k=32)
     assert "shared memory" in why(q, kp, block_k=128, num_stages=4)
+    k8 = kp.astype(jnp.float8_e4m3fn)
+    assert paged_mgpu.register_pool(3) == 504  # 168 a thread at launch
+    assert paged_mgpu.supported(q, k8, converters=2, registers=(232, 136), fp8_stages=1) is None
+    for bad in [dict(converters=2, registers=(240, 136)),  # past the pool: setmaxnreg would hang
+                dict(converters=1, registers=(232, 136)), dict(converters=2, registers=(230, 136))]:
+        assert "registers" in why(q, k8, fp8_stages=1, **bad)
     with pytest.raises(ValueError, match="cannot take this call: head_dim"):
         paged_mgpu.paged_attention(q[..., :32], kp[..., :32], kp[..., :32],
                                    jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32))
@@ -270,7 +279,9 @@ def test_paged_mgpu_lowers_for_hopper(S, H, KV, D, page_size, kw):
 
 @pytest.mark.parametrize("kw", [dict(block_k=128, num_stages=1, fp8_stages=3, num_splits=4),
                                 dict(block_k=64, num_stages=2, fp8_stages=4,
-                                     convert_layout="WGMMA_UPCAST_2X")])
+                                     convert_layout="WGMMA_UPCAST_2X"),
+                                dict(block_k=256, num_stages=1, fp8_stages=1, converters=2,
+                                     registers=(232, 136), convert_layout="WGMMA_UPCAST_2X")])
 def test_fp8_pages_lower_for_hopper(kw):
     """Float8 pages: the staging ring, the producer's conversion and its layouts, decode and
     mixed steps."""
