@@ -19,6 +19,7 @@ option yet leaves the call to the reference (`_KERNEL_TAKES` says which take whi
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import jax
@@ -515,6 +516,41 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     k, n = (q.shape[1], q.shape[0]) if layout == "nk" else q.shape
     kw = qm.blocks_for(x.shape[0], k, n, scale.shape[0], layout=layout) | blocks
     return qm.w8a16_matmul(x, q, scale, zero, layout=layout, interpret=interpret, **kw)
+
+
+def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
+    """silu(gate) * up times the down weight, both products W8A8: x [M, K] -> [M, N] in x's
+    dtype, where gate_up and down are (q, scale, zero, layout) as `quant_matmul` takes them,
+    gate_up's N being [gate | up] (2F). Between the two 8-bit GEMMs one kernel scales the raw
+    gate/up product, applies SwiGLU and quantizes the rows for the down GEMM
+    (`glu_quant.py`), where XLA makes three passes of it. None where it does not apply: not
+    8-bit weights with a scale per output channel, or a call `quant_matmul` would not run as
+    W8A8 on XLA's dot (the caller then takes two `quant_matmul` calls), or
+    `PALLASITE_W8A8_GLU=0` (for timing the two calls)."""
+    from . import glu_quant, quant_reference as qr
+    if os.environ.get("PALLASITE_W8A8_GLU", "1") == "0":
+        return None
+    (qg, sg, zg, lg), (qd, sd, zd, ld) = gate_up, down
+    eight = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
+    if (qg.dtype != qd.dtype or qg.dtype not in eight or zg is not None or zd is not None
+            or sg.shape[0] != 1 or sd.shape[0] != 1 or sg.shape[1] % 2
+            or quant_mode(x, qg, mode=mode) != "w8a8"):
+        return None
+    int8 = qg.dtype == jnp.int8
+    if not int8 and w8a8_impl(x, qg, sg, layout=lg, interpret=interpret) != "xla":
+        return None
+    xq, xs = (qr.quantize_rows_int8 if int8 else qr.quantize_rows)(x)
+    p = qr.dot8(xq, qg, layout=lg, out=jnp.int32 if int8 else x.dtype,
+                precision=None if int8 else jax.lax.Precision.HIGHEST)
+    f = p.shape[1] // 2
+    glu = (functools.partial(glu_quant.glu_quantize, interpret=interpret)
+           if _use_pallas(impl, interpret) else glu_quant.glu_quantize_reference)
+    hq, hs = glu(p.reshape(-1, 2, f), xs, sg.reshape(2, f), out=qg.dtype)
+    if int8:  # as w8a8_int8_matmul: exact int32 sums, then both scales
+        y = qr.dot8(hq, qd, layout=ld, precision=None).astype(jnp.float32) * sd * hs
+    else:
+        y = qr.w8a8_dot(hq, hs, qd, sd, layout=ld, out=x.dtype)
+    return y.astype(x.dtype)
 
 
 def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=False, **blocks):

@@ -69,10 +69,9 @@ def w8a8_dot(xq, xs, q, scale, *, layout: str = "kn", fast: bool = False, out=jn
     precision = None if fast else jax.lax.Precision.HIGHEST
     m, k = xq.shape
     groups, n = scale.shape
-    kq = 1 if layout == "nk" else 0  # q's K axis
     if groups == 1:
-        y = jax.lax.dot_general(xq, q, (((1,), (kq,)), ((), ())), precision=precision,
-                                preferred_element_type=out).astype(jnp.float32) * scale
+        y = dot8(xq, q, layout=layout, out=out, precision=precision)
+        y = y.astype(jnp.float32) * scale
     else:  # one FP8 product per group of K, batched, then the scaled sum
         qg = (q.reshape(n, groups, k // groups) if layout == "nk"
               else q.reshape(groups, k // groups, n))
@@ -120,10 +119,17 @@ def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn"):
         raise ValueError(f"INT8 W8A8 takes one scale per output channel, not {scale.shape[0]} "
                          "groups along K")
     xq, xs = quantize_rows_int8(x)
-    kq = 1 if layout == "nk" else 0
-    acc = jax.lax.dot_general(xq, q, (((1,), (kq,)), ((), ())),
-                              preferred_element_type=jnp.int32)
+    acc = dot8(xq, q, layout=layout, precision=None)
     return (acc.astype(jnp.float32) * scale * xs).astype(x.dtype)
+
+
+def dot8(xq, q, *, layout: str = "kn", out=jnp.int32,
+                 precision=jax.lax.Precision.HIGHEST):
+    """The unscaled product of 8-bit operands (float8_e4m3fn or int8) xq [M, K] and q ([K, N],
+    or [N, K] for layout "nk") on XLA's 8-bit dot, written in `out`."""
+    kq = 1 if layout == "nk" else 0  # q's K axis
+    return jax.lax.dot_general(xq, q, (((1,), (kq,)), ((), ())), precision=precision,
+                               preferred_element_type=out)
 
 
 def w8a8_int8_reference(x, q, scale, *, layout: str = "kn"):

@@ -179,10 +179,13 @@ class MLP(nn.Module):
             w_gate = param(self, "w_gate", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
             w_up = param(self, "w_up", (c.hidden_size, f), ("embed", "mlp"), self.dtype)
             gate, up = quant.linear(x, w_gate), quant.linear(x, w_up)
-        else:  # serving's fused [d, 2, f] (`fuse.py`): one product
+        w_down = param(self, "w_down", (f, c.hidden_size), ("mlp", "embed"), self.dtype)
+        if w_gate_up is not None:  # serving's fused [d, 2, f] (`fuse.py`): one product
+            y = quant.swiglu_w8a8(x, w_gate_up, w_down) if c.hidden_act == "silu" else None
+            if y is not None:  # 8-bit weights at W8A8 sizes: SwiGLU fused between the GEMMs
+                return y
             y = quant.linear(x, w_gate_up)
             gate, up = y[..., 0, :], y[..., 1, :]
-        w_down = param(self, "w_down", (f, c.hidden_size), ("mlp", "embed"), self.dtype)
         return quant.linear(activation(c.hidden_act)(gate) * up, w_down)
 
 

@@ -245,13 +245,29 @@ def linear(x, w, in_axes: int = 1, **kw):
     if not is_quantized(w):
         y = kernels.matmul(x2, w.reshape(x2.shape[1], -1))
     else:
-        m = matrix(w, in_axes)
-        n = m.q.shape[0] if m.k_last else m.q.shape[1]
-        kn = lambda a: a.T if m.k_last and a is not None else a  # scales as [K / bk, N / bn]
-        y = kernels.quant_matmul(x2, m.q, _per_column(kn(m.scale), n),
-                                 _per_column(kn(m.zero), n), layout="nk" if m.k_last else "kn",
-                                 **kw)
+        q, scale, zero, layout = _operands(w, in_axes)
+        y = kernels.quant_matmul(x2, q, scale, zero, layout=layout, **kw)
     return y.reshape(*lead, *out_shape)
+
+
+def _operands(w: QArray, in_axes: int):
+    """(q, scale [G, N], zero, layout) of a QArray as `kernels.quant_matmul` takes them."""
+    m = matrix(w, in_axes)
+    n = m.q.shape[0] if m.k_last else m.q.shape[1]
+    kn = lambda a: a.T if m.k_last and a is not None else a  # scales as [K / bk, N / bn]
+    return (m.q, _per_column(kn(m.scale), n), _per_column(kn(m.zero), n),
+            "nk" if m.k_last else "kn")
+
+
+def swiglu_w8a8(x, w_gate_up, w_down, **kw):
+    """silu(gate) * up times w_down, for a fused gate/up weight [d, 2, f], as one
+    `kernels.w8a8_glu` call where both weights take W8A8 there; None otherwise (the caller
+    then multiplies as usual)."""
+    if not (is_quantized(w_gate_up) and is_quantized(w_down)) or w_gate_up.ndim != 3:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    y = kernels.w8a8_glu(x2, _operands(w_gate_up, 1), _operands(w_down, 1), **kw)
+    return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def grouped_operand(w):
