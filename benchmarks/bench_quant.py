@@ -136,13 +136,14 @@ FUSED = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
          "down": (14336, 4096)}
 
 
-def bench_int8(config, params, tokens):
-    """INT8 W8A8 products and prefill against bf16 (weights int8 per channel, stored [N, K])."""
+def bench_int8(config, params, tokens, products=True):
+    """INT8 W8A8 products (unless not `products`) and prefill against bf16 (weights int8 per
+    channel, stored [N, K])."""
     from pallasite.kernels import quant_reference as qr
     from pallasite.model import forward_logits, quant
     from pallasite.model.fuse import fuse_params
     records, m = [], tokens
-    for name, (k, n) in FUSED.items() if config.hidden_size == 4096 else ():
+    for name, (k, n) in FUSED.items() if config.hidden_size == 4096 and products else ():
         kx, kw = jax.random.split(jax.random.key(k + n))
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         w = jax.random.normal(kw, (k, n), jnp.bfloat16)
@@ -222,6 +223,9 @@ def main(argv=None):
     p.add_argument("--w8a8", default=None,
                    help="comma-separated W8A8 kernels (kernels.W8A8_IMPLS: xla, pallas) to run "
                         "the prefill parts with, one after another; default: the routing's own")
+    p.add_argument("--glu", default="on",
+                   help="on,off: the prefill parts with SwiGLU fused between the W8A8 products "
+                        "(`kernels.w8a8_glu`) and without (PALLASITE_W8A8_GLU=0), in that order")
     p.add_argument("--batch1-variants", default="bf16:fused:2,fp8:fused:1",
                    help="weights:layout:rows, comma-separated, the bf16 baseline first and the "
                         "FP8 figure last (layout fused or apart; rows the smallest bucket)")
@@ -250,11 +254,16 @@ def main(argv=None):
         tag = lambda recs: [r | dict(w8a8_impl=impl or before or "xla") for r in recs]
         if "prefill_matmul" in parts:
             records += tag(bench_matmuls([64 if tiny else 2048], bw, tiny, "prefill"))
-        if "prefill" in parts:
-            records += tag([bench_prefill(config, params, qparams, 64 if tiny else 2048)])
+        for glu in args.glu.split(",") if "prefill" in parts else ():
+            os.environ["PALLASITE_W8A8_GLU"] = "0" if glu == "off" else "1"
+            records += tag([bench_prefill(config, params, qparams, 64 if tiny else 2048)
+                            | dict(glu_fused=glu != "off")])
             print(f"  prefill: {records[-1]}", flush=True)
-    if "w8a8_prefill" in parts:
-        records += bench_int8(config, params, 64 if tiny else 4096)
+    for i, glu in enumerate(args.glu.split(",") if "w8a8_prefill" in parts else ()):
+        os.environ["PALLASITE_W8A8_GLU"] = "0" if glu == "off" else "1"
+        records += [r | dict(glu_fused=glu != "off")
+                    for r in bench_int8(config, params, 64 if tiny else 4096, products=i == 0)]
+    os.environ.pop("PALLASITE_W8A8_GLU", None)
     if before is None:
         os.environ.pop("PALLASITE_W8A8_IMPL", None)
     else:
@@ -288,6 +297,8 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant.json").write_text(json.dumps(records, indent=1))
     lines = ["| mode | shape | M | fp8 | bf16 | speedup_vs_bf16 | note |", "|---|---|---|---|---|---|---|"]
+    glu_note = lambda r: {True: ", SwiGLU between the GEMMs", False: ", SwiGLU by XLA"}.get(
+        r.get("glu_fused"), "")
     for r in records:
         if r["mode"] in ("matmul", "prefill_matmul"):
             note = (f"{r['frac_of_copy_bw']:.0%} of copy bw; XLA W8A16 {r['xla_w8a16_us']:.1f} us"
@@ -299,7 +310,7 @@ def main(argv=None):
         elif r["mode"] == "prefill":
             lines.append(f"| prefill | 8B model | {r['tokens']} | {r['fp8_tok_per_s']:.0f} tok/s | "
                          f"{r['bf16_tok_per_s']:.0f} tok/s | {r['speedup_vs_bf16']:.2f} | "
-                         f"W8A8 {r['w8a8_impl']} |")
+                         f"W8A8 {r['w8a8_impl']}{glu_note(r)} |")
         elif r["mode"] == "w8a8_matmul":
             lines.append(f"| w8a8 int8 | {r['shape']} | {r['m']} | {r['int8_us']:.0f} us | "
                          f"{r['bf16_us']:.0f} us | {r['speedup_vs_bf16']:.2f} | INT8 dot alone "
@@ -307,7 +318,7 @@ def main(argv=None):
         elif r["mode"] == "w8a8_prefill":
             lines.append(f"| w8a8 prefill | 8B model | {r['tokens']} | "
                          f"{r['int8_tok_per_s']:.0f} tok/s | {r['bf16_tok_per_s']:.0f} tok/s | "
-                         f"{r['speedup_vs_bf16']:.2f} | INT8 W8A8, both fused |")
+                         f"{r['speedup_vs_bf16']:.2f} | INT8 W8A8, both fused{glu_note(r)} |")
         else:
             lines.append(f"| batch1 | 8B model | 1 | {r['fp8_ms']:.2f} ms | {r['bf16_ms']:.2f} ms | "
                          f"{r['speedup_vs_bf16']:.2f} | {r['frac_of_fp8_roofline']:.0%} of the "
