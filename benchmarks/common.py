@@ -109,18 +109,20 @@ def l2_flush():
                                                                          jnp.float32))
 
 
-def device_ms(fn, *args, reps=15, chain=False):
+def device_ms(fn, *args, reps=15, chain=False, compiled=False):
     """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
     from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
     compiled program mostly hides. The L2 is flushed before each call (`l2_flush`), so inputs
     smaller than the cache are read from memory as in a real step. The call's kernels go to
     DEVICE_KERNELS.
     `chain`: the first argument is donated and each call's output is the next call's first
-    argument (an in-place update, as the serving step runs it)."""
+    argument (an in-place update, as the serving step runs it). `compiled`: fn is already a
+    compiled executable (`jax.jit(...).lower(...).compile(...)`), called as it is."""
     import glob
     import tempfile
     from jax.profiler import ProfileData
-    jf, flush = jax.jit(fn, donate_argnums=(0,) if chain else ()), l2_flush()
+    jf = fn if compiled else jax.jit(fn, donate_argnums=(0,) if chain else ())
+    flush = l2_flush()
 
     def call():
         nonlocal args
