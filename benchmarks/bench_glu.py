@@ -46,7 +46,7 @@ def mlp_weights(d, f):
     ops = []
     for i, (k, n) in enumerate(((d, 2 * f), (f, d))):
         w = jax.random.normal(jax.random.key(10 + i), (k, n), jnp.bfloat16) * k ** -0.5
-        ops.append(quant._operands(quant.quantize_linear(w, (0, 1)), 1))
+        ops.append(quant.operands(quant.quantize_linear(w, (0, 1)), 1))
     return ops
 
 

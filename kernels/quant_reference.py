@@ -123,8 +123,7 @@ def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn"):
     return (acc.astype(jnp.float32) * scale * xs).astype(x.dtype)
 
 
-def dot8(xq, q, *, layout: str = "kn", out=jnp.int32,
-                 precision=jax.lax.Precision.HIGHEST):
+def dot8(xq, q, *, layout: str = "kn", out=jnp.int32, precision=jax.lax.Precision.HIGHEST):
     """The unscaled product of 8-bit operands (float8_e4m3fn or int8) xq [M, K] and q ([K, N],
     or [N, K] for layout "nk") on XLA's 8-bit dot, written in `out`."""
     kq = 1 if layout == "nk" else 0  # q's K axis

@@ -245,12 +245,12 @@ def linear(x, w, in_axes: int = 1, **kw):
     if not is_quantized(w):
         y = kernels.matmul(x2, w.reshape(x2.shape[1], -1))
     else:
-        q, scale, zero, layout = _operands(w, in_axes)
+        q, scale, zero, layout = operands(w, in_axes)
         y = kernels.quant_matmul(x2, q, scale, zero, layout=layout, **kw)
     return y.reshape(*lead, *out_shape)
 
 
-def _operands(w: QArray, in_axes: int):
+def operands(w: QArray, in_axes: int):
     """(q, scale [G, N], zero, layout) of a QArray as `kernels.quant_matmul` takes them."""
     m = matrix(w, in_axes)
     n = m.q.shape[0] if m.k_last else m.q.shape[1]
@@ -266,7 +266,7 @@ def swiglu_w8a8(x, w_gate_up, w_down, **kw):
     if not (is_quantized(w_gate_up) and is_quantized(w_down)) or w_gate_up.ndim != 3:
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    y = kernels.w8a8_glu(x2, _operands(w_gate_up, 1), _operands(w_down, 1), **kw)
+    y = kernels.w8a8_glu(x2, operands(w_gate_up, 1), operands(w_down, 1), **kw)
     return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -64,7 +64,7 @@ def weights(seed, d, f, scheme):
     out = []
     for key, (K, N) in ((k1, (d, 2 * f)), (k2, (f, d))):
         w = quant.quantize_linear(jax.random.normal(key, (K, N)) * K ** -0.5, (0, 1), scheme)
-        out.append(quant._operands(quant.to_k_last(w, 1), 1))
+        out.append(quant.operands(quant.to_k_last(w, 1), 1))
     return out
 
 
