@@ -524,7 +524,8 @@ def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
     gate_up's N being [gate | up] (2F). Between the two 8-bit GEMMs one kernel scales the raw
     gate/up product, applies SwiGLU and quantizes the rows for the down GEMM
     (`glu_quant.py`), where XLA makes three passes of it. None where it does not apply: not
-    8-bit weights with a scale per output channel, or a call `quant_matmul` would not run as
+    8-bit weights with a scale per output channel, F not a multiple of 128 (the kernel's
+    pieces), or a call `quant_matmul` would not run as
     W8A8 on XLA's dot (the caller then takes two `quant_matmul` calls), or
     `PALLASITE_W8A8_GLU=0` (for timing the two calls)."""
     from . import glu_quant, quant_reference as qr
@@ -533,7 +534,7 @@ def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
     (qg, sg, zg, lg), (qd, sd, zd, ld) = gate_up, down
     eight = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
     if (qg.dtype != qd.dtype or qg.dtype not in eight or zg is not None or zd is not None
-            or sg.shape[0] != 1 or sd.shape[0] != 1 or sg.shape[1] % 2
+            or sg.shape[0] != 1 or sd.shape[0] != 1 or sg.shape[1] % 256  # F in 128s
             or quant_mode(x, qg, mode=mode) != "w8a8"):
         return None
     int8 = qg.dtype == jnp.int8

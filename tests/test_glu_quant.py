@@ -94,6 +94,8 @@ def test_fused_mlp_declines_what_it_does_not_fuse():
     assert kernels.w8a8_glu(x, gu, zeros, mode="w8a8") is None
     int8_down = weights(1, d, f, "int8")[1]
     assert kernels.w8a8_glu(x, gu, int8_down, mode="w8a8") is None  # mixed kinds
+    odd = weights(1, d, 200, "fp8")  # F not in pieces of 128
+    assert kernels.w8a8_glu(x, *odd, mode="w8a8") is None
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
