@@ -94,12 +94,19 @@ def inputs(key, B, lo, hi):
     vp = (jax.random.normal(kv, (KV, B * pps, PAGE, D)) * spread[::-1]).astype(jnp.bfloat16)
     table = jax.random.permutation(kt, B * pps).reshape(B, pps).astype(jnp.int32)
     lens = jax.random.randint(kl, (B,), lo, hi + 1).astype(jnp.int32)
+    pages8, scales = fp8_pages(kp, vp)
+    return q, (kp, vp), pages8, scales, lens, table
+
+
+def fp8_pages(kp, vp):
+    """Float8 K/V pages with per-kv-head scales (amax / 448), as the engine stores them (K /
+    k_scale), and their scales as the kernels take them."""
     scales, pages8 = [], []
     for x in (kp, vp):
         s = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2, 3)) / 448.0
         scales.append(s)
         pages8.append((x.astype(jnp.float32) / s[:, None, None, None]).astype(jnp.float8_e4m3fn))
-    return q, (kp, vp), tuple(pages8), dict(k_scale=scales[0], v_scale=scales[1]), lens, table
+    return tuple(pages8), dict(k_scale=scales[0], v_scale=scales[1])
 
 
 def timed(fn, args, smoke):

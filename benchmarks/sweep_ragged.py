@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.attention import paged_inputs
+from benchmarks.sweep_fp8kv import fp8_pages
 from pallasite import kernels as K
 from pallasite.kernels import reference
 
@@ -57,15 +58,6 @@ MOSAIC_FP8 = [(128, 1, 1, 3, "WGMMA_UPCAST_2X", 2), (128, 1, 2, 3, "WGMMA_UPCAST
               (128, 1, 1, 3, "WGMMA_UPCAST_2X", 1), (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2)]
 
 
-def to_fp8(kp, vp):
-    """Float8 pages with per-kv-head scales, as the engine stores them."""
-    out, scales = [], []
-    for x in (kp, vp):
-        sc = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2, 3)) / 448.0
-        out.append((x.astype(jnp.float32) / sc[:, None, None, None]).astype(jnp.float8_e4m3fn))
-        scales.append(sc)
-    return out, dict(k_scale=scales[0], v_scale=scales[1])
-
 
 def fa3_two_calls(q, kp, vp, ctx, table, chunk):
     """FA3's chunk call and decode call (`fa3.two_calls`, best num_splits of 1, 2, 4), or None."""
@@ -85,7 +77,7 @@ def run_case(name, q_lens, ctx, args):
                                                else 64, PAGE, jnp.bfloat16)
     sc = {}
     if args.fp8:
-        (kp, vp), sc = to_fp8(kp, vp)
+        (kp, vp), sc = fp8_pages(kp, vp)
     ref = jax.jit(lambda *a: reference.ragged_paged_attention_reference(*a, **sc))(
         q, kp, vp, qs, ctx_a, table)
     jobs = [(dict(kernel="library"), jax.jit(lambda *a: K.ragged_paged_attention(

@@ -152,13 +152,13 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
     if fp8_stages:  # k_scale folds into the scores' scale, v_scale into the normalization
         scale = scale * scales_ref[0, kv]
 
-    def regs(n, action):  # the register file split between the consumer and the producers
+    def regs(role, action):  # the register file split between the consumer and the producers
         if registers and not interpret:
-            plgpu.set_max_registers(n, action=action)
+            plgpu.set_max_registers(registers[role], action=action)
 
     @pl.when(wg == 0)
     def _consumer():
-        regs(registers and registers[0], "increase")
+        regs(0, "increase")
         _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, b=b, ctx=ctx, n=n,
                  group=group, ragged=ragged, scale=scale,
                  v_scale=scales_ref[1, kv] if fp8_stages else None, interpret=interpret,
@@ -176,7 +176,7 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
     for i, mine in enumerate([tensors] if converters == 1 else [tensors[:1], tensors[1:]]):
         @pl.when(wg == 1 + i)
         def _producer(mine=mine):
-            regs(registers and registers[1], "decrease")
+            regs(1, "decrease")
             produce(mine)
 
 
