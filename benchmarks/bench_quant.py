@@ -219,6 +219,16 @@ def decode_bytes(config, params, context):
     return weights + kv
 
 
+def fusions(args):
+    """Each --glu and --norm value in turn, set in the environment (traced anew each time):
+    yields the record's tags."""
+    for glu in args.glu.split(","):
+        for norm in args.norm.split(","):
+            os.environ["PALLASITE_W8A8_GLU"] = "0" if glu == "off" else "1"
+            os.environ["PALLASITE_W8A8_NORM"] = "0" if norm == "off" else "1"
+            yield dict(glu_fused=glu != "off", norm_fused=norm != "off")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -230,6 +240,10 @@ def main(argv=None):
     p.add_argument("--glu", default="on",
                    help="on,off: the prefill parts with SwiGLU fused between the W8A8 products "
                         "(`kernels.w8a8_glu`) and without (PALLASITE_W8A8_GLU=0), in that order")
+    p.add_argument("--norm", default="on",
+                   help="on,off: the prefill parts with the norms quantizing the products' "
+                        "input rows in their pass (`kernels.norm_quantize`) and without "
+                        "(PALLASITE_W8A8_NORM=0), in that order, within each --glu value")
     p.add_argument("--batch1-variants", default="bf16:fused:2,fp8:fused:1",
                    help="weights:layout:rows, comma-separated, the bf16 baseline first and the "
                         "FP8 figure last (layout fused or apart; rows the smallest bucket)")
@@ -258,16 +272,15 @@ def main(argv=None):
         tag = lambda recs: [r | dict(w8a8_impl=impl or before or "xla") for r in recs]
         if "prefill_matmul" in parts:
             records += tag(bench_matmuls([64 if tiny else 2048], bw, tiny, "prefill"))
-        for glu in args.glu.split(",") if "prefill" in parts else ():
-            os.environ["PALLASITE_W8A8_GLU"] = "0" if glu == "off" else "1"
+        for fused in fusions(args) if "prefill" in parts else ():
             records += tag([bench_prefill(config, params, qparams, 64 if tiny else 2048)
-                            | dict(glu_fused=glu != "off")])
+                            | fused])
             print(f"  prefill: {records[-1]}", flush=True)
-    for i, glu in enumerate(args.glu.split(",") if "w8a8_prefill" in parts else ()):
-        os.environ["PALLASITE_W8A8_GLU"] = "0" if glu == "off" else "1"
-        records += [r | dict(glu_fused=glu != "off")
+    for i, fused in enumerate(fusions(args) if "w8a8_prefill" in parts else ()):
+        records += [r | fused
                     for r in bench_int8(config, params, 64 if tiny else 4096, products=i == 0)]
-    os.environ.pop("PALLASITE_W8A8_GLU", None)
+    for name in ("PALLASITE_W8A8_GLU", "PALLASITE_W8A8_NORM"):
+        os.environ.pop(name, None)
     if before is None:
         os.environ.pop("PALLASITE_W8A8_IMPL", None)
     else:
@@ -302,7 +315,8 @@ def main(argv=None):
     (out / "quant.json").write_text(json.dumps(records, indent=1))
     lines = ["| mode | shape | M | fp8 | bf16 | speedup_vs_bf16 | note |", "|---|---|---|---|---|---|---|"]
     glu_note = lambda r: {True: ", SwiGLU between the GEMMs", False: ", SwiGLU by XLA"}.get(
-        r.get("glu_fused"), "")
+        r.get("glu_fused"), "") + {True: ", norms quantize", False: ", norms by XLA"}.get(
+        r.get("norm_fused"), "")
     for r in records:
         if r["mode"] in ("matmul", "prefill_matmul"):
             note = (f"{r['frac_of_copy_bw']:.0%} of copy bw; XLA W8A16 {r['xla_w8a16_us']:.1f} us"

@@ -493,6 +493,13 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     picks (`w8a8_impl`); INT8 weights through XLA's INT8 dot. `layout="nk"`: q is stored
     transposed, [N, K] (how FP8 weights are stored: `model/quant.py` k_last)."""
     from . import quant_reference as qr
+    if isinstance(x, qr.Rows8):  # rows quantized already (`norm_quantize`): XLA's 8-bit dot
+        if (q.dtype != x.q.dtype or scale.shape[0] != 1
+                or quant_mode(x, q, zero, mode) != "w8a8"):
+            raise ValueError(f"rows quantized to {x.q.dtype} reach a product that does not "
+                             f"take them ({q.dtype} weights, {x.shape[0]} rows)")
+        int8 = q.dtype == jax.numpy.int8
+        return (qr.w8a8_int8_matmul if int8 else qr.w8a8_matmul)(x, q, scale, layout=layout)
     if quant_mode(x, q, zero, mode) == "w8a8":
         if q.dtype == jax.numpy.int8:  # SmoothQuant W8A8: XLA's INT8 GEMM (cuBLASLt)
             return qr.w8a8_int8_matmul(x, q, scale, layout=layout)
@@ -518,16 +525,43 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
     return qm.w8a16_matmul(x, q, scale, zero, layout=layout, interpret=interpret, **kw)
 
 
+def w8a8_rows(x, q, scale, zero=None, *, mode=None, layout: str = "kn"):
+    """The 8-bit dtype (float8_e4m3fn or int8) a call of `quant_matmul` quantizes x's rows to
+    before XLA's 8-bit dot, or None where it runs otherwise (W8A16, a Pallas W8A8 kernel, scale
+    groups along K). A caller holding x before its norm can then make those rows in the norm's
+    own pass (`norm_quantize`); `PALLASITE_W8A8_NORM=0` says None (for timing)."""
+    if os.environ.get("PALLASITE_W8A8_NORM", "1") == "0":
+        return None
+    if scale.shape[0] != 1 or quant_mode(x, q, zero, mode) != "w8a8":
+        return None
+    if q.dtype != jnp.int8 and w8a8_impl(x, q, scale, layout=layout) != "xla":
+        return None
+    return q.dtype
+
+
+def norm_quantize(x, weight, residual=None, *, eps, plus_one=False, out, impl=None,
+                  interpret=False):
+    """RMSNorm(x + residual) times `weight`, quantized per row to `out` for the W8A8 products
+    that follow: (`Rows8`, the sum x + residual or None). One Pallas pass on GPU
+    (`norm_quant.py`), where D falls in pieces of 128 or more; XLA's otherwise."""
+    from . import norm_quant, quant_reference as qr
+    fn = norm_quant.norm_quantize_reference
+    if _use_pallas(impl, interpret) and norm_quant.piece(x.shape[-1]) >= 128:
+        fn = functools.partial(norm_quant.norm_quantize, interpret=interpret)
+    xq, xs, total = fn(x, weight, residual, eps=eps, plus_one=plus_one, out=out)
+    return qr.Rows8(xq, xs, x.dtype), total
+
+
 def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
-    """silu(gate) * up times the down weight, both products W8A8: x [M, K] -> [M, N] in x's
-    dtype, where gate_up and down are (q, scale, zero, layout) as `quant_matmul` takes them,
-    gate_up's N being [gate | up] (2F). Between the two 8-bit GEMMs one kernel scales the raw
-    gate/up product, applies SwiGLU and quantizes the rows for the down GEMM
-    (`glu_quant.py`), where XLA makes three passes of it. None where it does not apply: not
-    8-bit weights with a scale per output channel, F not a multiple of 128 (the kernel's
-    pieces), or a call `quant_matmul` would not run as
-    W8A8 on XLA's dot (the caller then takes two `quant_matmul` calls), or
-    `PALLASITE_W8A8_GLU=0` (for timing the two calls)."""
+    """silu(gate) * up times the down weight, both products W8A8: x [M, K] (or its rows
+    quantized, `Rows8`) -> [M, N] in x's dtype, where gate_up and down are (q, scale, zero,
+    layout) as `quant_matmul` takes them, gate_up's N being [gate | up] (2F). Between the two
+    8-bit GEMMs one kernel scales the raw gate/up product, applies SwiGLU and quantizes the
+    rows for the down GEMM (`glu_quant.py`), where XLA makes three passes of it. None where it
+    does not apply: not 8-bit weights with a scale per output channel, F not a multiple of 128
+    (the kernel's pieces), a call `quant_matmul` would not run as W8A8 on XLA's dot (the caller
+    then takes two `quant_matmul` calls), or `PALLASITE_W8A8_GLU=0` (for timing the two
+    calls)."""
     from . import glu_quant, quant_reference as qr
     if os.environ.get("PALLASITE_W8A8_GLU", "1") == "0":
         return None
@@ -540,7 +574,12 @@ def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
     int8 = qg.dtype == jnp.int8
     if not int8 and w8a8_impl(x, qg, sg, layout=lg, interpret=interpret) != "xla":
         return None
-    xq, xs = (qr.quantize_rows_int8 if int8 else qr.quantize_rows)(x)
+    if isinstance(x, qr.Rows8):
+        if x.q.dtype != qg.dtype:
+            raise ValueError(f"rows quantized to {x.q.dtype} reach {qg.dtype} weights")
+        xq, xs = x.q, x.scale
+    else:
+        xq, xs = (qr.quantize_rows_int8 if int8 else qr.quantize_rows)(x)
     p = qr.dot8(xq, qg, layout=lg, out=jnp.int32 if int8 else x.dtype,
                 precision=None if int8 else jax.lax.Precision.HIGHEST)
     f = p.shape[1] // 2

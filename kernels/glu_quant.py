@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .norm_quant import round_even
 from .quant_reference import FP8_MAX, INT8_MAX
 
 
@@ -49,9 +50,8 @@ def _kernel(p_ref, rs_ref, cs_ref, hq_ref, hs_ref, *, piece):
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
     for c, h in enumerate(hs):
         q = jnp.clip(h / scale, -qmax, qmax)
-        if hq_ref.dtype == jnp.int8:  # to nearest (Triton has no rule for round; exact
-            q = jnp.floor(q + 0.5)     # halves go up here, to even in jnp.round)
-        hq_ref[0, pl.ds(c * piece, piece)] = q.astype(hq_ref.dtype)
+        hq_ref[0, pl.ds(c * piece, piece)] = (round_even(q) if hq_ref.dtype == jnp.int8
+                                              else q).astype(hq_ref.dtype)
     hs_ref[0, 0] = scale
 
 

@@ -8,6 +8,8 @@ Weights come as a [K, N] matrix `q` (float8_e4m3fn, int8, int4) with float32 `sc
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +41,29 @@ def w8a16_reference(x, q, scale, zero=None):
     part = jnp.einsum("mgk,gkn->mgn", x.astype(jnp.float32).reshape(m, groups, k // groups), w,
                       precision=jax.lax.Precision.HIGHEST)
     return jnp.sum(part * scale[None], axis=1).astype(x.dtype)
+
+
+class Rows8(NamedTuple):
+    """An activation [..., K] already quantized per row for W8A8 products (`kernels.norm_quantize`
+    makes it): the 8-bit values, their float32 row scales [..., 1], and the dtype the products
+    come out in. `kernels.quant_matmul` and `kernels.w8a8_glu` take it where they take x."""
+    q: jax.Array
+    scale: jax.Array
+    dtype: Any
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def ndim(self):
+        return self.q.ndim
+
+    def reshape(self, *shape):
+        """The rows of a new leading shape ([..., K] -> [M, K] and back); K stays last."""
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        q = self.q.reshape(shape)
+        return Rows8(q, self.scale.reshape(*q.shape[:-1], 1), self.dtype)
 
 
 def _row_scaled(x, qmax):
@@ -85,11 +110,11 @@ def w8a8_dot(xq, xs, q, scale, *, layout: str = "kn", fast: bool = False, out=jn
 
 
 def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
-    """FP8 x FP8 on the tensor cores: x quantized per row, XLA's FP8 dot (cuBLASLt on Hopper)
-    accumulating in float32 and writing its product in x's dtype, both scales applied after.
-    q must be float8_e4m3fn. (A bf16 product runs 1.33-1.50x bf16 for an 8B layer's products,
-    a float32 one 1.24-1.44x: `benchmarks/w8a8_compile.py`.)"""
-    xq, xs = quantize_rows(x)
+    """FP8 x FP8 on the tensor cores: x quantized per row (or given as `Rows8`), XLA's FP8 dot
+    (cuBLASLt on Hopper) accumulating in float32 and writing its product in x's dtype, both
+    scales applied after. q must be float8_e4m3fn. (A bf16 product runs 1.33-1.50x bf16 for an
+    8B layer's products, a float32 one 1.24-1.44x: `benchmarks/w8a8_compile.py`.)"""
+    xq, xs = (x.q, x.scale) if isinstance(x, Rows8) else quantize_rows(x)
     return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast, out=x.dtype).astype(x.dtype)
 
 
@@ -112,13 +137,13 @@ def quantize_rows_int8(x):
 
 
 def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn"):
-    """INT8 x INT8 on the tensor cores (SmoothQuant W8A8): x quantized per row, XLA's integer
-    dot accumulating exactly in int32, then the row and channel scales. q int8 with per-channel
-    scale [1, N] (the INT8 GEMM has no groups along K)."""
+    """INT8 x INT8 on the tensor cores (SmoothQuant W8A8): x quantized per row (or given as
+    `Rows8`), XLA's integer dot accumulating exactly in int32, then the row and channel scales.
+    q int8 with per-channel scale [1, N] (the INT8 GEMM has no groups along K)."""
     if scale.shape[0] != 1:
         raise ValueError(f"INT8 W8A8 takes one scale per output channel, not {scale.shape[0]} "
                          "groups along K")
-    xq, xs = quantize_rows_int8(x)
+    xq, xs = (x.q, x.scale) if isinstance(x, Rows8) else quantize_rows_int8(x)
     acc = dot8(xq, q, layout=layout, precision=None)
     return (acc.astype(jnp.float32) * scale * xs).astype(x.dtype)
 

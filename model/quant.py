@@ -236,7 +236,8 @@ def _per_column(a, n):
 
 def linear(x, w, in_axes: int = 1, **kw):
     """x [..., in...] times w [in..., out...] -> [..., out...] in x's dtype: a plain matmul,
-    or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8)."""
+    or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8). x may
+    come with its rows quantized (`Rows8`, see `rows8_for`)."""
     if is_packed(w):
         return w.linear(x, in_axes)
     in_shape, out_shape = w.shape[:in_axes], w.shape[in_axes:]
@@ -257,6 +258,18 @@ def operands(w: QArray, in_axes: int):
     kn = lambda a: a.T if m.k_last and a is not None else a  # scales as [K / bk, N / bn]
     return (m.q, _per_column(kn(m.scale), n), _per_column(kn(m.zero), n),
             "nk" if m.k_last else "kn")
+
+
+def rows8_for(x, *weights):
+    """The 8-bit dtype every one of `weights` (linear weights taking x [..., K] on their first
+    axis) quantizes x's rows to for its W8A8 product (`kernels.w8a8_rows`), or None: then the
+    norm before them can hand them x quantized (`Rows8`), made in its own pass."""
+    if not weights or not all(is_quantized(w) for w in weights):
+        return None
+    rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    kinds = {kernels.w8a8_rows(rows, q, scale, zero, layout=layout)
+             for q, scale, zero, layout in (operands(w, 1) for w in weights)}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else None
 
 
 def swiglu_w8a8(x, w_gate_up, w_down, **kw):

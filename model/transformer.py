@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from .. import kernels
 from .attention import Attention, Batch
 from .config import ModelConfig
-from .layers import MLP, MoE, RMSNorm, constrain, embed_lookup, param
+from . import quant
+from .fuse import GATE_UP, QKV
+from .layers import MLP, MoE, RMSNorm, constrain, device_hooks, embed_lookup, param
 from .mla import MLAttention
 
 
@@ -29,17 +31,34 @@ class Block(nn.Module):
         norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype,
                                     plus_one=c.norm_plus_one, name=name)
         attention = MLAttention if c.is_mla else Attention
+        rows8 = self.rows8_of(x, "attn", QKV, "wq", "wk", "wv")
+        attn_in = (norm("attn_norm")(x) if rows8 is None
+                   else norm("attn_norm")(x, rows8=rows8)[0])
         h, layer_cache = attention(c, self.dtype, self.layer, name="attn")(
-            norm("attn_norm")(x), positions, segment_ids, layer_cache, batch)
+            attn_in, positions, segment_ids, layer_cache, batch)
         if c.sandwich_norms:  # Gemma also normalizes each sublayer's output
             h = norm("attn_post_norm")(h)
-        x = x + h
-        ffn = MoE(c, self.dtype, name="moe") if c.layer_is_moe(self.layer) else MLP(
-            c, self.dtype, name="mlp")
-        h = ffn(norm("mlp_norm")(x))
+        moe = c.layer_is_moe(self.layer)
+        ffn = MoE(c, self.dtype, name="moe") if moe else MLP(c, self.dtype, name="mlp")
+        rows8 = None if moe else self.rows8_of(x, "mlp", GATE_UP, "w_gate", "w_up")
+        if rows8 is not None:  # the residual sum made in the norm's pass
+            mlp_in, x = norm("mlp_norm")(x, residual=h, rows8=rows8)
+        else:
+            x = x + h
+            mlp_in = norm("mlp_norm")(x)
+        h = ffn(mlp_in)
         if c.sandwich_norms:
             h = norm("mlp_post_norm")(h)
         return x + h, layer_cache
+
+    def rows8_of(self, x, sublayer, *names):
+        """The 8-bit dtype the sublayer's first products (its params `names` that exist) all
+        quantize their input's rows to (`quant.rows8_for`), or None. Only on one device: a
+        mesh's products run where GSPMD places them."""
+        if device_hooks() is not None or self.config.is_mla:
+            return None
+        params = self.variables.get("params", {}).get(sublayer, {})
+        return quant.rows8_for(x, *(params[n] for n in names if n in params))
 
 
 class Decoder(nn.Module):

@@ -1,0 +1,133 @@
+"""RMSNorm into an 8-bit product's input, in one pass: the residual stream in, the next W8A8
+GEMM's row-quantized input out (Pallas, Triton backend).
+
+x [M, D] is the residual stream; with `residual` [M, D] the kernel first adds it (the sublayer's
+output) and also writes the sum, the stream the layer goes on with. Row r is normalized
+(x * rsqrt(mean(x^2) + eps) in float32, then times the norm's weight, rounded as the model's
+`RMSNorm` rounds) and quantized per row as `quant_reference.quantize_rows` /
+`quantize_rows_int8` would do it: (xq [M, D] float8_e4m3fn or int8, xs [M, 1] float32).
+
+As XLA fusions the same is an add, the sum of squares, the normalization, the rows' maximum and
+the conversion, each its own pass over the [M, D] activation (`profiling/profile_step.py
+--cases p2k --quantization fp8`). Here one program holds a row in registers (pieces of up to
+2048), so x and the residual are read once and only the sum and the 8-bit row are written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .quant_reference import FP8_MAX, INT8_MAX
+
+EIGHT = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
+
+
+def piece(d: int) -> int:
+    """The largest power of two (at most 2048) dividing D: Triton's blocks are powers of two."""
+    return min(2048, d & -d)
+
+
+def _normed(x32, r, w, dtype, plus_one):
+    """The model's RMSNorm of one piece, given the row's rsqrt `r` (`model/layers.RMSNorm`):
+    the normalized row rounded to the model dtype, then times the weight in that dtype."""
+    if plus_one:
+        return (x32 * r * (1.0 + w.astype(jnp.float32))).astype(dtype)
+    return ((x32 * r).astype(dtype).astype(jnp.float32) * w.astype(jnp.float32)).astype(dtype)
+
+
+def round_even(q):
+    """To nearest, halves to even, as jnp.round (Triton has no rule for round): bf16 rows put
+    exact halves in a few of every thousand int8 codes."""
+    r = jnp.floor(q + 0.5)
+    odd = r - 2.0 * jnp.floor(r * 0.5) != 0.0
+    return jnp.where((r - q == 0.5) & odd, r - 1.0, r)
+
+
+def _quantized(h32, scale, out):
+    qmax = FP8_MAX if out == jnp.float8_e4m3fn else INT8_MAX
+    q = jnp.clip(h32 / scale, -qmax, qmax)
+    return (round_even(q) if out == jnp.int8 else q).astype(out)
+
+
+def _kernel(*refs, size, eps, plus_one, add):
+    if add:
+        x_ref, res_ref, w_ref, q_ref, s_ref, sum_ref = refs
+    else:
+        (x_ref, w_ref, q_ref, s_ref), res_ref, sum_ref = refs, None, None
+    d, dtype = x_ref.shape[1], x_ref.dtype
+    rows = []
+    for c in range(d // size):  # the row's pieces stay in registers until its scales are known
+        at = pl.ds(c * size, size)
+        x = x_ref[0, at]
+        if add:  # the residual sum in the stream's dtype, as `x + h` rounds it
+            x = (x.astype(jnp.float32) + res_ref[0, at].astype(jnp.float32)).astype(dtype)
+            sum_ref[0, at] = x
+        rows.append(x.astype(jnp.float32))
+    r = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in rows) / d + eps)
+    hs = [_normed(x, r, w_ref[pl.ds(c * size, size)], dtype, plus_one).astype(jnp.float32)
+          for c, x in enumerate(rows)]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in hs])
+    qmax = FP8_MAX if q_ref.dtype == jnp.float8_e4m3fn else INT8_MAX
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    for c, h in enumerate(hs):
+        q_ref[0, pl.ds(c * size, size)] = _quantized(h, scale, q_ref.dtype)
+    s_ref[0, 0] = scale
+
+
+def check(x, weight, residual=None, out=jnp.float8_e4m3fn):
+    """A ValueError for operands the kernel does not take."""
+    if x.ndim != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"norm_quantize takes x [M, D] and weight [D]; got {x.shape}, "
+                         f"{weight.shape}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {residual.shape} is not x's shape {x.shape}")
+    if jnp.dtype(out) not in EIGHT:
+        raise ValueError(f"norm_quantize writes float8_e4m3fn or int8, not {out}")
+
+
+# 16 warps a program, as `glu_quant` (a row of 4096 is 8 values a thread).
+@functools.partial(jax.jit, static_argnames=("eps", "plus_one", "out", "num_warps", "interpret"))
+def norm_quantize(x, weight, residual=None, *, eps, plus_one=False, out=jnp.float8_e4m3fn,
+                  num_warps=16, interpret=False):
+    """x [M, D] (+ residual [M, D]) -> (xq [M, D] in `out`, xs [M, 1] float32, the sum or None):
+    RMSNorm(x + residual) quantized per row (float8_e4m3fn or int8)."""
+    check(x, weight, residual, out)
+    M, D = x.shape
+    add = residual is not None
+    row = lambda n: pl.BlockSpec((1, n), lambda r: (r, 0))
+    whole = pl.BlockSpec((D,), lambda r: (0,))
+    out_shape = [jax.ShapeDtypeStruct((M, D), out), jax.ShapeDtypeStruct((M, 1), jnp.float32)]
+    operands = (x, residual, weight) if add else (x, weight)
+    result = pl.pallas_call(
+        functools.partial(_kernel, size=piece(D), eps=eps, plus_one=plus_one, add=add),
+        grid=(M,),
+        in_specs=[row(D), row(D), whole] if add else [row(D), whole],
+        out_specs=[row(D), row(1)] + ([row(D)] if add else []),
+        out_shape=out_shape + ([jax.ShapeDtypeStruct((M, D), x.dtype)] if add else []),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="pallasite_norm_quantize",
+    )(*operands)
+    return result[0], result[1], (result[2] if add else None)
+
+
+def norm_quantize_reference(x, weight, residual=None, *, eps, plus_one=False,
+                            out=jnp.float8_e4m3fn):
+    """The same in jnp, op for op as the model's add, `RMSNorm` and `quantize_rows`."""
+    check(x, weight, residual, out)
+    total = None if residual is None else x + residual
+    x32 = (x if total is None else total).astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    h = _normed(x32, r, weight, x.dtype, plus_one).astype(jnp.float32)
+    qmax = FP8_MAX if jnp.dtype(out) == jnp.float8_e4m3fn else INT8_MAX
+    amax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    q = jnp.clip(h / scale, -qmax, qmax)
+    if jnp.dtype(out) == jnp.int8:
+        q = jnp.round(q)
+    return q.astype(out), scale, total

@@ -1,0 +1,156 @@
+"""RMSNorm into the W8A8 products' input (`kernels/norm_quant.py`, `kernels.norm_quantize`): the
+kernel in Pallas's interpreter against its jnp reference, the reference against the model's own
+norm and row quantization, and the paged step taking it for 8-bit weights."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite import kernels
+from pallasite.kernels import norm_quant, quant_reference as qr
+from pallasite.model import config_from_dict, init_kv_cache, init_params, quant
+from pallasite.model.fuse import fuse_params
+from pallasite.model.layers import RMSNorm
+
+from test_model import paged_step
+
+EIGHT = [jnp.float8_e4m3fn, jnp.int8]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def stream(seed, M, D):
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = (jax.random.normal(k[0], (M, D)) * 3).at[M // 2].set(0.0)  # a zero row: scale 1
+    res = (jax.random.normal(k[1], (M, D))).at[M // 2].set(0.0)
+    w = jax.random.uniform(k[2], (D,)) + 0.5
+    return x.astype(jnp.bfloat16), res.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("out", EIGHT)
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("plus_one", [False, True])
+def test_kernel_equals_reference(out, add, plus_one):
+    """Odd rows, a zero row, D in three pieces of 128; with and without the residual sum, and
+    Gemma's (1 + weight)."""
+    x, res, w = stream(0, 5, 384)
+    res = res if add else None
+    kw = dict(eps=1e-5, plus_one=plus_one, out=out)
+    q, s, total = norm_quant.norm_quantize(x, w, res, interpret=True, **kw)
+    rq, rs, rtotal = norm_quant.norm_quantize_reference(x, w, res, **kw)
+    assert q.dtype == out and q.shape == (5, 384) and s.shape == (5, 1)
+    np.testing.assert_allclose(s, rs, rtol=1e-5)
+    assert float(s[2, 0]) == 1.0 and not np.any(np.asarray(q[2], np.float32))
+    same = np.asarray(q, np.float32) == np.asarray(rq, np.float32)
+    assert same.mean() > 0.995  # a value on a rounding edge may land one step over
+    assert rel_err(q.astype(jnp.float32) * s, rq.astype(jnp.float32) * rs) < 2e-3
+    if add:
+        assert total.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(total, np.float32), np.asarray(rtotal,
+                                                                                np.float32))
+        np.testing.assert_array_equal(np.asarray(total, np.float32),
+                                      np.asarray(x + res, np.float32))
+    else:
+        assert total is None and rtotal is None
+
+
+@pytest.mark.parametrize("out", EIGHT)
+def test_reference_is_the_models_norm_then_quantize(out):
+    """The reference is op for op the model's `RMSNorm` and `quantize_rows`: the same bits."""
+    x, res, w = stream(1, 6, 256)
+    norm = RMSNorm(256, 1e-6, jnp.bfloat16)
+    h = norm.apply({"params": {"scale": w}}, x + res)
+    want = (qr.quantize_rows if out == jnp.float8_e4m3fn else qr.quantize_rows_int8)(h)
+    q, s, _ = norm_quant.norm_quantize_reference(x, w, res, eps=1e-6, out=out)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(s, want[1])
+    rows, total = norm.apply({"params": {"scale": w}}, x, res, rows8=out)
+    assert isinstance(rows, qr.Rows8) and rows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(rows.q, np.float32), np.asarray(q, np.float32))
+    np.testing.assert_array_equal(np.asarray(total, np.float32), np.asarray(x + res,
+                                                                            np.float32))
+
+
+def test_kernel_refuses_bad_operands():
+    x, res, w = stream(0, 4, 128)
+    with pytest.raises(ValueError, match="weight \\[D\\]"):
+        norm_quant.norm_quantize(x, w[:64], eps=1e-5, interpret=True)
+    with pytest.raises(ValueError, match="residual"):
+        norm_quant.norm_quantize(x, w, res[:2], eps=1e-5, interpret=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
+        norm_quant.norm_quantize(x, w, eps=1e-5, out=jnp.bfloat16, interpret=True)
+
+
+def test_rows_go_only_where_the_product_takes_them():
+    """Which products take rows made by the norm, and that a product refuses rows it would
+    not have quantized so."""
+    w = quant.quantize_linear(jax.random.normal(jax.random.key(0), (128, 256)), (0, 1), "fp8")
+    w8 = quant.quantize_linear(jax.random.normal(jax.random.key(0), (128, 256)), (0, 1), "int8")
+    x = jnp.ones((16, 128), jnp.bfloat16)
+    assert quant.rows8_for(x, w) is None  # CPU: these sizes run W8A16 here
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PALLASITE_QUANT_MATMUL", "w8a8")
+        assert quant.rows8_for(x, w, w) == jnp.float8_e4m3fn
+        assert quant.rows8_for(x, w8) == jnp.int8
+        assert quant.rows8_for(x, w, w8) is None  # two kinds: one x cannot feed both
+        assert quant.rows8_for(x, w, jnp.ones((128, 256))) is None  # a plain weight
+        assert quant.rows8_for(x) is None
+        mp.setenv("PALLASITE_W8A8_NORM", "0")
+        assert quant.rows8_for(x, w) is None
+    rows = qr.Rows8(*qr.quantize_rows(x), x.dtype)
+    with pytest.raises(ValueError, match="does not take them"):
+        quant.linear(rows, w)  # W8A16 sizes on CPU
+
+
+def llama(hidden=256):
+    return config_from_dict(dict(
+        model_type="llama", vocab_size=128, hidden_size=hidden, intermediate_size=384,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_paged_step_takes_the_norm_kernel(scheme, fused, monkeypatch):
+    """8-bit weights at W8A8 sizes: both norms of every layer hand their products quantized
+    rows (the kernel interpreted), apart or fused weights alike, and the logits are those of
+    the step without it."""
+    config = llama()
+    params = quant.quantize_params(init_params(config, seed=3, dtype=jnp.bfloat16), scheme)
+    params = fuse_params(params) if fused else params
+    rng = np.random.default_rng(0)
+    chunks = [(0, rng.integers(0, 128, 9), 0), (1, rng.integers(0, 128, 6), 0)]
+    tables = [np.arange(8), np.arange(8, 16)]
+    monkeypatch.setenv("PALLASITE_QUANT_MATMUL", "w8a8")
+
+    def step(norm):
+        monkeypatch.setenv("PALLASITE_W8A8_NORM", norm)
+        kv = init_kv_cache(config, 16, 4, jnp.bfloat16)
+        return paged_step(params, config, kv, chunks, tables, 4)[0]
+
+    want = step("0")
+    calls = []
+    real = kernels.norm_quantize
+    monkeypatch.setattr(kernels, "norm_quantize", lambda *a, **k: calls.append(
+        k.get("out")) or real(*a, interpret=True, **k))
+    got = step("1")
+    assert calls == [jnp.dtype(scheme if scheme == "int8" else jnp.float8_e4m3fn)] * (
+        2 * config.num_layers)
+    assert rel_err(got, want) < 1e-2
+
+
+def test_paged_step_keeps_bf16_norms_for_plain_weights(monkeypatch):
+    config = llama()
+    params = init_params(config, seed=3, dtype=jnp.bfloat16)
+    monkeypatch.setenv("PALLASITE_QUANT_MATMUL", "w8a8")
+    calls = []
+    monkeypatch.setattr(kernels, "norm_quantize", functools.partial(calls.append))
+    kv = init_kv_cache(config, 16, 4, jnp.bfloat16)
+    paged_step(params, config, kv, [(0, np.arange(5), 0)], [np.arange(8)], 4)
+    assert not calls
