@@ -5,8 +5,11 @@ XLA's passes of the same work, as the model ran it before.
   python -m benchmarks.bench_norm_quant --out DIR --smoke    (small shapes, interpreter, CPU)
 
 Per row count M (the 8B shape's residual stream, D 4096), on fresh random inputs, for float8
-and int8 rows, with the residual sum in the pass (the MLP's norm) and without it (attention's):
-- "xla": `x + residual`, the model's `RMSNorm`, then `quantize_rows` (XLA's fusions);
+and int8 rows: without a residual (the first layer's norm), with a bf16 one ("add"), and with a
+W8A8 product before its scales ("product": bf16 from FP8, int32 from INT8), as the model now
+hands its attention output and MLP output to the next norm:
+- "xla": the product's scaling, `x + residual`, the model's `RMSNorm`, then `quantize_rows`
+  (XLA's fusions);
 - "kernel": `norm_quantize`, checked against `norm_quantize_reference` with freed device memory
   filled with NaN first.
 Device times (profiler trace, L2 flushed before each call, `benchmarks/common.py`); the bytes
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common
+from pallasite import kernels
 from pallasite.kernels import norm_quant, quant_reference as qr
 from pallasite.model.layers import RMSNorm
 
@@ -33,7 +37,7 @@ D, EPS = 4096, 1e-5
 
 def xla_passes(x, w, res, out):
     """The model's add, norm and row quantization, as XLA fuses them."""
-    total = x if res is None else x + res
+    total = x if res is None else x + qr.value(res)
     h = RMSNorm(x.shape[1], EPS, x.dtype).apply({"params": {"scale": w}}, total)
     q, s = (qr.quantize_rows if out == jnp.float8_e4m3fn else qr.quantize_rows_int8)(h)
     return q, s, (None if res is None else total)
@@ -47,22 +51,28 @@ def one(log, m, d, smoke):
     res = jax.random.normal(k[1], (m, d)).astype(jnp.bfloat16)
     w = (jax.random.uniform(k[2], (d,)) + 0.5).astype(jnp.bfloat16)
     row = dict(m=m, d=d)
+    raw = jax.random.normal(k[1], (m, d)) * 50
+    scales = (jax.random.uniform(k[2], (m, 1)) * 0.01 + 1e-3,
+              jax.random.uniform(k[0], (1, d)) * 0.01 + 1e-3)
     for name, out in (("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8)):
-        for add in (True, False):
-            r = res if add else None
-            fn = jax.jit(lambda x, w, r, out=out: norm_quant.norm_quantize(
+        p = raw.astype(jnp.bfloat16) if name == "fp8" else jnp.round(raw).astype(jnp.int32)
+        for kind, r in (("norm", None), ("add", res),
+                        ("product", qr.Product(p, *scales, jnp.bfloat16))):
+            fn = jax.jit(lambda x, w, r, out=out: kernels.norm_quantize(
                 x, w, r, eps=EPS, out=out, interpret=smoke))
             if not smoke:
                 common.poison()
-            q, s, total = fn(x, w, r)
-            rq, rs, _ = norm_quant.norm_quantize_reference(x, w, r, eps=EPS, out=out)
-            err = common.rel_err(q.astype(jnp.float32) * s, rq.astype(jnp.float32) * rs)
-            if add:
-                err = max(err, common.rel_err(total, x + res))
+            rows, total = fn(x, w, r)
+            rq, rs, _ = norm_quant.norm_quantize_reference(x, w, qr.value(r), eps=EPS, out=out)
+            err = common.rel_err(rows.q.astype(jnp.float32) * rows.scale,
+                                 rq.astype(jnp.float32) * rs)
+            if r is not None:
+                err = max(err, common.rel_err(total, x + qr.value(r)))
             ms = timed(fn, x, w, r)
-            moved = x.size * 2 * (3 if add else 1) + m * d + 4 * m
+            read = 0 if r is None else (r.p if kind == "product" else r).dtype.itemsize
+            moved = m * d * (2 + read + (2 if r is not None else 0) + 1) + 4 * m
             xla = timed(jax.jit(lambda x, w, r, out=out: xla_passes(x, w, r, out)), x, w, r)
-            key = f"{name}_{'add' if add else 'norm'}"
+            key = f"{name}_{kind}"
             row[key] = dict(kernel_ms=ms, xla_ms=xla, speedup_vs_xla=xla / ms, rel_err=err,
                             ok=bool(err < 1e-2), tbps=moved / (ms / 1e3) / 1e12)
             log(f"  M={m} {key}: {row[key]}")
@@ -86,7 +96,7 @@ def main():
     record = common.run_info(device=not args.smoke) | dict(
         kernel="norm_quantize", mode="norm_quant", seconds=time.perf_counter() - t0, rows=rows)
     (out / "bench_norm_quant.json").write_text(json.dumps(record, indent=1))
-    keys = ("fp8_add", "fp8_norm", "int8_add", "int8_norm")
+    keys = tuple(f"{a}_{b}" for a in ("fp8", "int8") for b in ("norm", "add", "product"))
     print("\n| M | " + " | ".join(f"{k} XLA ms | kernel ms | vs XLA | TB/s" for k in keys)
           + " |\n|---|" + "---|" * 4 * len(keys))
     for r in rows:

@@ -485,24 +485,27 @@ def w8a8_impl(x, q, scale, impl=None, *, layout: str = "kn", interpret=False, **
 
 
 def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
-                 layout: str = "kn", interpret=False, **blocks):
+                 layout: str = "kn", unscaled=False, interpret=False, **blocks):
     """x [M, K] times quantized weights q [K, N] with float32 scale [G, N] (and zero) ->
     [M, N] in x's dtype. W8A16 through the Pallas kernel (`w8a16_matmul.py`) on GPU, its jnp
     reference elsewhere; W8A8 through XLA's FP8 dot (`quant_reference.w8a8_matmul`) or the
     Pallas kernels (`w8a8_matmul.py`, `w8a8_mgpu.py`), as `w8a8` (or `PALLASITE_W8A8_IMPL`)
     picks (`w8a8_impl`); INT8 weights through XLA's INT8 dot. `layout="nk"`: q is stored
-    transposed, [N, K] (how FP8 weights are stored: `model/quant.py` k_last)."""
+    transposed, [N, K] (how FP8 weights are stored: `model/quant.py` k_last). `unscaled`: a
+    W8A8 call on XLA's dot returns its product before the scales (`Product`), for the norm
+    after it to scale; other calls return the product itself."""
     from . import quant_reference as qr
+    eight = dict(layout=layout, unscaled=unscaled)
     if isinstance(x, qr.Rows8):  # rows quantized already (`norm_quantize`): XLA's 8-bit dot
         if (q.dtype != x.q.dtype or scale.shape[0] != 1
                 or quant_mode(x, q, zero, mode) != "w8a8"):
             raise ValueError(f"rows quantized to {x.q.dtype} reach a product that does not "
                              f"take them ({q.dtype} weights, {x.shape[0]} rows)")
         int8 = q.dtype == jax.numpy.int8
-        return (qr.w8a8_int8_matmul if int8 else qr.w8a8_matmul)(x, q, scale, layout=layout)
+        return (qr.w8a8_int8_matmul if int8 else qr.w8a8_matmul)(x, q, scale, **eight)
     if quant_mode(x, q, zero, mode) == "w8a8":
         if q.dtype == jax.numpy.int8:  # SmoothQuant W8A8: XLA's INT8 GEMM (cuBLASLt)
-            return qr.w8a8_int8_matmul(x, q, scale, layout=layout)
+            return qr.w8a8_int8_matmul(x, q, scale, **eight)
         impl = w8a8_impl(x, q, scale, w8a8, layout=layout, interpret=interpret, **blocks)
         if impl == "pallas":
             from . import w8a8_matmul as wm
@@ -510,7 +513,7 @@ def quant_matmul(x, q, scale, zero=None, *, mode=None, impl=None, w8a8=None,
         if impl == "mosaic":
             from . import w8a8_mgpu
             return w8a8_mgpu.w8a8_matmul(x, q, scale, interpret=interpret, **blocks)
-        return qr.w8a8_matmul(x, q, scale, layout=layout)
+        return qr.w8a8_matmul(x, q, scale, **eight)
     if layout not in ("kn", "nk"):
         raise ValueError(f"quantized matmul layout {layout!r} is not 'kn' or 'nk'")
     # Triton has no float8 type before sm_89: there the weights are dequantized by XLA.
@@ -542,17 +545,24 @@ def w8a8_rows(x, q, scale, zero=None, *, mode=None, layout: str = "kn"):
 def norm_quantize(x, weight, residual=None, *, eps, plus_one=False, out, impl=None,
                   interpret=False):
     """RMSNorm(x + residual) times `weight`, quantized per row to `out` for the W8A8 products
-    that follow: (`Rows8`, the sum x + residual or None). One Pallas pass on GPU
+    that follow: (`Rows8`, the sum x + residual or None). The residual may be a W8A8 product
+    before its scales (`Product`), scaled in the same pass. One Pallas pass on GPU
     (`norm_quant.py`), where D falls in pieces of 128 or more; XLA's otherwise."""
     from . import norm_quant, quant_reference as qr
     fn = norm_quant.norm_quantize_reference
     if _use_pallas(impl, interpret) and norm_quant.piece(x.shape[-1]) >= 128:
         fn = functools.partial(norm_quant.norm_quantize, interpret=interpret)
-    xq, xs, total = fn(x, weight, residual, eps=eps, plus_one=plus_one, out=out)
+    scales = None
+    if isinstance(residual, qr.Product):
+        if residual.dtype != x.dtype:
+            raise ValueError(f"a {residual.dtype} product reaches a {x.dtype} stream")
+        cols = jnp.broadcast_to(residual.col_scale.reshape(-1), x.shape[-1:])
+        residual, scales = residual.p, (residual.row_scale, cols)
+    xq, xs, total = fn(x, weight, residual, scales, eps=eps, plus_one=plus_one, out=out)
     return qr.Rows8(xq, xs, x.dtype), total
 
 
-def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
+def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, unscaled=False, interpret=False):
     """silu(gate) * up times the down weight, both products W8A8: x [M, K] (or its rows
     quantized, `Rows8`) -> [M, N] in x's dtype, where gate_up and down are (q, scale, zero,
     layout) as `quant_matmul` takes them, gate_up's N being [gate | up] (2F). Between the two
@@ -561,7 +571,7 @@ def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
     does not apply: not 8-bit weights with a scale per output channel, F not a multiple of 128
     (the kernel's pieces), a call `quant_matmul` would not run as W8A8 on XLA's dot (the caller
     then takes two `quant_matmul` calls), or `PALLASITE_W8A8_GLU=0` (for timing the two
-    calls)."""
+    calls). `unscaled`: the down product before its scales (`Product`)."""
     from . import glu_quant, quant_reference as qr
     if os.environ.get("PALLASITE_W8A8_GLU", "1") == "0":
         return None
@@ -586,11 +596,9 @@ def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, interpret=False):
     glu = (functools.partial(glu_quant.glu_quantize, interpret=interpret)
            if _use_pallas(impl, interpret) else glu_quant.glu_quantize_reference)
     hq, hs = glu(p.reshape(-1, 2, f), xs, sg.reshape(2, f), out=qg.dtype)
-    if int8:  # as w8a8_int8_matmul: exact int32 sums, then both scales
-        y = qr.dot8(hq, qd, layout=ld, precision=None).astype(jnp.float32) * sd * hs
-    else:
-        y = qr.w8a8_dot(hq, hs, qd, sd, layout=ld, out=x.dtype)
-    return y.astype(x.dtype)
+    rows = qr.Rows8(hq, hs, x.dtype)
+    int8_or_fp8 = qr.w8a8_int8_matmul if int8 else qr.w8a8_matmul
+    return int8_or_fp8(rows, qd, sd, layout=ld, unscaled=unscaled)
 
 
 def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=False, **blocks):

@@ -49,7 +49,7 @@ def _kernel(p_ref, rs_ref, cs_ref, hq_ref, hs_ref, *, piece):
     qmax = _bounds(hq_ref.dtype)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
     for c, h in enumerate(hs):
-        q = jnp.clip(h / scale, -qmax, qmax)
+        q = jnp.clip(h * (1.0 / scale), -qmax, qmax)  # as XLA divides (`norm_quant`)
         hq_ref[0, pl.ds(c * piece, piece)] = (round_even(q) if hq_ref.dtype == jnp.int8
                                               else q).astype(hq_ref.dtype)
     hs_ref[0, 0] = scale

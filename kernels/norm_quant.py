@@ -2,7 +2,10 @@
 GEMM's row-quantized input out (Pallas, Triton backend).
 
 x [M, D] is the residual stream; with `residual` [M, D] the kernel first adds it (the sublayer's
-output) and also writes the sum, the stream the layer goes on with. Row r is normalized
+output) and also writes the sum, the stream the layer goes on with. The residual may come as a
+W8A8 product before its scales (its raw bf16 or int32 GEMM output with `residual_scales`, the
+rows' [M, 1] and the columns' [D]): the kernel scales it as `quant_reference.Product.value`
+does, so the product's own scaling pass goes too. Row r is normalized
 (x * rsqrt(mean(x^2) + eps) in float32, then times the norm's weight, rounded as the model's
 `RMSNorm` rounds) and quantized per row as `quant_reference.quantize_rows` /
 `quantize_rows_int8` would do it: (xq [M, D] float8_e4m3fn or int8, xs [M, 1] float32).
@@ -49,24 +52,29 @@ def round_even(q):
 
 
 def _quantized(h32, scale, out):
+    """h / scale to `out`, as XLA computes it: times the reciprocal (its simplifier's rewrite of
+    a division by a broadcast), so exact halves of int8 codes land where XLA's do."""
     qmax = FP8_MAX if out == jnp.float8_e4m3fn else INT8_MAX
-    q = jnp.clip(h32 / scale, -qmax, qmax)
+    q = jnp.clip(h32 * (1.0 / scale), -qmax, qmax)
     return (round_even(q) if out == jnp.int8 else q).astype(out)
 
 
-def _kernel(*refs, size, eps, plus_one, add):
-    if add:
-        x_ref, res_ref, w_ref, q_ref, s_ref, sum_ref = refs
-    else:
-        (x_ref, w_ref, q_ref, s_ref), res_ref, sum_ref = refs, None, None
+def _kernel(*refs, size, eps, plus_one, add, scaled):
+    x_ref, *refs = refs
+    res_ref, *refs = refs if add else (None, *refs)
+    rs_ref, cs_ref, *refs = refs if scaled else (None, None, *refs)
+    w_ref, q_ref, s_ref, *sum_ref = refs
     d, dtype = x_ref.shape[1], x_ref.dtype
     rows = []
     for c in range(d // size):  # the row's pieces stay in registers until its scales are known
         at = pl.ds(c * size, size)
         x = x_ref[0, at]
         if add:  # the residual sum in the stream's dtype, as `x + h` rounds it
-            x = (x.astype(jnp.float32) + res_ref[0, at].astype(jnp.float32)).astype(dtype)
-            sum_ref[0, at] = x
+            h = res_ref[0, at].astype(jnp.float32)
+            if scaled:  # the product's scales, in `Product.value`'s order
+                h = (h * cs_ref[at] * rs_ref[0, 0]).astype(dtype).astype(jnp.float32)
+            x = (x.astype(jnp.float32) + h).astype(dtype)
+            sum_ref[0][0, at] = x
         rows.append(x.astype(jnp.float32))
     r = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in rows) / d + eps)
     hs = [_normed(x, r, w_ref[pl.ds(c * size, size)], dtype, plus_one).astype(jnp.float32)
@@ -79,47 +87,56 @@ def _kernel(*refs, size, eps, plus_one, add):
     s_ref[0, 0] = scale
 
 
-def check(x, weight, residual=None, out=jnp.float8_e4m3fn):
+def check(x, weight, residual=None, residual_scales=None, out=jnp.float8_e4m3fn):
     """A ValueError for operands the kernel does not take."""
     if x.ndim != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"norm_quantize takes x [M, D] and weight [D]; got {x.shape}, "
                          f"{weight.shape}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {residual.shape} is not x's shape {x.shape}")
+    if residual_scales is not None and (residual is None or tuple(
+            a.shape for a in residual_scales) != ((x.shape[0], 1), (x.shape[1],))):
+        raise ValueError(f"residual_scales take a residual, rows [M, 1] and columns [D]; got "
+                         f"{[a.shape for a in residual_scales or ()]} for x {x.shape}")
     if jnp.dtype(out) not in EIGHT:
         raise ValueError(f"norm_quantize writes float8_e4m3fn or int8, not {out}")
 
 
 # 16 warps a program, as `glu_quant` (a row of 4096 is 8 values a thread).
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "out", "num_warps", "interpret"))
-def norm_quantize(x, weight, residual=None, *, eps, plus_one=False, out=jnp.float8_e4m3fn,
-                  num_warps=16, interpret=False):
-    """x [M, D] (+ residual [M, D]) -> (xq [M, D] in `out`, xs [M, 1] float32, the sum or None):
-    RMSNorm(x + residual) quantized per row (float8_e4m3fn or int8)."""
-    check(x, weight, residual, out)
+def norm_quantize(x, weight, residual=None, residual_scales=None, *, eps, plus_one=False,
+                  out=jnp.float8_e4m3fn, num_warps=16, interpret=False):
+    """x [M, D] (+ residual [M, D], scaled by `residual_scales` (rows [M, 1], columns [D]) if
+    given) -> (xq [M, D] in `out`, xs [M, 1] float32, the sum or None): RMSNorm(x + residual)
+    quantized per row (float8_e4m3fn or int8)."""
+    check(x, weight, residual, residual_scales, out)
     M, D = x.shape
-    add = residual is not None
+    add, scaled = residual is not None, residual_scales is not None
     row = lambda n: pl.BlockSpec((1, n), lambda r: (r, 0))
     whole = pl.BlockSpec((D,), lambda r: (0,))
     out_shape = [jax.ShapeDtypeStruct((M, D), out), jax.ShapeDtypeStruct((M, 1), jnp.float32)]
-    operands = (x, residual, weight) if add else (x, weight)
+    operands = [x] + [residual] * add + [a.astype(jnp.float32) for a in residual_scales or ()]
     result = pl.pallas_call(
-        functools.partial(_kernel, size=piece(D), eps=eps, plus_one=plus_one, add=add),
+        functools.partial(_kernel, size=piece(D), eps=eps, plus_one=plus_one, add=add,
+                          scaled=scaled),
         grid=(M,),
-        in_specs=[row(D), row(D), whole] if add else [row(D), whole],
+        in_specs=[row(D)] + [row(D)] * add + [row(1), whole] * scaled + [whole],
         out_specs=[row(D), row(1)] + ([row(D)] if add else []),
         out_shape=out_shape + ([jax.ShapeDtypeStruct((M, D), x.dtype)] if add else []),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="pallasite_norm_quantize",
-    )(*operands)
+    )(*operands, weight)
     return result[0], result[1], (result[2] if add else None)
 
 
-def norm_quantize_reference(x, weight, residual=None, *, eps, plus_one=False,
-                            out=jnp.float8_e4m3fn):
+def norm_quantize_reference(x, weight, residual=None, residual_scales=None, *, eps,
+                            plus_one=False, out=jnp.float8_e4m3fn):
     """The same in jnp, op for op as the model's add, `RMSNorm` and `quantize_rows`."""
-    check(x, weight, residual, out)
+    check(x, weight, residual, residual_scales, out)
+    if residual_scales is not None:  # as `Product.value`
+        rows, cols = residual_scales
+        residual = (residual.astype(jnp.float32) * cols * rows).astype(x.dtype)
     total = None if residual is None else x + residual
     x32 = (x if total is None else total).astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

@@ -8,7 +8,8 @@ Weights come as a [K, N] matrix `q` (float8_e4m3fn, int8, int4) with float32 `sc
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +44,15 @@ def w8a16_reference(x, q, scale, zero=None):
     return jnp.sum(part * scale[None], axis=1).astype(x.dtype)
 
 
-class Rows8(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows8:
     """An activation [..., K] already quantized per row for W8A8 products (`kernels.norm_quantize`
     makes it): the 8-bit values, their float32 row scales [..., 1], and the dtype the products
     come out in. `kernels.quant_matmul` and `kernels.w8a8_glu` take it where they take x."""
     q: jax.Array
     scale: jax.Array
-    dtype: Any
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -64,6 +67,39 @@ class Rows8(NamedTuple):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
         q = self.q.reshape(shape)
         return Rows8(q, self.scale.reshape(*q.shape[:-1], 1), self.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """A W8A8 product [..., N] before its scales: the 8-bit GEMM's raw output `p` (bf16 from FP8,
+    int32 from INT8), its rows' scales [..., 1] (the input's) and its columns' [1, N] (the
+    weight's). `value()` applies them as `w8a8_matmul` / `w8a8_int8_matmul` do; the norm after
+    the product takes it whole and scales it in its own pass (`kernels.norm_quantize`)."""
+    p: jax.Array
+    row_scale: jax.Array
+    col_scale: jax.Array
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.p.shape
+
+    def value(self):
+        return (self.p.astype(jnp.float32) * self.col_scale * self.row_scale).astype(self.dtype)
+
+    def reshape(self, *shape):
+        """New leading axes; N stays last."""
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        p = self.p.reshape(shape)
+        if p.shape[-1] != self.p.shape[-1]:
+            raise ValueError(f"a product [..., {self.p.shape[-1]}] keeps its last axis")
+        return Product(p, self.row_scale.reshape(*p.shape[:-1], 1), self.col_scale, self.dtype)
+
+
+def value(y):
+    """A product's value: `Product.value()`, or y itself."""
+    return y.value() if isinstance(y, Product) else y
 
 
 def _row_scaled(x, qmax):
@@ -109,12 +145,17 @@ def w8a8_dot(xq, xs, q, scale, *, layout: str = "kn", fast: bool = False, out=jn
     return y * xs
 
 
-def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False):
+def w8a8_matmul(x, q, scale, *, layout: str = "kn", fast: bool = False, unscaled=False):
     """FP8 x FP8 on the tensor cores: x quantized per row (or given as `Rows8`), XLA's FP8 dot
     (cuBLASLt on Hopper) accumulating in float32 and writing its product in x's dtype, both
-    scales applied after. q must be float8_e4m3fn. (A bf16 product runs 1.33-1.50x bf16 for an
-    8B layer's products, a float32 one 1.24-1.44x: `benchmarks/w8a8_compile.py`.)"""
+    scales applied after (or, `unscaled`, left to the caller as a `Product`: one scale a
+    channel only). q must be float8_e4m3fn. (A bf16 product runs 1.33-1.50x bf16 for an 8B
+    layer's products, a float32 one 1.24-1.44x: `benchmarks/w8a8_compile.py`.)"""
     xq, xs = (x.q, x.scale) if isinstance(x, Rows8) else quantize_rows(x)
+    if unscaled and scale.shape[0] == 1:
+        precision = None if fast else jax.lax.Precision.HIGHEST
+        return Product(dot8(xq, q, layout=layout, out=x.dtype, precision=precision), xs, scale,
+                       x.dtype)
     return w8a8_dot(xq, xs, q, scale, layout=layout, fast=fast, out=x.dtype).astype(x.dtype)
 
 
@@ -136,15 +177,18 @@ def quantize_rows_int8(x):
     return jnp.clip(jnp.round(xs), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
 
 
-def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn"):
+def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn", unscaled=False):
     """INT8 x INT8 on the tensor cores (SmoothQuant W8A8): x quantized per row (or given as
-    `Rows8`), XLA's integer dot accumulating exactly in int32, then the row and channel scales.
-    q int8 with per-channel scale [1, N] (the INT8 GEMM has no groups along K)."""
+    `Rows8`), XLA's integer dot accumulating exactly in int32, then the row and channel scales
+    (or, `unscaled`, a `Product`). q int8 with per-channel scale [1, N] (the INT8 GEMM has no
+    groups along K)."""
     if scale.shape[0] != 1:
         raise ValueError(f"INT8 W8A8 takes one scale per output channel, not {scale.shape[0]} "
                          "groups along K")
     xq, xs = (x.q, x.scale) if isinstance(x, Rows8) else quantize_rows_int8(x)
     acc = dot8(xq, q, layout=layout, precision=None)
+    if unscaled:
+        return Product(acc, xs, scale, x.dtype)
     return (acc.astype(jnp.float32) * scale * xs).astype(x.dtype)
 
 

@@ -86,7 +86,9 @@ class Attention(nn.Module):
         rope = lambda x: apply_rope(x, positions, inv_freq, scaling.attention_factor)
         return rope(q), rope(k), v
 
-    def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None):
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None,
+                 unscaled=False):
+        """`unscaled`: an 8-bit output product may come back before its scales (`Product`)."""
         q, k, v = self.qkv(x, positions, batch)
         c = self.config
         attend_layer = functools.partial(attend, **attention_options(c, self.layer))
@@ -98,7 +100,7 @@ class Attention(nn.Module):
         else:  # on a mesh: the kernels run once per shard of heads
             o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch,
                                              **sinks)
-        out = quant.linear(o, self.wo, in_axes=2)
+        out = quant.linear(o, self.wo, in_axes=2, unscaled=unscaled and not c.o_bias)
         return (out + self.bo if c.o_bias else out), layer_cache
 
 

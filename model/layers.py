@@ -181,7 +181,8 @@ class MLP(nn.Module):
     width: int = 0  # hidden units (0: intermediate_size)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, unscaled=False):
+        """`unscaled`: an 8-bit down product may come back before its scales (`Product`)."""
         c = self.config
         f = self.width or c.intermediate_size
         w_gate_up = fused_param(self, GATE_UP, (c.hidden_size, 2, f))
@@ -191,12 +192,13 @@ class MLP(nn.Module):
             gate, up = quant.linear(x, w_gate), quant.linear(x, w_up)
         w_down = param(self, "w_down", (f, c.hidden_size), ("mlp", "embed"), self.dtype)
         if w_gate_up is not None:  # serving's fused [d, 2, f] (`fuse.py`): one product
-            y = quant.swiglu_w8a8(x, w_gate_up, w_down) if c.hidden_act == "silu" else None
+            y = (quant.swiglu_w8a8(x, w_gate_up, w_down, unscaled=unscaled)
+                 if c.hidden_act == "silu" else None)
             if y is not None:  # 8-bit weights at W8A8 sizes: SwiGLU fused between the GEMMs
                 return y
             y = quant.linear(x, w_gate_up)
             gate, up = y[..., 0, :], y[..., 1, :]
-        return quant.linear(activation(c.hidden_act)(gate) * up, w_down)
+        return quant.linear(activation(c.hidden_act)(gate) * up, w_down, unscaled=unscaled)
 
 
 def route(x, router, top_k: int, renormalize: bool, router_bias=None):

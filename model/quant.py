@@ -234,10 +234,11 @@ def _per_column(a, n):
     return jnp.broadcast_to(a, a.shape[:-1] + (n,))
 
 
-def linear(x, w, in_axes: int = 1, **kw):
+def linear(x, w, in_axes: int = 1, unscaled=False, **kw):
     """x [..., in...] times w [in..., out...] -> [..., out...] in x's dtype: a plain matmul,
     or for a QArray the quantized matmul `kernels.quant_matmul` picks (W8A16 / W8A8). x may
-    come with its rows quantized (`Rows8`, see `rows8_for`)."""
+    come with its rows quantized (`Rows8`, see `rows8_for`); `unscaled`: a W8A8 product may
+    come back before its scales (`Product`, one output axis only), for the norm after it."""
     if is_packed(w):
         return w.linear(x, in_axes)
     in_shape, out_shape = w.shape[:in_axes], w.shape[in_axes:]
@@ -247,7 +248,8 @@ def linear(x, w, in_axes: int = 1, **kw):
         y = kernels.matmul(x2, w.reshape(x2.shape[1], -1))
     else:
         q, scale, zero, layout = operands(w, in_axes)
-        y = kernels.quant_matmul(x2, q, scale, zero, layout=layout, **kw)
+        unscaled = unscaled and len(out_shape) == 1
+        y = kernels.quant_matmul(x2, q, scale, zero, layout=layout, unscaled=unscaled, **kw)
     return y.reshape(*lead, *out_shape)
 
 
@@ -275,7 +277,7 @@ def rows8_for(x, *weights):
 def swiglu_w8a8(x, w_gate_up, w_down, **kw):
     """silu(gate) * up times w_down, for a fused gate/up weight [d, 2, f], as one
     `kernels.w8a8_glu` call where both weights take W8A8 there; None otherwise (the caller
-    then multiplies as usual)."""
+    then multiplies as usual). `unscaled` as `linear`'s."""
     if not (is_quantized(w_gate_up) and is_quantized(w_down)) or w_gate_up.ndim != 3:
         return None
     x2 = x.reshape(-1, x.shape[-1])

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from ..kernels.quant_reference import Product, value
 from .attention import Attention, Batch
 from .config import ModelConfig
 from . import quant
@@ -26,30 +27,43 @@ class Block(nn.Module):
     layer: int = 0
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch=None):
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch=None, h=None):
+        """The residual stream x + h in (h: the last layer's output not yet added, or None);
+        (x, h, layer_cache) out, the same way. An output is held back only where it is an
+        8-bit product before its scales (`Product`), which the next norm adds and scales in
+        its own pass (`kernels.norm_quantize`)."""
         c = self.config
         norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype,
                                     plus_one=c.norm_plus_one, name=name)
-        attention = MLAttention if c.is_mla else Attention
-        rows8 = self.rows8_of(x, "attn", QKV, "wq", "wk", "wv")
-        attn_in = (norm("attn_norm")(x) if rows8 is None
-                   else norm("attn_norm")(x, rows8=rows8)[0])
-        h, layer_cache = attention(c, self.dtype, self.layer, name="attn")(
-            attn_in, positions, segment_ids, layer_cache, batch)
-        if c.sandwich_norms:  # Gemma also normalizes each sublayer's output
-            h = norm("attn_post_norm")(h)
         moe = c.layer_is_moe(self.layer)
-        ffn = MoE(c, self.dtype, name="moe") if moe else MLP(c, self.dtype, name="mlp")
-        rows8 = None if moe else self.rows8_of(x, "mlp", GATE_UP, "w_gate", "w_up")
-        if rows8 is not None:  # the residual sum made in the norm's pass
-            mlp_in, x = norm("mlp_norm")(x, residual=h, rows8=rows8)
+        attn_rows8 = self.rows8_of(x, "attn", QKV, "wq", "wk", "wv")
+        mlp_rows8 = None if moe else self.rows8_of(x, "mlp", GATE_UP, "w_gate", "w_up")
+        if attn_rows8 is None:
+            x = residual_sum(x, h)
+            attn_in = norm("attn_norm")(x)
         else:
-            x = x + h
+            attn_in, total = norm("attn_norm")(x, residual=h, rows8=attn_rows8)
+            x = x if total is None else total
+        attention = MLAttention if c.is_mla else Attention
+        hold = not c.sandwich_norms  # Gemma normalizes each sublayer's output first
+        held = dict(unscaled=True) if hold and mlp_rows8 is not None else {}
+        h, layer_cache = attention(c, self.dtype, self.layer, name="attn")(
+            attn_in, positions, segment_ids, layer_cache, batch, **held)
+        if c.sandwich_norms:
+            h = norm("attn_post_norm")(h)
+        if mlp_rows8 is None:
+            x = residual_sum(x, h)
             mlp_in = norm("mlp_norm")(x)
-        h = ffn(mlp_in)
+        else:  # the residual sum made in the norm's pass
+            mlp_in, x = norm("mlp_norm")(x, residual=h, rows8=mlp_rows8)
+        ffn = MoE(c, self.dtype, name="moe") if moe else MLP(c, self.dtype, name="mlp")
+        held = dict(unscaled=True) if hold and not moe and attn_rows8 is not None else {}
+        h = ffn(mlp_in, **held)
         if c.sandwich_norms:
             h = norm("mlp_post_norm")(h)
-        return x + h, layer_cache
+        if isinstance(h, Product):
+            return x, h, layer_cache
+        return x + h, None, layer_cache
 
     def rows8_of(self, x, sublayer, *names):
         """The 8-bit dtype the sublayer's first products (its params `names` that exist) all
@@ -59,6 +73,11 @@ class Block(nn.Module):
             return None
         params = self.variables.get("params", {}).get(sublayer, {})
         return quant.rows8_for(x, *(params[n] for n in names if n in params))
+
+
+def residual_sum(x, h):
+    """x + h, for an h that may be held back (None) or a product before its scales."""
+    return x if h is None else x + value(h)
 
 
 class Decoder(nn.Module):
@@ -93,12 +112,13 @@ class Decoder(nn.Module):
         if self.config.scale_embed:  # Gemma: by sqrt(hidden), rounded to the model dtype first
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
         x = constrain(x, axes)
-        new_cache = []
+        new_cache, h = [], None
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, segment_ids,
-                                   None if kv_cache is None else kv_cache[i], batch)
+            x, h, layer_cache = layer(x, positions, segment_ids,
+                                      None if kv_cache is None else kv_cache[i], batch, h)
             x = constrain(x, axes)
             new_cache.append(layer_cache)
+        x = residual_sum(x, h)
         if kv_cache is None:
             return self.logits(x), None
         return self.logits(x[batch.logits_indices]), new_cache

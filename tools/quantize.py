@@ -103,7 +103,7 @@ def calibration_tokens(model_dir: Path, text: str | None, samples: int, seq_len:
 def _layer_inputs(config, lp, x, positions):
     from pallasite.model.attention import Attention, attend
     from pallasite.model.layers import RMSNorm
-    from pallasite.model.transformer import Block
+    from pallasite.model.transformer import Block, residual_sum
     c, dt = config, x.dtype
     norm = lambda p, v: RMSNorm(c.hidden_size, c.rms_norm_eps, dt).apply({"params": p}, v)
     xn = norm(lp["attn_norm"], x)
@@ -112,7 +112,7 @@ def _layer_inputs(config, lp, x, positions):
     o_in = attend(q, k, v)[0]
     h = x + jnp.einsum("...hk,hkd->...d", o_in, lp["attn"]["wo"])
     xm = norm(lp["mlp_norm"], h)
-    out, _ = Block(c, dt).apply({"params": lp}, x, positions)
+    out = residual_sum(*Block(c, dt).apply({"params": lp}, x, positions)[:2])
     if "moe" in lp:  # the experts' input and each token's routed experts
         from pallasite.model.layers import route_tokens
         experts = route_tokens(c, xm.reshape(-1, xm.shape[-1]), lp["moe"]["router"])[1]
