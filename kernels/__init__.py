@@ -559,7 +559,21 @@ def norm_quantize(x, weight, residual=None, *, eps, plus_one=False, out, impl=No
         cols = jnp.broadcast_to(residual.col_scale.reshape(-1), x.shape[-1:])
         residual, scales = residual.p, (residual.row_scale, cols)
     xq, xs, total = fn(x, weight, residual, scales, eps=eps, plus_one=plus_one, out=out)
-    return qr.Rows8(xq, xs, x.dtype), total
+    return (xq if out is None else qr.Rows8(xq, xs, x.dtype)), total
+
+
+def one_pass_norms() -> bool:
+    """Whether the paged step's norms take `add_norm` (`PALLASITE_ADD_NORM=0`: XLA's passes,
+    for timing)."""
+    return os.environ.get("PALLASITE_ADD_NORM", "1") != "0"
+
+
+def add_norm(x, weight, residual=None, *, eps, plus_one=False, impl=None, interpret=False):
+    """(RMSNorm(x + residual) times `weight`, the sum x + residual or None), both in x's dtype,
+    in one pass: `norm_quantize` without the quantization. XLA makes the add, the sum of
+    squares and the scaling three kernels; at one row each is a launch (`profile_step`)."""
+    return norm_quantize(x, weight, residual, eps=eps, plus_one=plus_one, out=None, impl=impl,
+                         interpret=interpret)
 
 
 def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, unscaled=False, interpret=False):

@@ -8,7 +8,8 @@ rows' [M, 1] and the columns' [D]): the kernel scales it as `quant_reference.Pro
 does, so the product's own scaling pass goes too. Row r is normalized
 (x * rsqrt(mean(x^2) + eps) in float32, then times the norm's weight, rounded as the model's
 `RMSNorm` rounds) and quantized per row as `quant_reference.quantize_rows` /
-`quantize_rows_int8` would do it: (xq [M, D] float8_e4m3fn or int8, xs [M, 1] float32).
+`quantize_rows_int8` would do it: (xq [M, D] float8_e4m3fn or int8, xs [M, 1] float32). Without
+an 8-bit `out` it writes the norm itself in x's dtype, for products that take x as it is.
 
 As XLA fusions the same is an add, the sum of squares, the normalization, the rows' maximum and
 the conversion, each its own pass over the [M, D] activation (`profiling/profile_step.py
@@ -59,11 +60,12 @@ def _quantized(h32, scale, out):
     return (round_even(q) if out == jnp.int8 else q).astype(out)
 
 
-def _kernel(*refs, size, eps, plus_one, add, scaled):
+def _kernel(*refs, size, eps, plus_one, add, scaled, quantize):
     x_ref, *refs = refs
     res_ref, *refs = refs if add else (None, *refs)
     rs_ref, cs_ref, *refs = refs if scaled else (None, None, *refs)
-    w_ref, q_ref, s_ref, *sum_ref = refs
+    w_ref, q_ref, *refs = refs
+    s_ref, *sum_ref = refs if quantize else (None, *refs)
     d, dtype = x_ref.shape[1], x_ref.dtype
     rows = []
     for c in range(d // size):  # the row's pieces stay in registers until its scales are known
@@ -77,8 +79,13 @@ def _kernel(*refs, size, eps, plus_one, add, scaled):
             sum_ref[0][0, at] = x
         rows.append(x.astype(jnp.float32))
     r = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in rows) / d + eps)
-    hs = [_normed(x, r, w_ref[pl.ds(c * size, size)], dtype, plus_one).astype(jnp.float32)
-          for c, x in enumerate(rows)]
+    hs = [_normed(x, r, w_ref[pl.ds(c * size, size)], dtype, plus_one) for c, x in
+          enumerate(rows)]
+    if not quantize:  # the norm itself, in the stream's dtype
+        for c, h in enumerate(hs):
+            q_ref[0, pl.ds(c * size, size)] = h
+        return
+    hs = [h.astype(jnp.float32) for h in hs]
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in hs])
     qmax = FP8_MAX if q_ref.dtype == jnp.float8_e4m3fn else INT8_MAX
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
@@ -98,7 +105,7 @@ def check(x, weight, residual=None, residual_scales=None, out=jnp.float8_e4m3fn)
             a.shape for a in residual_scales) != ((x.shape[0], 1), (x.shape[1],))):
         raise ValueError(f"residual_scales take a residual, rows [M, 1] and columns [D]; got "
                          f"{[a.shape for a in residual_scales or ()]} for x {x.shape}")
-    if jnp.dtype(out) not in EIGHT:
+    if out is not None and jnp.dtype(out) not in EIGHT:
         raise ValueError(f"norm_quantize writes float8_e4m3fn or int8, not {out}")
 
 
@@ -108,25 +115,28 @@ def norm_quantize(x, weight, residual=None, residual_scales=None, *, eps, plus_o
                   out=jnp.float8_e4m3fn, num_warps=16, interpret=False):
     """x [M, D] (+ residual [M, D], scaled by `residual_scales` (rows [M, 1], columns [D]) if
     given) -> (xq [M, D] in `out`, xs [M, 1] float32, the sum or None): RMSNorm(x + residual)
-    quantized per row (float8_e4m3fn or int8)."""
+    quantized per row (float8_e4m3fn or int8). `out=None`: the norm itself in x's dtype, and
+    None for xs (the add and the norm in one pass, for products that take x as it is)."""
     check(x, weight, residual, residual_scales, out)
     M, D = x.shape
-    add, scaled = residual is not None, residual_scales is not None
+    add, scaled, quantize = residual is not None, residual_scales is not None, out is not None
     row = lambda n: pl.BlockSpec((1, n), lambda r: (r, 0))
     whole = pl.BlockSpec((D,), lambda r: (0,))
-    out_shape = [jax.ShapeDtypeStruct((M, D), out), jax.ShapeDtypeStruct((M, 1), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((M, D), out if quantize else x.dtype)] + [
+        jax.ShapeDtypeStruct((M, 1), jnp.float32)] * quantize
     operands = [x] + [residual] * add + [a.astype(jnp.float32) for a in residual_scales or ()]
     result = pl.pallas_call(
         functools.partial(_kernel, size=piece(D), eps=eps, plus_one=plus_one, add=add,
-                          scaled=scaled),
+                          scaled=scaled, quantize=quantize),
         grid=(M,),
         in_specs=[row(D)] + [row(D)] * add + [row(1), whole] * scaled + [whole],
-        out_specs=[row(D), row(1)] + ([row(D)] if add else []),
+        out_specs=[row(D)] + [row(1)] * quantize + [row(D)] * add,
         out_shape=out_shape + ([jax.ShapeDtypeStruct((M, D), x.dtype)] if add else []),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="pallasite_norm_quantize",
     )(*operands, weight)
+    result = result if quantize else [result[0], None, *result[1:]]
     return result[0], result[1], (result[2] if add else None)
 
 
@@ -140,7 +150,10 @@ def norm_quantize_reference(x, weight, residual=None, residual_scales=None, *, e
     total = None if residual is None else x + residual
     x32 = (x if total is None else total).astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    h = _normed(x32, r, weight, x.dtype, plus_one).astype(jnp.float32)
+    h = _normed(x32, r, weight, x.dtype, plus_one)
+    if out is None:
+        return h, None, total
+    h = h.astype(jnp.float32)
     qmax = FP8_MAX if jnp.dtype(out) == jnp.float8_e4m3fn else INT8_MAX
     amax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)

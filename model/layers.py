@@ -92,18 +92,22 @@ class RMSNorm(nn.Module):
     plus_one: bool = False  # Gemma: scale by (1 + weight), in f32 before the cast back
 
     @nn.compact
-    def __call__(self, x, residual=None, rows8=None):
-        """The norm of x, in x's dtype. With `rows8` (an 8-bit dtype, `quant.rows8_for`): the
-        norm of x + residual quantized per row for the W8A8 products it feeds, and that sum
-        ((`Rows8`, x + residual or None)), in one pass (`kernels.norm_quantize`)."""
+    def __call__(self, x, residual=None, rows8=None, one_pass=False):
+        """The norm of x, in x's dtype. `one_pass`: the norm of x + residual and that sum
+        ((norm, x + residual or None)), made in one pass (`kernels.add_norm`); with `rows8`
+        (an 8-bit dtype, `quant.rows8_for`) the norm comes quantized per row for the W8A8
+        products it feeds (`Rows8`, `kernels.norm_quantize`). Neither has a gradient: for
+        inference."""
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = param(self, "scale", (self.dim,), (self.axis_name,), self.dtype, init)
-        if rows8 is not None:
+        if one_pass or rows8 is not None:
             lead = x.shape[:-1]
             flat = lambda a: None if a is None else a.reshape(-1, self.dim)
-            rows, total = kernels.norm_quantize(flat(x), scale, flat(residual), eps=self.eps,
-                                                plus_one=self.plus_one, out=rows8)
-            return rows.reshape(*lead, self.dim), (None if total is None
+            kw = dict(eps=self.eps, plus_one=self.plus_one)
+            norm, total = (kernels.add_norm(flat(x), scale, flat(residual), **kw) if rows8 is None
+                           else kernels.norm_quantize(flat(x), scale, flat(residual),
+                                                      out=rows8, **kw))
+            return norm.reshape(*lead, self.dim), (None if total is None
                                                    else total.reshape(x.shape))
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)

@@ -316,6 +316,11 @@ def linear_axes(param_path: tuple):
     return LINEAR_WEIGHTS.get(tuple(param_path[-2:]))
 
 
+def all_quantized(weights) -> bool:
+    """Whether there are weights and each is quantized (a QArray or a packed layout)."""
+    return bool(weights) and all(is_quantized(w) or is_packed(w) for w in weights)
+
+
 def all_linear_quantized(params) -> bool:
     """Whether every linear weight is a quantized one (a QArray, or a layout that multiplies
     itself), so that no projection is XLA's own product."""

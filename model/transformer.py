@@ -29,21 +29,23 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch=None, h=None):
         """The residual stream x + h in (h: the last layer's output not yet added, or None);
-        (x, h, layer_cache) out, the same way. An output is held back only where it is an
-        8-bit product before its scales (`Product`), which the next norm adds and scales in
-        its own pass (`kernels.norm_quantize`)."""
+        (x, h, layer_cache) out, the same way. In the paged step on one device each norm adds
+        the output before it in its own pass (`kernels.add_norm`), and an 8-bit product may
+        come to it before its scales (`Product`, `kernels.norm_quantize`)."""
         c = self.config
         norm = lambda name: RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype,
                                     plus_one=c.norm_plus_one, name=name)
         moe = c.layer_is_moe(self.layer)
-        attn_rows8 = self.rows8_of(x, "attn", QKV, "wq", "wk", "wv")
-        mlp_rows8 = None if moe else self.rows8_of(x, "mlp", GATE_UP, "w_gate", "w_up")
-        if attn_rows8 is None:
-            x = residual_sum(x, h)
-            attn_in = norm("attn_norm")(x)
-        else:
-            attn_in, total = norm("attn_norm")(x, residual=h, rows8=attn_rows8)
-            x = x if total is None else total
+        attn_w = self.weights("attn", QKV, "wq", "wk", "wv")
+        mlp_w = [] if moe else self.weights("mlp", GATE_UP, "w_gate", "w_up")
+        attn_rows8, mlp_rows8 = (self.rows8_of(x, w) for w in (attn_w, mlp_w))
+        # Quantized products are Pallas kernels or cuBLASLt's 8-bit GEMMs, which take no
+        # prologue or epilogue from XLA: the norms then add and scale in one pass each. Plain
+        # bf16 products keep XLA's way, which folds the add into the GEMM before (cuBLAS's
+        # C input) and the norm's scaling into the one after (`profile_step`, add_norm).
+        one_pass = (layer_cache is not None and device_hooks() is None
+                    and kernels.one_pass_norms() and quant.all_quantized(attn_w))
+        attn_in, x = pre_norm(norm("attn_norm"), x, h, attn_rows8, one_pass)
         attention = MLAttention if c.is_mla else Attention
         hold = not c.sandwich_norms  # Gemma normalizes each sublayer's output first
         held = dict(unscaled=True) if hold and mlp_rows8 is not None else {}
@@ -51,28 +53,39 @@ class Block(nn.Module):
             attn_in, positions, segment_ids, layer_cache, batch, **held)
         if c.sandwich_norms:
             h = norm("attn_post_norm")(h)
-        if mlp_rows8 is None:
-            x = residual_sum(x, h)
-            mlp_in = norm("mlp_norm")(x)
-        else:  # the residual sum made in the norm's pass
-            mlp_in, x = norm("mlp_norm")(x, residual=h, rows8=mlp_rows8)
+        mlp_in, x = pre_norm(norm("mlp_norm"), x, h, mlp_rows8, one_pass)
         ffn = MoE(c, self.dtype, name="moe") if moe else MLP(c, self.dtype, name="mlp")
         held = dict(unscaled=True) if hold and not moe and attn_rows8 is not None else {}
         h = ffn(mlp_in, **held)
         if c.sandwich_norms:
             h = norm("mlp_post_norm")(h)
-        if isinstance(h, Product):
+        if one_pass or isinstance(h, Product):  # the next layer's norm adds it
             return x, h, layer_cache
         return x + h, None, layer_cache
 
-    def rows8_of(self, x, sublayer, *names):
-        """The 8-bit dtype the sublayer's first products (its params `names` that exist) all
-        quantize their input's rows to (`quant.rows8_for`), or None. Only on one device: a
-        mesh's products run where GSPMD places them."""
+    def weights(self, sublayer, *names):
+        """The sublayer's params `names` that exist (none before init)."""
+        params = self.variables.get("params", {}).get(sublayer, {})
+        return [params[n] for n in names if n in params]
+
+    def rows8_of(self, x, weights):
+        """The 8-bit dtype a sublayer's first products (`weights`) all quantize their input's
+        rows to (`quant.rows8_for`), or None. Only on one device: a mesh's products run where
+        GSPMD places them."""
         if device_hooks() is not None or self.config.is_mla:
             return None
-        params = self.variables.get("params", {}).get(sublayer, {})
-        return quant.rows8_for(x, *(params[n] for n in names if n in params))
+        return quant.rows8_for(x, *weights)
+
+
+def pre_norm(norm, x, h, rows8, one_pass):
+    """(a sublayer's input, the stream x + h): `norm`'s output, quantized per row for 8-bit
+    products where `rows8` names their dtype; the sum made in the norm's pass if `one_pass`
+    or `rows8`, by XLA before it otherwise."""
+    if rows8 is None and not one_pass:
+        x = residual_sum(x, h)
+        return norm(x), x
+    out, total = norm(x, residual=h, rows8=rows8, one_pass=True)
+    return out, (x if total is None else total)
 
 
 def residual_sum(x, h):

@@ -2,8 +2,6 @@
 kernel in Pallas's interpreter against its jnp reference, the reference against the model's own
 norm and row quantization, and the paged step taking it for 8-bit weights."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 
 from pallasite import kernels
 from pallasite.kernels import norm_quant, quant_reference as qr
-from pallasite.model import config_from_dict, init_kv_cache, init_params, quant
+from pallasite.model import config_from_dict, forward_logits, init_kv_cache, init_params, quant
 from pallasite.model.fuse import fuse_params
 from pallasite.model.layers import RMSNorm
 
@@ -193,12 +191,44 @@ def test_paged_step_takes_the_norm_kernel(scheme, fused, monkeypatch):
     assert rel_err(got, want) < 1e-3
 
 
-def test_paged_step_keeps_bf16_norms_for_plain_weights(monkeypatch):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_paged_step_adds_and_norms_in_one_pass(dtype, monkeypatch):
+    """Quantized weights at weight-only sizes (W8A16 on CPU): each norm of the paged step adds
+    the output before it in its pass and writes the norm unquantized (the kernel interpreted),
+    with the logits of XLA's passes. Plain weights and the dense forward keep XLA's norms."""
     config = llama()
-    params = init_params(config, seed=3, dtype=jnp.bfloat16)
-    monkeypatch.setenv("PALLASITE_QUANT_MATMUL", "w8a8")
+    plain = init_params(config, seed=3, dtype=dtype)
+    params = quant.quantize_params(plain, "fp8")
     calls = []
-    monkeypatch.setattr(kernels, "norm_quantize", functools.partial(calls.append))
-    kv = init_kv_cache(config, 16, 4, jnp.bfloat16)
-    paged_step(params, config, kv, [(0, np.arange(5), 0)], [np.arange(8)], 4)
+    real = kernels.norm_quantize
+    monkeypatch.setattr(kernels, "norm_quantize", lambda x, w, res=None, **k: calls.append(
+        (k["out"], res is None)) or real(x, w, res, **(k | dict(interpret=True))))
+
+    def step(params, one_pass="1"):
+        monkeypatch.setenv("PALLASITE_ADD_NORM", one_pass)
+        kv = init_kv_cache(config, 16, 4, dtype)
+        return paged_step(params, config, kv, [(0, np.arange(5), 0), (1, np.arange(7), 0)],
+                          [np.arange(8), np.arange(8, 16)], 4)[0]
+
+    want = step(params, "0")
     assert not calls
+    got = step(params)
+    assert calls == [(None, True)] + [(None, False)] * (2 * config.num_layers - 1)
+    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-3)
+    calls.clear()
+    step(plain)
+    forward_logits(params, config, np.arange(6)[None])
+    assert not calls
+
+
+def test_reference_path_is_the_bits_of_xlas_passes(monkeypatch):
+    """Where no kernel runs (CPU), the one-pass norms are XLA's ops: the same logits."""
+    config = llama()
+    params = quant.quantize_params(init_params(config, seed=4, dtype=jnp.bfloat16), "fp8")
+
+    def step(one_pass):
+        monkeypatch.setenv("PALLASITE_ADD_NORM", one_pass)
+        kv = init_kv_cache(config, 16, 4, jnp.bfloat16)
+        return paged_step(params, config, kv, [(0, np.arange(6), 0)], [np.arange(8)], 4)[0]
+
+    np.testing.assert_array_equal(step("1"), step("0"))
