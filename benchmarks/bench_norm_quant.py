@@ -99,7 +99,7 @@ def model_check(log, smoke):
     from pallasite.model.fuse import fuse_params
     config = config_from_dict(dict(TINY if smoke else LLAMA3_8B, num_hidden_layers=2))
     plain = jax.jit(lambda: init_params(config, 0, jnp.bfloat16))()
-    rng, ps, out = np.random.default_rng(0), 16, {}
+    rng, ps, out, real = np.random.default_rng(0), 16, {}, kernels.norm_quantize
     for scheme in ("fp8", "int8"):
         params = fuse_params(quant.quantize_params(plain, scheme))
         for name, lens in (("prefill 512", [512]), ("decode 2 rows", [1, 1])):
@@ -113,15 +113,21 @@ def model_check(log, smoke):
             tokens = jnp.asarray(rng.integers(0, config.vocab_size, len(pos)), jnp.int32)
             kv = [tuple(jax.random.normal(jax.random.key(i), a.shape, a.dtype) for a in layer)
                   for i, layer in enumerate(init_kv_cache(config, n * 40, ps, jnp.bfloat16))]
-            logits = {}
+            logits, calls = {}, {}
             for on in ("0", "1"):
                 os.environ["PALLASITE_W8A8_NORM"] = os.environ["PALLASITE_ADD_NORM"] = on
+                seen = []  # the norms' calls while tracing: which path the step took
+                traced = lambda *a, **k: seen.append(str(k["out"])) or real(*a, **k)
+                kernels.norm_quantize = traced
                 step = jax.jit(lambda p, kv: forward(p, config, tokens, jnp.asarray(pos), kv,
                                                      batch)[0])
-                logits[on] = step(params, kv)
+                logits[on], calls[on] = step(params, kv), seen
+                kernels.norm_quantize = real
             err = common.rel_err(logits["1"], logits["0"])
-            out[f"{scheme} {name}"] = dict(rel_err=err, ok=bool(err < 2e-2))
-            log(f"  model, {scheme} weights, {name}: kernels on vs off, rel err {err:.2e}")
+            out[f"{scheme} {name}"] = dict(rel_err=err, ok=bool(err < 2e-2 and calls["1"]),
+                                           norm_calls=calls)
+            log(f"  model, {scheme} weights, {name}: kernels on vs off, rel err {err:.2e}; "
+                f"norm calls on {calls['1']}, off {calls['0']}")
     for v in ("PALLASITE_W8A8_NORM", "PALLASITE_ADD_NORM"):
         os.environ.pop(v, None)
     return out
