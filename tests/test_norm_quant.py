@@ -1,6 +1,7 @@
-"""RMSNorm into the W8A8 products' input (`kernels/norm_quant.py`, `kernels.norm_quantize`): the
-kernel in Pallas's interpreter against its jnp reference, the reference against the model's own
-norm and row quantization, and the paged step taking it for 8-bit weights."""
+"""RMSNorm into the W8A8 products' input (`kernels/norm_quant.py`, `kernels.norm_quantize`) and
+the one-pass norm before other quantized products (`kernels.add_norm`): the kernel in Pallas's
+interpreter against its jnp reference, the reference against the model's own norm and row
+quantization, and the paged step taking each where it should."""
 
 import jax
 import jax.numpy as jnp
