@@ -47,7 +47,7 @@ def xla_passes(x, w, res, out):
     h = RMSNorm(x.shape[1], EPS, x.dtype).apply({"params": {"scale": w}}, total)
     if out is None:
         return h, None, (None if res is None else total)
-    q, s = (qr.quantize_rows if out == jnp.float8_e4m3fn else qr.quantize_rows_int8)(h)
+    q, s = qr.quantize_rows_as(h, out)
     return q, s, (None if res is None else total)
 
 

@@ -603,7 +603,7 @@ def w8a8_glu(x, gate_up, down, *, mode=None, impl=None, unscaled=False, interpre
             raise ValueError(f"rows quantized to {x.q.dtype} reach {qg.dtype} weights")
         xq, xs = x.q, x.scale
     else:
-        xq, xs = (qr.quantize_rows_int8 if int8 else qr.quantize_rows)(x)
+        xq, xs = qr.quantize_rows_as(x, qg.dtype)
     p = qr.dot8(xq, qg, layout=lg, out=jnp.int32 if int8 else x.dtype,
                 precision=None if int8 else jax.lax.Precision.HIGHEST)
     f = p.shape[1] // 2

@@ -23,17 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .norm_quant import round_even
-from .quant_reference import FP8_MAX, INT8_MAX
-
-
-def _piece(f: int) -> int:
-    """The largest power of two (at most 2048) dividing F: Triton's blocks are powers of two."""
-    return min(2048, f & -f)
-
-
-def _bounds(dtype):
-    return FP8_MAX if dtype == jnp.float8_e4m3fn else INT8_MAX
+from .norm_quant import piece as _piece, store_rows
+from .quant_reference import quantize_rows_as
 
 
 def _kernel(p_ref, rs_ref, cs_ref, hq_ref, hs_ref, *, piece):
@@ -45,14 +36,7 @@ def _kernel(p_ref, rs_ref, cs_ref, hq_ref, hs_ref, *, piece):
         gate = p_ref[0, 0, at].astype(jnp.float32) * (cs_ref[0, at] * rs)
         up = p_ref[0, 1, at].astype(jnp.float32) * (cs_ref[1, at] * rs)
         hs.append(gate * jax.nn.sigmoid(gate) * up)
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in hs])
-    qmax = _bounds(hq_ref.dtype)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    for c, h in enumerate(hs):
-        q = jnp.clip(h * (1.0 / scale), -qmax, qmax)  # as XLA divides (`norm_quant`)
-        hq_ref[0, pl.ds(c * piece, piece)] = (round_even(q) if hq_ref.dtype == jnp.int8
-                                              else q).astype(hq_ref.dtype)
-    hs_ref[0, 0] = scale
+    store_rows(hs, hq_ref, hs_ref, piece)
 
 
 # 16 warps a program (28 of a row's values a thread): 0.0744 / 0.2794 ms at 2048 / 8192 rows of
@@ -87,11 +71,4 @@ def glu_quantize_reference(p, row_scale, col_scale, *, out=jnp.float8_e4m3fn):
     """The same math in jnp."""
     y = p.astype(jnp.float32) * row_scale[:, :, None] * col_scale[None]
     gate, up = y[:, 0], y[:, 1]
-    h = gate * jax.nn.sigmoid(gate) * up
-    qmax = _bounds(jnp.dtype(out))
-    amax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    q = jnp.clip(h / scale, -qmax, qmax)
-    if jnp.dtype(out) == jnp.int8:
-        q = jnp.round(q)
-    return q.astype(out), scale
+    return quantize_rows_as(gate * jax.nn.sigmoid(gate) * up, out)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .quant_reference import FP8_MAX, INT8_MAX
+from .quant_reference import FP8_MAX, INT8_MAX, quantize_rows_as
 
 EIGHT = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
 
@@ -52,12 +52,19 @@ def round_even(q):
     return jnp.where((r - q == 0.5) & odd, r - 1.0, r)
 
 
-def _quantized(h32, scale, out):
-    """h / scale to `out`, as XLA computes it: times the reciprocal (its simplifier's rewrite of
-    a division by a broadcast), so exact halves of int8 codes land where XLA's do."""
+def store_rows(hs, q_ref, s_ref, size):
+    """A row held as float32 pieces of `size`, quantized per row into q_ref's dtype (float8_e4m3fn
+    or int8) and stored with its scale, as `quant_reference.quantize_rows_as` makes them. The
+    division is XLA's: times the reciprocal (its simplifier's rewrite of a division by a
+    broadcast), so exact halves of int8 codes land where XLA's do."""
+    out = q_ref.dtype
     qmax = FP8_MAX if out == jnp.float8_e4m3fn else INT8_MAX
-    q = jnp.clip(h32 * (1.0 / scale), -qmax, qmax)
-    return (round_even(q) if out == jnp.int8 else q).astype(out)
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in hs])
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    for c, h in enumerate(hs):
+        q = jnp.clip(h * (1.0 / scale), -qmax, qmax)
+        q_ref[0, pl.ds(c * size, size)] = (round_even(q) if out == jnp.int8 else q).astype(out)
+    s_ref[0, 0] = scale
 
 
 def _kernel(*refs, size, eps, plus_one, add, scaled, quantize):
@@ -85,13 +92,7 @@ def _kernel(*refs, size, eps, plus_one, add, scaled, quantize):
         for c, h in enumerate(hs):
             q_ref[0, pl.ds(c * size, size)] = h
         return
-    hs = [h.astype(jnp.float32) for h in hs]
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in hs])
-    qmax = FP8_MAX if q_ref.dtype == jnp.float8_e4m3fn else INT8_MAX
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    for c, h in enumerate(hs):
-        q_ref[0, pl.ds(c * size, size)] = _quantized(h, scale, q_ref.dtype)
-    s_ref[0, 0] = scale
+    store_rows([h.astype(jnp.float32) for h in hs], q_ref, s_ref, size)
 
 
 def check(x, weight, residual=None, residual_scales=None, out=jnp.float8_e4m3fn):
@@ -153,11 +154,4 @@ def norm_quantize_reference(x, weight, residual=None, residual_scales=None, *, e
     h = _normed(x32, r, weight, x.dtype, plus_one)
     if out is None:
         return h, None, total
-    h = h.astype(jnp.float32)
-    qmax = FP8_MAX if jnp.dtype(out) == jnp.float8_e4m3fn else INT8_MAX
-    amax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    q = jnp.clip(h / scale, -qmax, qmax)
-    if jnp.dtype(out) == jnp.int8:
-        q = jnp.round(q)
-    return q.astype(out), scale, total
+    return (*quantize_rows_as(h, out), total)

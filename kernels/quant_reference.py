@@ -177,6 +177,11 @@ def quantize_rows_int8(x):
     return jnp.clip(jnp.round(xs), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
 
 
+def quantize_rows_as(x, out):
+    """`quantize_rows` (out float8_e4m3fn) or `quantize_rows_int8` (out int8)."""
+    return (quantize_rows_int8 if jnp.dtype(out) == jnp.int8 else quantize_rows)(x)
+
+
 def w8a8_int8_matmul(x, q, scale, *, layout: str = "kn", unscaled=False):
     """INT8 x INT8 on the tensor cores (SmoothQuant W8A8): x quantized per row (or given as
     `Rows8`), XLA's integer dot accumulating exactly in int32, then the row and channel scales
