@@ -81,6 +81,18 @@ def parse_form(form: str) -> dict:
                 zero="zero" in parts, perm="perm" in parts)
 
 
+def xla_int4_args(codes, scale):
+    """Symmetric codes as XLA's int4 type (two a byte, [K, N]) and the bf16 group scales."""
+    return (jnp.asarray(codes - 8, jnp.int4), jnp.asarray(scale, jnp.bfloat16))
+
+
+def xla_int4_weight(w, scale, group):
+    """The int4 weight scaled in the graph, for XLA to fuse into its product's operand."""
+    k, n = w.shape
+    return (w.astype(jnp.bfloat16).reshape(k // group, group, n)
+            * scale[:, None, :]).reshape(k, n)
+
+
 def run_shape(name, k, n, ms, args, deadline, form=None):
     form = form or parse_form("int4_g128")
     bits = form["bits"]
@@ -112,6 +124,9 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
         jobs.append(("dequant_dot", {}, jax.jit(lambda x, w, s, z: (
             x if perm is None else x[:, perm]) @ im.dequantize(
             w, s, z, bits=bits, group_size=g, k=k).astype(x.dtype)), (words, s, z)))
+        if bits == 4 and not form["zero"] and perm is None:  # XLA's own int4: may fuse
+            jobs.append(("xla_int4", {}, jax.jit(lambda x, w, s: x @ xla_int4_weight(
+                w, s, g).astype(x.dtype)), xla_int4_args(codes, s)))
         jobs = [j for j in jobs if j[0] in args.forms.split(",")]
         timed = []
         for kernel, kw, fn, wargs in jobs:
@@ -152,9 +167,10 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forms", default="mgpu,library,library_hopper,dequant_dot",
+    ap.add_argument("--forms", default="mgpu,library,library_hopper,dequant_dot,xla_int4",
                     help="which forms to time: mgpu (each tile variant), library (the Triton "
-                         "layout's path), library_hopper (the Hopper layout's), dequant_dot")
+                         "layout's path), library_hopper (the Hopper layout's), dequant_dot, "
+                         "xla_int4 (XLA's int4 type scaled in the graph; symmetric INT4)")
     ap.add_argument("--quant-forms", default="int4_g128",
                     help="weight forms, comma-separated: int4|int8 _gN|_gk (one group a column) "
                          "[_zero] (zero points) [_perm] (act-order), e.g. int4_g128_zero")

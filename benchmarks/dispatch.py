@@ -9,12 +9,16 @@ name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once). 
 64-sequence `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
 host time as the engine counts it (its device wait taken out). A call's time is what the host
-spends launching it: the device runs behind it. Records go to OUT/dispatch.json.
+spends launching it: the device runs behind it. The 64 sequences' greedy tokens are recorded as
+a digest, the same in every variant that computes right. `--host-trace` also lists the host's
+traced events a batch-1 step (PJRT, the command buffers' update and launch). Records go to
+OUT/dispatch.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -31,6 +35,11 @@ FLAGS = {
     "none": "--xla_gpu_enable_command_buffer=",
     "all": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
            "--xla_gpu_graph_min_graph_size=1",
+    # the graphs keep the addresses of buffers that stay put after a few calls (XLA maps them
+    # at fixed virtual addresses), so a call updates only the commands of those that moved
+    "skip": "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED",
+    # each kernel may start while the one before it finishes (programmatic dependent launch)
+    "pdl": "--xla_gpu_enable_pdl=true",
 }
 PARTS = ("schedule", "pack", "forward_call", "sampler_call", "dispatch", "accept")
 
@@ -75,7 +84,7 @@ def summary(times: dict, engine, steps0: int, host0: float) -> dict:
     return out
 
 
-def run_variant(tiny: bool, weights: str) -> list[dict]:
+def run_variant(tiny: bool, weights: str, host_trace: bool = False) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from benchmarks.bench_quant import LLAMA3_8B, TINY
@@ -108,18 +117,49 @@ def run_variant(tiny: bool, weights: str) -> list[dict]:
         t = time.perf_counter()
         if case == "batch1":
             stamps = [time.perf_counter() for _ in llm.stream(prompts[0], sampling)]
-            step_ms = 1e3 * float(np.median(np.diff(stamps[1:])))
-        else:
-            llm.generate(prompts, sampling)
+            step_ms, digest = 1e3 * float(np.median(np.diff(stamps[1:]))), None
+        else:  # the greedy tokens' digest: the same in every variant, or a variant is wrong
+            outs = llm.generate(prompts, sampling)
+            digest = hashlib.sha256(json.dumps([o.token_ids for o in outs]).encode()).hexdigest()
             step_ms = None
         rec = dict(case=case, weights=weights, kv_cache_dtype=kv or "auto",
                    wall_s=time.perf_counter() - t, stream_ms_per_token=step_ms,
+                   tokens_sha256=digest,
                    **summary(times, engine, steps0, host0))
         print(json.dumps(rec), flush=True)
         records.append(rec)
         restore()
+    if host_trace:
+        records.append(dict(case="host_trace", weights=weights, kv_cache_dtype=kv or "auto",
+                            host_events=trace_host(llm, prompts[0], sampling)))
     llm.close()
     return records
+
+
+def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
+    """The host's traced events during batch-1 decode (`LLM.stream`), by name: calls and
+    microseconds a step, the largest first. Names nest (an executable's launch holds its
+    thunks'), so the rows overlap."""
+    import glob
+    import tempfile
+    import jax
+    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        steps = sum(1 for _ in llm.stream(prompt, sampling))
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    total, calls = {}, {}
+    for plane in data.planes:
+        if plane.name.startswith("/device"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                total[e.name] = total.get(e.name, 0.0) + e.duration_ns
+                calls[e.name] = calls.get(e.name, 0) + 1
+    rows = sorted(total, key=total.get, reverse=True)[:top]
+    return [dict(name=n[:160], calls_per_step=calls[n] / steps, us_per_step=total[n] / steps / 1e3)
+            for n in rows]
 
 
 def main(argv=None):
@@ -127,13 +167,15 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU dry run)")
     p.add_argument("--variants", default="bf16:default,fp8:default,fp8:none,fp8:all")
+    p.add_argument("--host-trace", action="store_true",
+                   help="also trace batch-1 decode and list the host's events by name")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         weights, flags = args.child.split(":")
         from benchmarks import common
         recs = [common.run_info() | r | dict(xla_flags=flags)
-                for r in run_variant(args.tiny, weights)]
+                for r in run_variant(args.tiny, weights, args.host_trace)]
         print("RECORDS " + json.dumps(recs), flush=True)
         return
     from benchmarks import common
@@ -146,7 +188,8 @@ def main(argv=None):
             env["XLA_FLAGS"] = xla
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
-        proc = subprocess.run(cmd + (["--tiny"] if args.tiny else []), env=env,
+        cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
+        proc = subprocess.run(cmd, env=env,
                               capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECORDS ")]
         print(f"{variant}: rc {proc.returncode}, {time.time() - t:.0f} s", flush=True)
@@ -162,6 +205,11 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "dispatch.json").write_text(json.dumps([r | head for r in records], indent=1))
     for r in records:
+        if r["case"] == "host_trace":
+            print(f"{r['weights']}:{r['xla_flags']} host events a batch-1 step:")
+            for e in r["host_events"]:
+                print(f"  {e['us_per_step']:9.1f} us {e['calls_per_step']:7.1f} calls  {e['name']}")
+            continue
         parts = ", ".join(f"{k[:-3]} {r[k]:.0f}" for k in r if k.endswith("_us"))
         tok = f"{r['stream_ms_per_token']:.2f} ms/token; " if r["stream_ms_per_token"] else ""
         print(f"{r['weights']}:{r['xla_flags']} {r['case']}: {tok}host {r['host_ms_per_step']:.2f}"
