@@ -54,6 +54,9 @@ VARIANTS = [  # (name, XLA_FLAGS added), most telling first: a short time limit 
     ("graphs_off", "--xla_gpu_enable_command_buffer="),
     ("triton_gemm_off", "--xla_gpu_enable_triton_gemm=false"),  # matrix-vector products: cuBLAS
     ("dot_merger_off", "--xla_gpu_dot_merger_threshold_mb=0"),  # no runtime concat of weights
+    # every product a Triton fusion candidate, its elementwise neighbours fused in (SwiGLU into
+    # the down product's operand); with PALLASITE_TRITON_GEMM=1 for the large steps too
+    ("triton_any", "--xla_gpu_triton_gemm_any=true"),
     ("graphs_all_min1_concurrent", f"{CMD_ALL} {MIN1} "
                                    "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"),
     ("graphs_all", CMD_ALL),
