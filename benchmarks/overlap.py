@@ -8,8 +8,9 @@ decode batch, as a two-batch overlap would split them: half A's attention over p
 Variants, each one jitted program of L layers timed by wall clock (median of `--reps`):
 - "attn" / "mlp": one chain alone;
 - "serial": both chains in one program, on XLA's one compute stream;
-- "stream": the attention chain on a second stream (`compute_on2("gpu_stream:1")`), which XLA
-  turns into async work the MLP chain can run beside;
+- "stream": the attention chain on a second stream (`jax.experimental.compute_on` with
+  `compute_type="gpu_stream:1"`), which XLA is to run as async work beside the MLP chain (in
+  JAX 0.11.2 it fails at run time: `No ExecutionStreamId found for call-start`);
 - "stream_mlp": the MLP chain on the second stream instead.
 The overlap gained is (attn + mlp - variant) / min(attn, mlp): 0 is serial, 1 is perfect.
 
@@ -125,6 +126,39 @@ def clocks(m, seconds=4.0):
                 watts=float(np.median(s[:, 1])), temp_c=float(np.median(s[:, 2])))
 
 
+def time_variants(a, attn_args, mlp_args, impl) -> dict:
+    """Each variant's ms (None where XLA refused it), the overlap each gained, and whether the
+    streamed variants computed what the serial one did."""
+    res, outs = {}, {}
+    for v in a.variants.split(","):
+        try:
+            call = program(a.layers, v, attn_args, mlp_args, impl)
+            outs[v] = jax.device_get(call())
+            if v.startswith("stream") and not a.tiny:
+                hlo = call.hlo()
+                print(f"  {v:>10}: compiled with {hlo.count('async-start')} async starts, "
+                      f"{hlo.count('_xla_stream_annotation')} stream annotations", flush=True)
+            res[v] = wall_ms(call, a.reps)
+            print(f"  {v:>10}: {res[v]:8.3f} ms ({res[v] / a.layers:.4f} a layer)", flush=True)
+        except Exception as e:  # a variant XLA refuses is a finding, not the end of the run
+            res[v] = None
+            print(f"  {v:>10}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+    rec = dict(ms=res)
+    if res.get("attn") and res.get("mlp"):
+        both, least = res["attn"] + res["mlp"], min(res["attn"], res["mlp"])
+        rec["overlap"] = {v: (both - t) / least for v, t in res.items()
+                          if t and v not in ("attn", "mlp")}
+        for v, f in rec["overlap"].items():
+            print(f"  overlap {v}: {f:.2f}", flush=True)
+    if "serial" in outs:
+        rec["same_as_serial"] = {v: bool(all(np.array_equal(np.asarray(a_, np.float32),
+                                                          np.asarray(b_, np.float32))
+                                             for a_, b_ in zip(o, outs["serial"])))
+                                 for v, o in outs.items() if v.startswith("stream")}
+        print(f"  outputs equal to serial: {rec['same_as_serial']}", flush=True)
+    return rec
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -152,33 +186,8 @@ def main(argv=None):
     info = common.run_info(device=not a.tiny)
     print(f"{info.get('gpu')} JAX {jax.__version__}: {a.rows} rows ({half} a half), context "
           f"{a.context}, {a.layers} layers", flush=True)
-    res, outs = {}, {}
-    for v in a.variants.split(","):
-        try:
-            call = program(a.layers, v, (q, kp, vp, ctx, table), (x, w_gu, w_down), impl)
-            outs[v] = jax.device_get(call())
-            if v.startswith("stream") and not a.tiny:
-                hlo = call.hlo()
-                print(f"  {v:>10}: compiled with {hlo.count('async-start')} async starts, "
-                      f"{hlo.count('_xla_stream_annotation')} stream annotations", flush=True)
-            res[v] = wall_ms(call, a.reps)
-            print(f"  {v:>10}: {res[v]:8.3f} ms ({res[v] / a.layers:.4f} a layer)", flush=True)
-        except Exception as e:  # a variant XLA refuses is a finding, not the end of the run
-            res[v] = None
-            print(f"  {v:>10}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-    rec = dict(info, rows=a.rows, context=a.context, layers=a.layers, ms=res)
-    if res.get("attn") and res.get("mlp"):
-        both, least = res["attn"] + res["mlp"], min(res["attn"], res["mlp"])
-        rec["overlap"] = {v: (both - t) / least for v, t in res.items()
-                          if t and v not in ("attn", "mlp")}
-        for v, f in rec["overlap"].items():
-            print(f"  overlap {v}: {f:.2f}", flush=True)
-    if "serial" in outs:
-        rec["same_as_serial"] = {v: bool(all(np.array_equal(np.asarray(a_, np.float32),
-                                                          np.asarray(b_, np.float32))
-                                             for a_, b_ in zip(o, outs["serial"])))
-                                 for v, o in outs.items() if v.startswith("stream")}
-        print(f"  outputs equal to serial: {rec['same_as_serial']}", flush=True)
+    rec = dict(info, rows=a.rows, context=a.context, layers=a.layers,
+               **time_variants(a, (q, kp, vp, ctx, table), (x, w_gu, w_down), impl))
     if a.clocks and not a.tiny:
         rec["clocks"] = [clocks(int(m)) for m in a.clocks.split(",")]
         for c in rec["clocks"]:
