@@ -5,7 +5,8 @@ decode batch, as a two-batch overlap would split them: half A's attention over p
   python -m benchmarks.overlap --out DIR            (GPU, about a minute)
   python -m benchmarks.overlap --out DIR --tiny     (CPU: checks the script)
 
-Variants, each one jitted program of L layers timed by wall clock (median of `--reps`):
+Variants, each one jitted program of L layers timed by wall clock (`common.host_ms`, the
+median of `--reps` calls):
 - "attn" / "mlp": one chain alone;
 - "serial": both chains in one program, on XLA's one compute stream;
 - "stream": the attention chain on a second stream (`jax.experimental.compute_on` with
@@ -85,17 +86,6 @@ def program(layers, variant, attn_args, mlp_args, impl):
     return call
 
 
-def wall_ms(call, reps):
-    jax.block_until_ready(call())
-    jax.block_until_ready(call())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(call())
-        ts.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(ts))
-
-
 def clocks(m, seconds=4.0):
     """TFLOP/s of an [m, D] x [D, 2F] product run back to back, with nvidia-smi's samples."""
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
@@ -138,7 +128,7 @@ def time_variants(a, attn_args, mlp_args, impl) -> dict:
                 hlo = call.hlo()
                 print(f"  {v:>10}: compiled with {hlo.count('async-start')} async starts, "
                       f"{hlo.count('_xla_stream_annotation')} stream annotations", flush=True)
-            res[v] = wall_ms(call, a.reps)
+            res[v] = common.host_ms(call, reps=a.reps)
             print(f"  {v:>10}: {res[v]:8.3f} ms ({res[v] / a.layers:.4f} a layer)", flush=True)
         except Exception as e:  # a variant XLA refuses is a finding, not the end of the run
             res[v] = None
