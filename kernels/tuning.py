@@ -120,7 +120,7 @@ TABLE = {
 # o (4096, 4096), gate_up (4096, 28672), down (14336, 4096).
 # H100 80GB HBM3, JAX 0.11.2, 2026-11-26 (docs/benchmarks/quant.json; M=1 the 'acc' sums and
 # the [N, K] rows; the float16 MMAs, 15-20% faster at M=4-16, are left out: activations past
-# 65504 would overflow them)
+# 65504 would overflow them). The fused q/k/v and gate/up shapes' two-row entries: 2026-11-27.
 QUANT_MATMUL = {
     "w8a16": {  # FP8 (or INT8 QArray) weights stored [K, N], kernels/w8a16_matmul.py
         (4096, 4096): [
@@ -174,6 +174,8 @@ QUANT_MATMUL = {
         (4096, 6144): [
             (1, dict(block_m=1, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3,
                      reduce='sum')),
+            (2, dict(block_m=2, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3,
+                     reduce='sum')),
             (4, dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4,
                      swap=True)),
             (16, dict(block_m=16, block_n=128, block_k=128, split_k=8, num_warps=4, num_stages=4,
@@ -192,6 +194,8 @@ QUANT_MATMUL = {
         (4096, 28672): [
             (1, dict(block_m=1, block_n=64, block_k=256, split_k=1, num_warps=8, num_stages=2,
                      reduce='acc')),
+            (2, dict(block_m=2, block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3,
+                     reduce='sum')),
             (4, dict(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=4, num_stages=4,
                      swap=True)),
             (16, dict(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=4, num_stages=4,
