@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .quant_reference import FP8_MAX, INT8_MAX, quantize_rows_as
+from .quant_reference import FP8_MAX, INT8_MAX, Product, quantize_rows_as
 
 EIGHT = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
 
@@ -145,9 +145,9 @@ def norm_quantize_reference(x, weight, residual=None, residual_scales=None, *, e
                             plus_one=False, out=jnp.float8_e4m3fn):
     """The same in jnp, op for op as the model's add, `RMSNorm` and `quantize_rows`."""
     check(x, weight, residual, residual_scales, out)
-    if residual_scales is not None:  # as `Product.value`
+    if residual_scales is not None:
         rows, cols = residual_scales
-        residual = (residual.astype(jnp.float32) * cols * rows).astype(x.dtype)
+        residual = Product(residual, rows, cols, x.dtype).value()
     total = None if residual is None else x + residual
     x32 = (x if total is None else total).astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

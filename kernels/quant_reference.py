@@ -44,6 +44,11 @@ def w8a16_reference(x, q, scale, zero=None):
     return jnp.sum(part * scale[None], axis=1).astype(x.dtype)
 
 
+def _shape_arg(shape: tuple) -> tuple:
+    """`reshape(a, b)` and `reshape((a, b))` alike, as arrays take them."""
+    return shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Rows8:
@@ -64,8 +69,7 @@ class Rows8:
 
     def reshape(self, *shape):
         """The rows of a new leading shape ([..., K] -> [M, K] and back); K stays last."""
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        q = self.q.reshape(shape)
+        q = self.q.reshape(_shape_arg(shape))
         return Rows8(q, self.scale.reshape(*q.shape[:-1], 1), self.dtype)
 
 
@@ -90,8 +94,7 @@ class Product:
 
     def reshape(self, *shape):
         """New leading axes; N stays last."""
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        p = self.p.reshape(shape)
+        p = self.p.reshape(_shape_arg(shape))
         if p.shape[-1] != self.p.shape[-1]:
             raise ValueError(f"a product [..., {self.p.shape[-1]}] keeps its last axis")
         return Product(p, self.row_scale.reshape(*p.shape[:-1], 1), self.col_scale, self.dtype)
