@@ -635,6 +635,9 @@ def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=Fal
 # -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------
 INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and takes XLA's dot
 INT_LAYOUTS = ("kn", "nk16")  # w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]
+# Rows up to which the Hopper layout's product runs on the CUDA cores (`w4a16_gemv`): at one row
+# it is 1.14-1.31x the MMA kernel on 8B layers; at two the MMA kernel is faster (H100 sweep).
+INT_GEMV_MAX_ROWS = 1
 
 
 def int_layout() -> str:
@@ -653,6 +656,7 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     `w4a16_mgpu.pack_t`) -> [M, N] in x's dtype: the Pallas kernel on GPU up to
     INT_MATMUL_MAX_ROWS rows, the dequantized weight through XLA's dot above (prefill is
     compute-bound) and on other backends."""
+    from . import w4a16_gemv as gv
     from . import w4a16_matmul as im
     from . import w4a16_mgpu as mg
     kw = dict(bits=bits, group_size=group_size)
@@ -661,6 +665,11 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)
+        if (x.shape[0] <= INT_GEMV_MAX_ROWS and not blocks
+                and os.environ.get("PALLASITE_INT_GEMV", "1") != "0"
+                and gv.supported(x.shape[0], words.shape[0], k_pad=words.shape[1] * 32 // bits,
+                                 **kw)):
+            return gv.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw)
         tiles = words.shape[1] // mg.SLAB  # a K tile is SLAB words a column
         return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                              **(mg.blocks_for(x.shape[0], words.shape[0], tiles) | blocks))
