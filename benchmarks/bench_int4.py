@@ -227,8 +227,9 @@ def llama3_8b(layers: int = 32, **small):
 
 
 def bench_decode(layers: int, cfg=None, tokens: int = 128, modes=("bf16", "w4a16")):
-    """`modes`: bf16, w4a16 (the packed layout the engine picks here) and w4a16_triton (the
-    Triton kernel's layout, PALLASITE_INT_KERNEL=triton), each in its own LLM."""
+    """`modes`: bf16, w4a16 (the packed layout the engine picks here), w4a16_triton (the
+    Triton kernel's layout, PALLASITE_INT_KERNEL=triton) and w4a16_mma (the Hopper layout with
+    its MMA kernel at one row too, PALLASITE_INT_GEMV=0), each in its own LLM."""
     import os
 
     from pallasite.model.transformer import init_params
@@ -240,6 +241,7 @@ def bench_decode(layers: int, cfg=None, tokens: int = 128, modes=("bf16", "w4a16
         if mode.startswith("w4a16"):
             params = random_w4a16(params)
         os.environ["PALLASITE_INT_KERNEL"] = "triton" if mode == "w4a16_triton" else ""
+        os.environ["PALLASITE_INT_GEMV"] = "0" if mode == "w4a16_mma" else "1"
         nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
         llm = LLM.from_params(cfg, params, max_model_len=1024, max_num_seqs=4, num_pages=256,
                               max_num_batched_tokens=128, token_buckets=[1, 128],
@@ -259,6 +261,7 @@ def bench_decode(layers: int, cfg=None, tokens: int = 128, modes=("bf16", "w4a16
         records.append(rec)
         print(json.dumps(rec), flush=True)
     os.environ.pop("PALLASITE_INT_KERNEL", None)
+    os.environ.pop("PALLASITE_INT_GEMV", None)
     if records and records[0]["mode"] == "bf16_batch1":
         for rec in records[1:]:
             rec["speedup_vs_bf16"] = records[0]["ms_per_token"] / rec["ms_per_token"]
@@ -291,7 +294,8 @@ def main(argv=None):
     ap.add_argument("--only", default="matmul,decode")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--decode-modes", default="bf16,w4a16",
-                    help="decode: bf16, w4a16 (the engine's layout here), w4a16_triton")
+                    help="decode: bf16, w4a16 (the engine's layout here), w4a16_triton, "
+                         "w4a16_mma (the Hopper layout's MMA kernel at one row too)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,11 @@ Pallas Triton kernel up to INT_MATMUL_MAX_ROWS rows, with the Hopper layout this
 library's tiles; above, the weight dequantized in the graph then XLA's dot), the
 dequantize-then-dot form at every M, and XLA's bf16 product, at Llama-3-8B layer shapes and M
 from 1 to 1024, for each weight form of `--quant-forms` (default INT4 in symmetric groups of
-128; zero points, act-order, INT8 and other group sizes on request).
+128; zero points, act-order, INT8 and other group sizes on request). On request also the
+few-row kernel on the same words (`kernels/w4a16_gemv.py`, `--forms gemv`), XLA reading the
+words once (`read`: the floor for a product that reads them) and torch's tinygemm INT4
+(`tinygemm`, timed with torch's CUDA events over a CUDA graph of weight copies that exceed
+the L2, as `benchmarks/bench_int4.py` times it).
 
     python -m benchmarks.bench_w4a16_mgpu --out DIR            # H100
     python -m benchmarks.bench_w4a16_mgpu --out DIR --forms library,library_hopper \
@@ -33,6 +37,7 @@ import numpy as np
 
 from benchmarks import common
 from pallasite import kernels
+from pallasite.kernels import w4a16_gemv as gv
 from pallasite.kernels import w4a16_matmul as im
 from pallasite.kernels import w4a16_mgpu as mg
 
@@ -58,6 +63,32 @@ def mgpu_variants(m, n, k_tiles, tiny):
             out.append(dict(block_n=bn, num_splits=splits,
                             **({} if bm is None else dict(block_m=bm))))
     return out
+
+
+def gemv_variants(m, n, k_tiles, tiny):
+    """The library's tiles (`w4a16_gemv.blocks_for`) and their neighbours: 32 or 64 columns,
+    2-8 K tiles a step, half or twice the split, the other warp count."""
+    if tiny:
+        return [dict(block_n=32, tiles_step=2, num_splits=2)]
+    rule = gv.blocks_for(m, n, k_tiles)
+    out = [rule | dict(block_n=bn, tiles_step=step)
+           for bn, step in itertools.product((32, 64), (2, 4, 8))]
+    return out + [rule | dict(num_splits=max(1, rule["num_splits"] // 2)),
+                  rule | dict(num_splits=rule["num_splits"] * 2),
+                  rule | dict(num_warps=12 - rule["num_warps"])]
+
+
+def tinygemm_us(k, n, ms, form):
+    """torch's `_weight_int4pack_mm` (INT4, symmetric groups of 128) at each M, in us, or {}."""
+    if form["bits"] != 4 or form["group"] != 128 or form["zero"] or form["perm"]:
+        return {}
+    from benchmarks.bench_int4 import copies_for, torch_tinygemm
+    ms = [m for m in ms if m <= 16]
+    got = torch_tinygemm(k, n, ms, copies_for(k * n // 2), np.random.default_rng(0))
+    if not isinstance(got, dict):
+        print(f"  tinygemm: {got}", flush=True)
+        return {}
+    return {m: 1e3 * t for m, t in got.items()}
 
 
 def check(fn, args, ref):
@@ -107,6 +138,8 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
     w_bf16 = im.dequantize(words, s, z, bits=bits, group_size=g, k=k).astype(jnp.bfloat16)
     interpret = args.tiny
     records = []
+    tg = {} if args.tiny or "tinygemm" not in args.forms.split(",") else tinygemm_us(
+        k, n, ms, form)  # timed by torch's CUDA events in this process, no L2 flush
     for m in ms:
         if time.time() > deadline:
             break
@@ -117,6 +150,10 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
         jobs = [("mgpu", kw, jax.jit(lambda x, w, s, z, kw=kw: mg.int_matmul(
                     x, w, s, z, perm, **kw_w, **kw)), (words_t, s, z))
                 for kw in mgpu_variants(m, n, words_t.shape[1] // 16, args.tiny)]
+        if m <= gv.MAX_ROWS:
+            jobs += [("gemv", kw, jax.jit(lambda x, w, s, z, kw=kw: gv.int_matmul(
+                        x, w, s, z, perm, **kw_w, **kw)), (words_t, s, z))
+                     for kw in gemv_variants(m, n, words_t.shape[1] // 16, args.tiny)]
         jobs.append(("library", {}, jax.jit(lambda x, w, s, z: kernels.int_matmul(
             x, w, s, z, perm, **kw_w)), (words, s, z)))
         jobs.append(("library_hopper", {}, jax.jit(lambda x, w, s, z: kernels.int_matmul(
@@ -139,6 +176,10 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
             else:
                 timed.append((rec, fn, (x, *wargs)))
             records.append(rec)
+        if "read" in args.forms.split(","):  # XLA reading the same words once: a floor
+            rec = dict(kernel="read", shape=name, k=k, n=n, m=m, params={}, form=form["name"])
+            records.append(rec)
+            timed.append((rec, jax.jit(lambda w: jnp.sum(w, axis=1)), (words_t,)))
         calls = [(fn, a) for _, fn, a in timed] + [(jax.jit(lambda x, w: x @ w), (x, w_bf16))]
         try:
             ts = common.device_times(calls, args.reps)
@@ -148,6 +189,11 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
         bf16_us = 1e3 * ts[-1][0]
         for (rec, _, _), (t, _) in zip(timed, ts):
             rec.update(us=1e3 * t, bf16_us=bf16_us, speedup_vs_bf16=bf16_us / (1e3 * t))
+        if m in tg:
+            timed.append((dict(kernel="tinygemm", shape=name, k=k, n=n, m=m, params={},
+                               form=form["name"], us=tg[m], bf16_us=bf16_us,
+                               speedup_vs_bf16=bf16_us / tg[m]), None, None))
+            records.append(timed[-1][0])
         best = {}
         for rec, _, _ in timed:
             if "us" in rec and (rec["kernel"] not in best or rec["us"] < best[rec["kernel"]]["us"]):
@@ -155,7 +201,8 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
         line = "  ".join(f"{k_} {r['us']:.1f} us ({r['speedup_vs_bf16']:.2f}x)"
                          for k_, r in best.items())
         print(f"{form['name']} {name} M={m}: bf16 {bf16_us:.1f} us  {line}  best mgpu "
-              f"{best.get('mgpu', {}).get('params')}", flush=True)
+              f"{best.get('mgpu', {}).get('params')} gemv {best.get('gemv', {}).get('params')}",
+              flush=True)
     return records
 
 
@@ -168,9 +215,11 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--forms", default="mgpu,library,library_hopper,dequant_dot,xla_int4",
-                    help="which forms to time: mgpu (each tile variant), library (the Triton "
-                         "layout's path), library_hopper (the Hopper layout's), dequant_dot, "
-                         "xla_int4 (XLA's int4 type scaled in the graph; symmetric INT4)")
+                    help="which forms to time: mgpu (each tile variant), gemv (each tile "
+                         "variant of the few-row kernel), library (the Triton layout's path), "
+                         "library_hopper (the Hopper layout's), dequant_dot, xla_int4 (XLA's "
+                         "int4 type scaled in the graph; symmetric INT4), read (XLA summing the "
+                         "words: one read of them), tinygemm (torch's INT4 kernel, g128)")
     ap.add_argument("--quant-forms", default="int4_g128",
                     help="weight forms, comma-separated: int4|int8 _gN|_gk (one group a column) "
                          "[_zero] (zero points) [_perm] (act-order), e.g. int4_g128_zero")

@@ -4,7 +4,7 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
     python -m benchmarks.dispatch --out DIR            # GPU: one child process per variant
     python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
 
-Each variant is `weights:flags` (weights bf16 or fp8, with `+fp8kv` for float8 KV pages; flags a
+Each variant is `weights:flags` (weights bf16, fp8 or w4a16, with `+fp8kv` for float8 KV pages; flags a
 name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
 64-sequence `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
@@ -96,6 +96,9 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False) -> list[dict
     weights, _, kv = weights.partition("+")  # e.g. "bf16+fp8kv": float8 KV pages too
     if weights == "fp8":
         params = quant.quantize_params(params)
+    elif weights == "w4a16":  # random INT4 g128 words made on the device, as bench_int4's
+        from benchmarks.bench_int4 import random_w4a16
+        params = random_w4a16(params)
     prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, 64)
     pages = -(-(prompt_len + new) // 16)
     llm = LLM.from_params(config, params, None, max_num_seqs=batch,
