@@ -146,12 +146,14 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
 def blocks_for(m: int, n: int, tiles: int, num_sms: int = 132) -> dict:
     """Tiles for an [m, K] x [K, n] call (swept on the H100 at 8B layer shapes, one row,
     benchmarks/bench_w4a16_mgpu.py): 64 columns a program and four K tiles a step; K split
-    until about three programs an SM stream the weight, each at most 16 tiles long; eight
-    warps where the split is eight."""
+    while fewer than about three programs an SM stream the weight, or, under about eight, a
+    program would walk more than 8 tiles; each split an even number of tiles. Eight warps
+    where the split is eight."""
     bn = next(b for b in (64, 32, 16) if n % b == 0 or b == 16)
-    splits = 1
-    while ((n // bn) * splits < 3 * num_sms - 12 or tiles // splits > 16) and splits < 16 \
-            and tiles % (splits * 2) == 0:
+    splits, grid = 1, lambda s: (n // bn) * s
+    while (splits < 16 and tiles % (2 * splits) == 0 and tiles // (2 * splits) % 2 == 0
+           and (grid(splits) < 3 * num_sms - 12 or tiles // splits > 8
+                and grid(splits) < 8 * num_sms - 32)):
         splits *= 2
     return dict(block_n=bn, tiles_step=4, num_splits=splits, num_warps=8 if splits >= 8 else 4)
 
