@@ -98,7 +98,7 @@ def make_engine(config, params, w, specs, kv_cache_dtype=None):
     ctx = max(c for s, _, _ in specs.values() for _, c in s)
     return Engine(config, params, num_pages=pages + 8, page_size=PAGE, max_num_seqs=rows,
                   max_num_batched_tokens=max([ctx1] + [T for T, _ in keys]),
-                  max_model_len=max(ctx + w["gen"], w["b64"][1] + w["gen"]),
+                  max_model_len=ctx + w["gen"],
                   token_buckets=sorted({T for T, _ in keys} | {ctx1}),
                   page_buckets=sorted({P for _, P in keys}), kv_cache_dtype=kv_cache_dtype)
 
