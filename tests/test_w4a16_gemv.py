@@ -1,7 +1,7 @@
 """The few-row integer product on the Hopper layout's words (`kernels/w4a16_gemv.py`) in Pallas
 interpret mode against a plain numpy dequantization: INT4 and INT8, symmetric and with zero
 points, groups smaller than, equal to and larger than a K tile, channel-wise, K padded to the
-tile, split-K, several rows, act-order; and the library's choice of it for one row."""
+tile, split-K, several rows, act-order; and the library's choice of it for one INT4 row."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -74,3 +74,8 @@ def test_library_takes_it_for_one_row_with_act_order(monkeypatch):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=2e-2, atol=2e-2)
     assert len(calls) == 1  # one row here, two rows on the MMA kernel
+    codes8, scale8, _ = random_weight(rng, k, n, 8, 128, False)
+    _, s8, _, g8 = im.pack_weight(codes8, scale8, None, bits=8, group_size=128)
+    kernels.int_matmul(jnp.ones((1, k), jnp.bfloat16), mg.pack_t(codes8, 8), s8, None, bits=8,
+                       group_size=g8, layout="nk16", interpret=True)
+    assert len(calls) == 1  # INT8 was not measured on it: the MMA kernel
