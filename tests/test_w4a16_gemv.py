@@ -74,8 +74,9 @@ def test_library_takes_it_for_one_row_with_act_order(monkeypatch):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=2e-2, atol=2e-2)
     assert len(calls) == 1  # one row here, two rows on the MMA kernel
-    codes8, scale8, _ = random_weight(rng, k, n, 8, 128, False)
-    _, s8, _, g8 = im.pack_weight(codes8, scale8, None, bits=8, group_size=128)
-    kernels.int_matmul(jnp.ones((1, k), jnp.bfloat16), mg.pack_t(codes8, 8), s8, None, bits=8,
-                       group_size=g8, layout="nk16", interpret=True)
-    assert len(calls) == 1  # INT8 was not measured on it: the MMA kernel
+    # only the forms timed on it: INT4 in groups of 128 or more
+    takes = lambda bits, g: kernels._int_gemv_takes(1, jnp.zeros((n, k * bits // 32), jnp.int32),
+                                                    bits=bits, group_size=g)
+    assert takes(4, 128) and takes(4, 256) and not takes(4, 32) and not takes(8, 128)
+    monkeypatch.setenv("PALLASITE_INT_GEMV", "0")
+    assert not takes(4, 128)
