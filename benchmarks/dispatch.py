@@ -11,8 +11,10 @@ packing, the forward program's call, the sampler's call, accepting the samples, 
 host time as the engine counts it (its device wait taken out). A call's time is what the host
 spends launching it: the device runs behind it. The 64 sequences' greedy tokens are recorded as
 a digest, the same in every variant that computes right. `--host-trace` also lists the host's
-traced events a batch-1 step (PJRT, the command buffers' update and launch). Records go to
-OUT/dispatch.json.
+traced events a batch-1 step (PJRT, the command buffers' update and launch). `--why-updates`
+keeps XLA's log of each command-buffer update (which buffer allocation moved, by index) in
+the record, and dumps each program's buffer assignment under OUT/xla_dump to name the
+allocations. Records go to OUT/dispatch.json.
 """
 
 from __future__ import annotations
@@ -165,6 +167,18 @@ def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
             for n in rows]
 
 
+def update_log(stderr: str, top: int = 30) -> list[dict]:
+    """XLA's command-buffer log lines, numbers and addresses masked so that repeats group,
+    with their counts: the most frequent first."""
+    import re
+    counts = {}
+    for ln in stderr.splitlines():
+        if "command_buffer" in ln or "ommand buffer" in ln:
+            key = re.sub(r"0x[0-9a-f]+|\b\d+\b", "#", ln.split("] ", 1)[-1])[:300]
+            counts[key] = counts.get(key, 0) + 1
+    return [dict(line=k, count=n) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -172,6 +186,8 @@ def main(argv=None):
     p.add_argument("--variants", default="bf16:default,fp8:default,fp8:none,fp8:all")
     p.add_argument("--host-trace", action="store_true",
                    help="also trace batch-1 decode and list the host's events by name")
+    p.add_argument("--why-updates", action="store_true",
+                   help="log why XLA updates a CUDA graph (the allocation that moved)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -187,8 +203,12 @@ def main(argv=None):
         flags = variant.split(":")[1]
         env = dict(os.environ)
         xla = " ".join(f for f in (env.get("XLA_FLAGS", ""), FLAGS[flags]) if f)
-        if xla:
-            env["XLA_FLAGS"] = xla
+        if args.why_updates:
+            dump = Path(args.out) / "xla_dump" / variant.replace(":", "_")
+            xla += f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward"
+            env.update(TF_CPP_VMODULE="command_buffer_thunk=2", TF_CPP_MIN_LOG_LEVEL="0")
+        if xla.strip():
+            env["XLA_FLAGS"] = xla.strip()
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
@@ -202,12 +222,20 @@ def main(argv=None):
         for r in json.loads(lines[-1][len("RECORDS "):]):
             print("  " + json.dumps(r), flush=True)
             records.append(r)
+        if args.why_updates:
+            records.append(dict(case="update_log", weights=variant,
+                                lines=update_log(proc.stderr)))
     head = common.run_info(device=False) | dict(model="tiny" if args.tiny else "llama3-8b-shaped")
     # the children's records name the GPU and JAX version; the command is this one
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dispatch.json").write_text(json.dumps([r | head for r in records], indent=1))
     for r in records:
+        if r["case"] == "update_log":
+            print(f"{r['weights']} command-buffer log:")
+            for e in r["lines"]:
+                print(f"  {e['count']:6d}  {e['line']}")
+            continue
         if r["case"] == "host_trace":
             print(f"{r['weights']}:{r['xla_flags']} host events a batch-1 step:")
             for e in r["host_events"]:
