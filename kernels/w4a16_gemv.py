@@ -106,8 +106,7 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
     per, tile = 32 // bits, tile_rows(bits)
     k_pad, tiles = kw * per, kw // SLAB
     group = min(group_size, k_pad)
-    if m > MAX_ROWS or n % block_n or group % SLAB or (group < tile and tile % group) or (
-            group > tile and group % tile) or k_pad % group:
+    if n % block_n or not supported(m, n, bits=bits, group_size=group, k_pad=k_pad):
         raise ValueError(f"w4a16_gemv: M={m} (at most {MAX_ROWS}), N={n} (block_n={block_n}) "
                          f"or group_size={group_size} (K tiles of {tile}) does not fit")
     splits, step = plan(tiles, group // tile, tiles_step, num_splits)
@@ -159,6 +158,8 @@ def blocks_for(m: int, n: int, tiles: int, num_sms: int = 132) -> dict:
 
 
 def supported(m: int, n: int, *, bits: int, group_size: int, k_pad: int) -> bool:
+    """Whether the kernel tiles this call: up to MAX_ROWS rows, groups that tile K's tiles (or
+    whole tiles), N in 16s."""
     tile, group = tile_rows(bits), min(group_size, k_pad)
     return (bits in (4, 8) and 1 <= m <= MAX_ROWS and n % 16 == 0 and group % SLAB == 0
             and (tile % group == 0 if group < tile else group % tile == 0)
