@@ -186,8 +186,10 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         cols, rows = pl.ds(ni * block_n, block_n), pl.ds(mi * bm, bm)
         ks = pl.ds(si * per_split * tile, per_split * tile)
+        # the split's scale rows: its groups, or the one group a split shorter than it lies in
         g_span = max(1, per_split * tile // group_size)
-        gs = pl.ds(si * g_span, g_span) if group_size < k_pad else pl.ds(0, 1)
+        gs = pl.ds(si * per_split * tile // group_size, g_span) if group_size < k_pad else (
+            pl.ds(0, 1))
         specs = [plgpu.BlockSpec((bm, tile), lambda s: (0, s), transforms=x_t),
                  plgpu.BlockSpec((block_n, SLAB), lambda s: (0, s), transforms=w_t),
                  plgpu.BlockSpec((g_rows, block_n), g_index)]

@@ -18,6 +18,7 @@ CASES = [  # m, k, n, bits, group_size, asym, splits, unpack
     (9, 512, 64, 4, 512, False, 1, "magic"),
     (17, 256, 64, 4, 64, True, 1, "convert"),
     (4, 128, 64, 4, 128, False, 1, "fma"),  # one K tile
+    (1, 256, 64, 8, 128, True, 4, "fma"),  # a split of one 64-row tile, half a group
 ]
 
 
