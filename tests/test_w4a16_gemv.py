@@ -20,6 +20,7 @@ CASES = [  # m, k, n, bits, group_size, asym, blocks
     (1, 384, 32, 4, 64, False, dict(block_n=32, tiles_step=4)),  # a step of three tiles: two
     (1, 1024, 32, 4, 256, False, dict(block_n=16, num_splits=2)),  # two tiles a group
     (2, 512, 64, 8, 128, True, dict(num_splits=2)),  # INT8: two 64-row tiles a group
+    (1, 256, 64, 8, 128, True, dict(num_splits=4)),  # a split of one tile, half a group
     (1, 512, 64, 8, 512, False, dict(num_splits=4)),  # channel-wise
     (1, 512, 64, 4, 512, True, dict(num_splits=4, tiles_step=1)),
 ]
