@@ -1,7 +1,8 @@
 """The few-row integer product on the Hopper layout's words (`kernels/w4a16_gemv.py`) in Pallas
 interpret mode against a plain numpy dequantization: INT4 and INT8, symmetric and with zero
 points, groups smaller than, equal to and larger than a K tile, channel-wise, K padded to the
-tile, split-K, several rows, act-order; and the library's choice of it for one INT4 row."""
+tile, split-K, several rows, act-order; and the library's choice of it: one row of symmetric
+INT4 in groups of 128, the form run on the GPU."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,9 +76,13 @@ def test_library_takes_it_for_one_row_with_act_order(monkeypatch):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=2e-2, atol=2e-2)
     assert len(calls) == 1  # one row here, two rows on the MMA kernel
-    # only the forms timed on it: INT4 in groups of 128 or more
+    zero = jnp.full(s.shape, 7.0, jnp.bfloat16)
+    kernels.int_matmul(x[:1], mg.pack_t(codes, 4), s, zero, bits=4, group_size=g, layout="nk16",
+                       interpret=True)
+    assert len(calls) == 1  # zero points: the MMA kernel
+    # only the form run on the GPU: symmetric INT4 in groups of 128
     takes = lambda bits, g: kernels._int_gemv_takes(1, jnp.zeros((n, k * bits // 32), jnp.int32),
                                                     bits=bits, group_size=g)
-    assert takes(4, 128) and takes(4, 256) and not takes(4, 32) and not takes(8, 128)
+    assert takes(4, 128) and not takes(4, 256) and not takes(4, 32) and not takes(8, 128)
     monkeypatch.setenv("PALLASITE_INT_GEMV", "0")
     assert not takes(4, 128)
