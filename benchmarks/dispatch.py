@@ -168,13 +168,14 @@ def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
 
 
 def update_log(stderr: str, top: int = 30) -> list[dict]:
-    """XLA's command-buffer log lines, numbers and addresses masked so that repeats group,
-    with their counts: the most frequent first."""
+    """XLA's command-buffer log lines ("Set buffer allocation require update N": the
+    allocation whose address moved), addresses masked so that repeats group, with their
+    counts: the most frequent first."""
     import re
     counts = {}
     for ln in stderr.splitlines():
         if "command_buffer" in ln or "ommand buffer" in ln:
-            key = re.sub(r"0x[0-9a-f]+|\b\d+\b", "#", ln.split("] ", 1)[-1])[:300]
+            key = re.sub(r"0x[0-9a-f]+", "#", ln.split("] ", 1)[-1])[:300]
             counts[key] = counts.get(key, 0) + 1
     return [dict(line=k, count=n) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
