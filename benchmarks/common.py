@@ -109,6 +109,18 @@ def l2_flush():
                                                                          jnp.float32))
 
 
+def traced(run):
+    """(run()'s result, the `ProfileData` of a `jax.profiler` trace taken around it)."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        out = run()
+        jax.profiler.stop_trace()
+        return out, ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+
+
 def device_ms(fn, *args, reps=15, chain=False, compiled=False):
     """Median over `reps` calls of the summed GPU time of the kernels one call launches, read
     from a profiler trace (CUPTI): no host dispatch or launch gaps, which a model step's
@@ -118,9 +130,6 @@ def device_ms(fn, *args, reps=15, chain=False, compiled=False):
     `chain`: the first argument is donated and each call's output is the next call's first
     argument (an in-place update, as the serving step runs it). `compiled`: fn is already a
     compiled executable (`jax.jit(...).lower(...).compile(...)`), called as it is."""
-    import glob
-    import tempfile
-    from jax.profiler import ProfileData
     jf = fn if compiled else jax.jit(fn, donate_argnums=(0,) if chain else ())
     flush = l2_flush()
 
@@ -131,13 +140,12 @@ def device_ms(fn, *args, reps=15, chain=False, compiled=False):
             args = (out, *args[1:])
         return out
     jax.block_until_ready((call(), flush()))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
+
+    def run():
         for _ in range(reps):
             jax.block_until_ready(flush())
             jax.block_until_ready(call())
-        jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    _, data = traced(run)
     lines = [(p.name, line.name, line.events) for p in data.planes for line in p.lines]
     ms, DEVICE_KERNELS[:] = per_call_ms(lines, reps)
     return ms
@@ -146,22 +154,18 @@ def device_ms(fn, *args, reps=15, chain=False, compiled=False):
 def device_times(calls, reps):
     """[(median ms, kernel names of one call)] for each (fn, args), all in one profiler trace,
     the L2 flushed before every call. On CPU: host wall clock, no names."""
-    import glob
-    import tempfile
     if jax.default_backend() != "gpu":
         return [(host_ms(fn, *args, reps=reps), []) for fn, args in calls]
-    from jax.profiler import ProfileData
     flush = l2_flush()
     for fn, args in calls:
         jax.block_until_ready((fn(*args), flush()))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
+
+    def run():
         for fn, args in calls:
             for _ in range(reps):
                 jax.block_until_ready(flush())
                 jax.block_until_ready(fn(*args))
-        jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    _, data = traced(run)
     events = sorted((e.start_ns, e.duration_ns, e.name) for p in data.planes for line in p.lines
                     if p.name.startswith("/device:GPU") and line.name.startswith("Stream")
                     for e in line.events)

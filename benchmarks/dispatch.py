@@ -145,15 +145,8 @@ def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
     """The host's traced events during batch-1 decode (`LLM.stream`), by name: calls and
     microseconds a step, the largest first. Names nest (an executable's launch holds its
     thunks'), so the rows overlap."""
-    import glob
-    import tempfile
-    import jax
-    from jax.profiler import ProfileData
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        steps = sum(1 for _ in llm.stream(prompt, sampling))
-        jax.profiler.stop_trace()
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    from benchmarks import common
+    steps, data = common.traced(lambda: sum(1 for _ in llm.stream(prompt, sampling)))
     total, calls = {}, {}
     for plane in data.planes:
         if plane.name.startswith("/device"):
