@@ -182,6 +182,8 @@ def main(argv=None):
                    help="also trace batch-1 decode and list the host's events by name")
     p.add_argument("--why-updates", action="store_true",
                    help="log why XLA updates a CUDA graph (the allocation that moved)")
+    p.add_argument("--child-timeout", type=float, default=None,
+                   help="seconds a variant may run; its log so far is kept when it runs past")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -206,19 +208,23 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
-        proc = subprocess.run(cmd, env=env,
-                              capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECORDS ")]
-        print(f"{variant}: rc {proc.returncode}, {time.time() - t:.0f} s", flush=True)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=args.child_timeout)
+            rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:  # keep what it logged so far
+            rc, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+            stdout, stderr = (x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr))
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RECORDS ")]
+        print(f"{variant}: rc {rc}, {time.time() - t:.0f} s", flush=True)
+        if args.why_updates:
+            records.append(dict(case="update_log", weights=variant, lines=update_log(stderr)))
         if not lines:
-            print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
+            print(stdout[-2000:], stderr[-3000:], flush=True)
             continue
         for r in json.loads(lines[-1][len("RECORDS "):]):
             print("  " + json.dumps(r), flush=True)
             records.append(r)
-        if args.why_updates:
-            records.append(dict(case="update_log", weights=variant,
-                                lines=update_log(proc.stderr)))
     head = common.run_info(device=False) | dict(model="tiny" if args.tiny else "llama3-8b-shaped")
     # the children's records name the GPU and JAX version; the command is this one
     out = Path(args.out)
