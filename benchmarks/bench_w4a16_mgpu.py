@@ -66,16 +66,17 @@ def mgpu_variants(m, n, k_tiles, tiny):
 
 
 def gemv_variants(m, n, k_tiles, tiny):
-    """The library's tiles (`w4a16_gemv.blocks_for`) and their neighbours: 32 or 64 columns,
-    2-8 K tiles a step, half or twice the split, the other warp count."""
+    """The library's tiles (`w4a16_gemv.blocks_for`) and their neighbours: half to four times
+    the split, 4 or 8 warps, 2 or 4 K tiles a step, 32 columns; the rule's tiles without the
+    fused multiply-add, and with Triton's pipeline."""
     if tiny:
         return [dict(block_n=32, tiles_step=2, num_splits=2)]
     rule = gv.blocks_for(m, n, k_tiles)
-    out = [rule | dict(block_n=bn, tiles_step=step)
-           for bn, step in itertools.product((32, 64), (2, 4, 8))]
-    return out + [rule | dict(num_splits=max(1, rule["num_splits"] // 2)),
-                  rule | dict(num_splits=rule["num_splits"] * 2),
-                  rule | dict(num_warps=12 - rule["num_warps"])]
+    s = rule["num_splits"]
+    out = [rule | dict(num_splits=sp, num_warps=w, tiles_step=t)
+           for sp, w, t in itertools.product(sorted({max(1, s // 2), s, 2 * s, min(4 * s, 32)}),
+                                             (4, 8), (2, 4))]
+    return out + [rule | dict(block_n=32), rule | dict(fused=False), rule | dict(num_stages=3)]
 
 
 def tinygemm_us(k, n, ms, form):

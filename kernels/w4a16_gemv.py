@@ -34,7 +34,20 @@ from .w4a16_mgpu import SLAB, tile_rows
 MAX_ROWS = 8  # each row costs an FMA a weight: past a few rows the MMA kernel is the faster
 
 
-def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps):
+def fma(a, b, c, *, asm: bool):
+    """a * b + c in float32. `asm`: one fma.rn.f32 by inline PTX, since the Triton lowering
+    here emits a separate multiply and add (Nsight Compute counts no fused FP32 instruction in
+    the kernel without it); interpret mode has no PTX."""
+    if not asm:
+        return a * b + c
+    b, c = jnp.broadcast_to(b, a.shape), jnp.broadcast_to(c, a.shape)
+    [out] = plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+
+
+def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, asm):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     per, tile = 32 // bits, tile_rows(bits)
     rows, t = x_ref.shape[0], tiles_step
@@ -60,13 +73,13 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps):
                 v = one_plus(words, j, bits)
                 for r in range(rows):
                     xj = x_ref[r, pl.ds(t0, t), j, :].astype(jnp.float32)
-                    parts[r] = parts[r] + v * xj[None]
+                    parts[r] = fma(v, xj[None], parts[r], asm=asm)
                     xsums[r] = xsums[r] + xj
             s = group_vec(s_ref, t0, c)
             z = 2.0 ** (bits - 1) if z_ref is None else group_vec(z_ref, t0, c)
             b = (-(2.0 ** bits) - z) * s  # the zero's share, times the group's sum of x
             for r in range(rows):
-                accs[r] = accs[r] + parts[r] * s
+                accs[r] = fma(parts[r], s, accs[r], asm=asm)
                 zaccs[r] = zaccs[r] + b * jnp.sum(xsums[r], axis=1)[None, :, None]
         return tuple(accs), tuple(zaccs)
 
@@ -95,12 +108,14 @@ def plan(tiles: int, group_tiles: int, tiles_step: int, num_splits: int) -> tupl
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "tiles_step",
-                                             "num_splits", "num_warps", "interpret"))
+                                             "num_splits", "num_warps", "num_stages", "fused",
+                                             "interpret"))
 def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, block_n: int = 64,
-               tiles_step: int = 4, num_splits: int = 1, num_warps: int = 4,
-               interpret: bool = False):
+               tiles_step: int = 4, num_splits: int = 1, num_warps: int = 4, num_stages: int = 1,
+               fused: bool = True, interpret: bool = False):
     """x [M, K] (M <= MAX_ROWS) times the packed weight (words_t [N, K_pad // per], scale
-    [G, N] f32, zero [G, N] or None: symmetric) -> [M, N] in x's dtype."""
+    [G, N] f32, zero [G, N] or None: symmetric) -> [M, N] in x's dtype. `fused`: the products'
+    multiply-adds by inline PTX (`fma`); `num_stages`: Triton's software pipeline depth."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
@@ -130,12 +145,12 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
     out_dtype = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(
         functools.partial(_kernel, bits=bits, group_size=group, tiles_step=step,
-                          steps=span // step),
+                          steps=span // step, asm=fused and not interpret),
         grid=(n // block_n, splits),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="w4a16_gemv",
     )(*args)
@@ -144,17 +159,11 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
 
 def blocks_for(m: int, n: int, tiles: int, num_sms: int = 132) -> dict:
     """Tiles for an [m, K] x [K, n] call (swept on the H100 at 8B layer shapes, one row,
-    benchmarks/bench_w4a16_mgpu.py): 64 columns a program and four K tiles a step; K split
-    while fewer than about three programs an SM stream the weight, or, under about eight, a
-    program would walk more than 8 tiles; each split an even number of tiles. Eight warps
-    where the split is eight."""
+    benchmarks/bench_w4a16_mgpu.py): 64 columns and four K tiles a program (K split to match),
+    two tiles a step, or four where the columns alone give two programs an SM; four warps."""
     bn = next(b for b in (64, 32, 16) if n % b == 0 or b == 16)
-    splits, grid = 1, lambda s: (n // bn) * s
-    while (splits < 16 and tiles % (2 * splits) == 0 and tiles // (2 * splits) % 2 == 0
-           and (grid(splits) < 3 * num_sms - 12 or tiles // splits > 8
-                and grid(splits) < 8 * num_sms - 32)):
-        splits *= 2
-    return dict(block_n=bn, tiles_step=4, num_splits=splits, num_warps=8 if splits >= 8 else 4)
+    step = 4 if n // bn >= 2 * num_sms else 2
+    return dict(block_n=bn, tiles_step=step, num_splits=max(1, tiles // 4), num_warps=4)
 
 
 def supported(m: int, n: int, *, bits: int, group_size: int, k_pad: int) -> bool:

@@ -50,6 +50,13 @@ def test_plan_keeps_steps_in_a_group_and_splits_whole():
     assert gv.plan(6, 2, 4, 4) == (3, 2)  # a split of 2 tiles, whole groups
 
 
+@pytest.mark.parametrize("k,n,splits,step", [(4096, 6144, 8, 2), (4096, 28672, 8, 4),
+                                              (14336, 4096, 28, 2), (4096, 4096, 8, 2)])
+def test_tiles_give_each_program_four_k_tiles(k, n, splits, step):
+    kw = gv.blocks_for(1, n, k // 128)
+    assert gv.plan(k // 128, 1, kw["tiles_step"], kw["num_splits"]) == (splits, step)
+
+
 def test_refuses_what_it_cannot_tile():
     assert not gv.supported(9, 64, bits=4, group_size=128, k_pad=256)  # too many rows
     assert not gv.supported(1, 64, bits=4, group_size=48, k_pad=256)
