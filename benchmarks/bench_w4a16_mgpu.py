@@ -65,14 +65,17 @@ def mgpu_variants(m, n, k_tiles, tiny):
     return out
 
 
-def gemv_variants(m, n, k_tiles, tiny):
+def gemv_variants(m, n, k_tiles, tiny, near=False):
     """The library's tiles (`w4a16_gemv.blocks_for`) and their neighbours: half to four times
     the split, 4 or 8 warps, 2 or 4 K tiles a step, 32 columns; the rule's tiles without the
-    fused multiply-add, and with Triton's pipeline."""
+    fused multiply-add, and with Triton's pipeline. `near`: the rule and four neighbours."""
     if tiny:
         return [dict(block_n=32, tiles_step=2, num_splits=2)]
     rule = gv.blocks_for(m, n, k_tiles)
     s = rule["num_splits"]
+    if near:
+        return [rule, rule | dict(tiles_step=6 - rule["tiles_step"]), rule | dict(num_warps=8),
+                rule | dict(block_n=32), rule | dict(num_splits=max(1, s // 2))]
     out = [rule | dict(num_splits=sp, num_warps=w, tiles_step=t)
            for sp, w, t in itertools.product(sorted({max(1, s // 2), s, 2 * s, min(4 * s, 32)}),
                                              (4, 8), (2, 4))]
@@ -154,7 +157,8 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
         if m <= gv.MAX_ROWS:
             jobs += [("gemv", kw, jax.jit(lambda x, w, s, z, kw=kw: gv.int_matmul(
                         x, w, s, z, perm, **kw_w, **kw)), (words_t, s, z))
-                     for kw in gemv_variants(m, n, words_t.shape[1] // 16, args.tiny)]
+                     for kw in gemv_variants(m, n, words_t.shape[1] // 16, args.tiny,
+                                             args.gemv_tiles == "near")]
         jobs.append(("library", {}, jax.jit(lambda x, w, s, z: kernels.int_matmul(
             x, w, s, z, perm, **kw_w)), (words, s, z)))
         jobs.append(("library_hopper", {}, jax.jit(lambda x, w, s, z: kernels.int_matmul(
@@ -224,6 +228,8 @@ def main(argv=None):
     ap.add_argument("--quant-forms", default="int4_g128",
                     help="weight forms, comma-separated: int4|int8 _gN|_gk (one group a column) "
                          "[_zero] (zero points) [_perm] (act-order), e.g. int4_g128_zero")
+    ap.add_argument("--gemv-tiles", default="all", choices=("all", "near"),
+                    help="gemv: the whole sweep, or the library's tiles and four neighbours")
     ap.add_argument("--time-limit", type=float, default=500)
     args = ap.parse_args(argv)
     deadline = time.time() + args.time_limit

@@ -637,10 +637,10 @@ INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and ta
 INT_LAYOUTS = ("kn", "nk16")  # w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]
 # Rows up to which the Hopper layout's product runs on the CUDA cores (`w4a16_gemv`): at one row
 # it is 1.12-1.29x the MMA kernel on 8B layers; at two the MMA kernel is faster (H100 sweep).
-# Run and timed on the GPU for symmetric INT4 in groups of 128 only: other forms (tested in
-# interpret mode) stay on the MMA kernel until they are.
+# The forms run and timed on the GPU against the MMA kernel at one row (all faster): other forms
+# (tested in interpret mode) stay on the MMA kernel until they are.
 INT_GEMV_MAX_ROWS = 1
-INT_GEMV_FORMS = {(4, 128)}  # (bits, group size), symmetric
+INT_GEMV_FORMS = {(4, 128, False), (4, 128, True), (8, 128, False)}  # (bits, group, zero points)
 
 
 def int_layout() -> str:
@@ -668,7 +668,7 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
         if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)
-        if not blocks and zero is None and _int_gemv_takes(x.shape[0], words, **kw):
+        if not blocks and _int_gemv_takes(x.shape[0], words, zero is not None, **kw):
             return gv.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw)
         tiles = words.shape[1] // mg.SLAB  # a K tile is SLAB words a column
         return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
@@ -687,10 +687,10 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
                                dequantize(words).astype(x.dtype), dims)
 
 
-def _int_gemv_takes(m: int, words_t, *, bits: int, group_size: int) -> bool:
+def _int_gemv_takes(m: int, words_t, zero_points: bool, *, bits: int, group_size: int) -> bool:
     """Whether `w4a16_gemv` runs this Hopper-layout call (`PALLASITE_INT_GEMV=0`: never)."""
     from . import w4a16_gemv as gv
-    return (m <= INT_GEMV_MAX_ROWS and (bits, group_size) in INT_GEMV_FORMS
+    return (m <= INT_GEMV_MAX_ROWS and (bits, group_size, zero_points) in INT_GEMV_FORMS
             and os.environ.get("PALLASITE_INT_GEMV", "1") != "0"
             and gv.supported(m, words_t.shape[0], bits=bits, group_size=group_size,
                              k_pad=words_t.shape[1] * 32 // bits))

@@ -66,7 +66,7 @@ def test_refuses_what_it_cannot_tile():
                       jnp.ones((2, 96)), bits=4, group_size=128, block_n=64)
 
 
-def test_library_takes_it_for_one_row_with_act_order(monkeypatch):
+def test_library_takes_it_for_one_row_in_the_forms_run_on_the_gpu(monkeypatch):
     rng = np.random.default_rng(7)
     k, n = 256, 64
     codes, scale, _ = random_weight(rng, k, n, 4, 128, False)
@@ -86,10 +86,12 @@ def test_library_takes_it_for_one_row_with_act_order(monkeypatch):
     zero = jnp.full(s.shape, 7.0, jnp.bfloat16)
     kernels.int_matmul(x[:1], mg.pack_t(codes, 4), s, zero, bits=4, group_size=g, layout="nk16",
                        interpret=True)
-    assert len(calls) == 1  # zero points: the MMA kernel
-    # only the form run on the GPU: symmetric INT4 in groups of 128
-    takes = lambda bits, g: kernels._int_gemv_takes(1, jnp.zeros((n, k * bits // 32), jnp.int32),
-                                                    bits=bits, group_size=g)
-    assert takes(4, 128) and not takes(4, 256) and not takes(4, 32) and not takes(8, 128)
+    assert len(calls) == 2  # zero points in groups of 128 (AWQ, GPTQ) too
+    # only the forms run on the GPU: INT4 in groups of 128 with or without zero points, INT8
+    takes = lambda bits, g, z=False: kernels._int_gemv_takes(
+        1, jnp.zeros((n, k * bits // 32), jnp.int32), z, bits=bits, group_size=g)
+    assert takes(4, 128) and takes(4, 128, True) and takes(8, 128)
+    assert not takes(4, 256) and not takes(4, 32) and not takes(4, 64, True)
+    assert not takes(8, 128, True)
     monkeypatch.setenv("PALLASITE_INT_GEMV", "0")
     assert not takes(4, 128)
