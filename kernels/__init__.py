@@ -636,7 +636,7 @@ def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=Fal
 INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and takes XLA's dot
 INT_LAYOUTS = ("kn", "nk16")  # w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]
 # Rows up to which the Hopper layout's product runs on the CUDA cores (`w4a16_gemv`): at one row
-# it is 1.12-1.29x the MMA kernel on 8B layers; at two the MMA kernel is faster (H100 sweep).
+# it is 1.14-1.32x the MMA kernel on 8B layers; at two about level, from four slower (H100).
 # The forms run and timed on the GPU against the MMA kernel at one row (all faster): other forms
 # (tested in interpret mode) stay on the MMA kernel until they are.
 INT_GEMV_MAX_ROWS = 1
