@@ -12,9 +12,10 @@ host time as the engine counts it (its device wait taken out). A call's time is 
 spends launching it: the device runs behind it. The 64 sequences' greedy tokens are recorded as
 a digest, the same in every variant that computes right. `--host-trace` also lists the host's
 traced events a batch-1 step (PJRT, the command buffers' update and launch). `--why-updates`
-keeps XLA's log of each command-buffer update (which buffer allocation moved, by index) in
-the record, and dumps each program's buffer assignment under OUT/xla_dump to name the
-allocations. Records go to OUT/dispatch.json.
+keeps XLA's log of each command-buffer update (level 3 of `command_buffer_thunk`: how many
+allocations moved, and after how many calls) in the record, and the forward programs' buffer
+assignments under OUT/buffers (the rest of XLA's dump is dropped). Records go to
+OUT/dispatch.json.
 """
 
 from __future__ import annotations
@@ -161,9 +162,8 @@ def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
 
 
 def update_log(stderr: str, top: int = 30) -> list[dict]:
-    """XLA's command-buffer log lines ("Set buffer allocation require update N": the
-    allocation whose address moved), addresses masked so that repeats group, with their
-    counts: the most frequent first."""
+    """XLA's command-buffer log lines ("Update command buffer ... updated_allocs=N"),
+    addresses masked so that repeats group, with their counts: the most frequent first."""
     import re
     counts = {}
     for ln in stderr.splitlines():
@@ -171,6 +171,15 @@ def update_log(stderr: str, top: int = 30) -> list[dict]:
             key = re.sub(r"0x[0-9a-f]+", "#", ln.split("] ", 1)[-1])[:300]
             counts[key] = counts.get(key, 0) + 1
     return [dict(line=k, count=n) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def keep_buffer_assignments(dump: Path, to: Path):
+    """Move the buffer assignments of XLA's dump to `to` and drop the rest of the dump."""
+    import shutil
+    to.mkdir(parents=True, exist_ok=True)
+    for f in dump.glob("*buffer-assignment.txt"):
+        shutil.move(str(f), to / f.name)
+    shutil.rmtree(dump, ignore_errors=True)
 
 
 def main(argv=None):
@@ -181,7 +190,7 @@ def main(argv=None):
     p.add_argument("--host-trace", action="store_true",
                    help="also trace batch-1 decode and list the host's events by name")
     p.add_argument("--why-updates", action="store_true",
-                   help="log why XLA updates a CUDA graph (the allocation that moved)")
+                   help="log XLA's CUDA-graph updates, and keep the buffer assignments")
     p.add_argument("--child-timeout", type=float, default=None,
                    help="seconds a variant may run; its log so far is kept when it runs past")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -202,7 +211,7 @@ def main(argv=None):
         if args.why_updates:
             dump = Path(args.out) / "xla_dump" / variant.replace(":", "_")
             xla += f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward"
-            env.update(TF_CPP_VMODULE="command_buffer_thunk=2", TF_CPP_MIN_LOG_LEVEL="0")
+            env.update(TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
         if xla.strip():
             env["XLA_FLAGS"] = xla.strip()
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
@@ -219,6 +228,7 @@ def main(argv=None):
         print(f"{variant}: rc {rc}, {time.time() - t:.0f} s", flush=True)
         if args.why_updates:
             records.append(dict(case="update_log", weights=variant, lines=update_log(stderr)))
+            keep_buffer_assignments(dump, Path(args.out) / "buffers" / dump.name)
         if not lines:
             print(stdout[-2000:], stderr[-3000:], flush=True)
             continue
