@@ -97,7 +97,7 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
                                    max_position_embeddings=4096))
     params = jax.tree.map(np.asarray, init_params(config, 0))
     max_len = prompt + output + 16
-    pages = seqs * -(-max_len // 16) + 16
+    pages = max(seqs * -(-max_len // 16), 2048 // 16) + 16  # room for max_model_len too
     tok = None
     if tokenizer:
         from pallasite.model import default_model_path
