@@ -4,6 +4,7 @@ points, groups smaller than, equal to and larger than a K tile, channel-wise, K 
 tile, split-K, several rows, act-order; and the library's choice of it: one row of symmetric
 INT4 in groups of 128, the form run on the GPU."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,3 +96,15 @@ def test_library_takes_it_for_one_row_in_the_forms_run_on_the_gpu(monkeypatch):
     assert not takes(8, 128, True)
     monkeypatch.setenv("PALLASITE_INT_GEMV", "0")
     assert not takes(4, 128)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_lowering_carries_the_fused_multiply_add(fused):
+    """Lowered for the GPU (here on any machine): the products' multiply-adds are inline PTX
+    fma.rn.f32 with `fused`, plain float arithmetic without."""
+    k, n = 512, 128
+    w = mg.pack_t(np.random.default_rng(0).integers(0, 16, (k, n)), 4)
+    args = (jnp.ones((1, k), jnp.bfloat16), w, jnp.ones((k // 128, n), jnp.float32))
+    f = jax.jit(lambda x, w, s: gv.int_gemv_t(x, w, s, bits=4, group_size=128, fused=fused))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("fma.rn.f32" in text) == fused
