@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-          "down": (14336, 4096)}
+from benchmarks.bench_w4a16_mgpu import SHAPES
 
 
 def calls(k, n):
