@@ -161,16 +161,24 @@ def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
             for n in rows]
 
 
-def update_log(stderr: str, top: int = 30) -> list[dict]:
+def update_log(stderr: str, top: int = 30) -> tuple[list[dict], list[dict]]:
     """XLA's command-buffer log lines ("Update command buffer ... updated_allocs=N"),
-    addresses masked so that repeats group, with their counts: the most frequent first."""
+    addresses masked so that repeats group, with their counts: the most frequent first. The
+    update times ("Updated command buffer in N μs") are summed up apart, by graph size."""
     import re
-    counts = {}
+    counts, times = {}, {}
     for ln in stderr.splitlines():
-        if "command_buffer" in ln or "ommand buffer" in ln:
+        took = re.search(r"pdated command buffer in (\d+) μs; num_commands=(\d+)", ln)
+        if took:
+            times.setdefault(int(took[2]), []).append(int(took[1]))
+        elif "command_buffer" in ln or "ommand buffer" in ln:
             key = re.sub(r"0x[0-9a-f]+", "#", ln.split("] ", 1)[-1])[:300]
             counts[key] = counts.get(key, 0) + 1
-    return [dict(line=k, count=n) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+    lines = [dict(line=k, count=n) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    updates = [dict(num_commands=n, updates=len(t), median_us=float(np.median(t)),
+                    p90_us=float(np.percentile(t, 90)), max_us=max(t))
+               for n, t in sorted(times.items())]
+    return lines[:top], updates
 
 
 def keep_buffer_assignments(dump: Path, to: Path):
@@ -227,7 +235,8 @@ def main(argv=None):
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RECORDS ")]
         print(f"{variant}: rc {rc}, {time.time() - t:.0f} s", flush=True)
         if args.why_updates:
-            records.append(dict(case="update_log", weights=variant, lines=update_log(stderr)))
+            log, updates = update_log(stderr)
+            records.append(dict(case="update_log", weights=variant, lines=log, updates=updates))
             keep_buffer_assignments(dump, Path(args.out) / "buffers" / dump.name)
         if not lines:
             print(stdout[-2000:], stderr[-3000:], flush=True)
@@ -245,6 +254,9 @@ def main(argv=None):
             print(f"{r['weights']} command-buffer log:")
             for e in r["lines"]:
                 print(f"  {e['count']:6d}  {e['line']}")
+            for u in r["updates"]:
+                print(f"  graph of {u['num_commands']} commands: {u['updates']} updates, median "
+                      f"{u['median_us']:.0f} us, p90 {u['p90_us']:.0f}, max {u['max_us']}")
             continue
         if r["case"] == "host_trace":
             print(f"{r['weights']}:{r['xla_flags']} host events a batch-1 step:")

@@ -182,11 +182,12 @@ def make_step(engine, key, inputs, exe=None):
     the result to the host, the device state handed on (donated)."""
     ints, sample_ints, floats = inputs
     exe = exe or engine._exe[key]
-    sampler = engine._samplers[(min(key[0], engine.max_num_seqs), "greedy")]
+    S = min(key[0], engine.max_num_seqs)
+    sampler = engine._samplers[(S, "greedy")]
 
     def step():
         kv, last_tokens, history = engine.state
-        logits, kv = exe(engine.params, kv, last_tokens, ints)
+        logits, kv = engine._forward(exe, kv, last_tokens, ints, S)
         out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
         out.copy_to_host_async()
         engine.state = (kv, last_tokens, history)

@@ -159,6 +159,7 @@ class Engine:
         self._inflight = None  # (rows, device output, ...) of the step not yet read back
         self._early = ([], 0.0)  # its outputs and wait, when read back inside _launch
         self._exe: dict = {}  # (T, P) -> compiled forward pass
+        self._logits: dict = {}  # S -> the last logits of S rows, donated to the next such step
         self._samplers: dict = {}  # (S, mode) or (S, mode, "guided") -> compiled sampler
         self._load = None  # compiled history loader
         self.compilations = 0
@@ -314,7 +315,7 @@ class Engine:
         exe = self._exe.get(packed.key) or self._compile_now(packed.key)
         S = min(packed.key[0], self.max_num_seqs) * self.rows
         kv, last_tokens, history = self.state
-        logits, kv = exe(self.params, kv, last_tokens, packed.ints)
+        logits, kv = self._forward(exe, kv, last_tokens, packed.ints, S)
         ints, floats, skey = packed.sample_ints, packed.floats, (S, packed.mode)
         if self._guided:  # only while a live request is constrained or biased
             ints, floats, skey = self._guide_inputs(chunks, S, ints, floats, skey)
@@ -323,6 +324,23 @@ class Engine:
         out.copy_to_host_async()  # queued behind this step, not behind the next one
         self.state = (kv, last_tokens, history)
         return out
+
+    def _forward(self, exe, kv, last_tokens, ints, S: int):
+        """Run a compiled forward pass. It writes its logits over those of the last step of the
+        same size (donated): on the GPU its CUDA graph then finds its output where it was, and
+        is launched as recorded instead of being updated first (which waits for the step before)."""
+        self.make_logits([S])  # only if a failed step took this size's buffer with it
+        logits, kv = exe(self.params, kv, last_tokens, ints, self._logits.pop(S))
+        self._logits[S] = logits
+        return logits, kv
+
+    def make_logits(self, sizes):
+        """A logits buffer [S, V] for each row count S in `sizes` that has none (warm-up makes
+        every step's, so that making one compiles nothing later)."""
+        for S in sizes:
+            if S not in self._logits:
+                self._logits[S] = jnp.zeros((S, self.config.vocab_size), jnp.float32,
+                                            device=self._inputs)
 
     def _guide_inputs(self, chunks, S: int, ints, floats, skey):
         """Structured output and logit bias: the guided sampler variant and its extra inputs."""
@@ -467,9 +485,9 @@ class Engine:
                              seq.arrival_time, seq.first_token_time)
 
     # -- device side --------------------------------------------------------------------------
-    def _forward_fn(self, params, kv, last_tokens, ints, *, shape):
-        """The model over one ragged batch: logits of the sampled rows [S, V] and the new KV.
-        `shape` (T, S, P) tells how `ints` is laid out."""
+    def _forward_fn(self, params, kv, last_tokens, ints, _logits, *, shape):
+        """The model over one ragged batch: logits of the sampled rows [S, V] (in the donated
+        buffer `_logits`) and the new KV. `shape` (T, S, P) tells how `ints` is laid out."""
         T, S, P = shape
         sizes = list(int_layout(T, S, P, self.rows).values())
         table, tok, pos, slot, src, qstart, ctx, last = jnp.split(ints, np.cumsum(sizes)[:-1])
@@ -505,11 +523,13 @@ class Engine:
         T, P = key
         S = min(T, self.max_num_seqs)
         n_int = sum(int_layout(T, S, P, self.rows).values())
-        fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=1)
+        fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=(1, 4),
+                       keep_unused=True)  # the logits buffer is donated, never read
         kv, last_tokens, _ = self.state
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
         with tuning.batch_invariant(self.batch_invariant):
-            return fn.lower(self.params, kv, last_tokens,
-                            jax.ShapeDtypeStruct((n_int,), jnp.int32, sharding=self._inputs))
+            return fn.lower(self.params, kv, last_tokens, spec((n_int,), jnp.int32),
+                            spec((S * self.rows, self.config.vocab_size), jnp.float32))
 
     def _lower_sampler(self, S: int, mode: str, guided: bool | str = False):
         _, last_tokens, history = self.state

@@ -282,6 +282,7 @@ def warm_up(engine, workers: int | None = None):
         engine.compilations += len(jobs)
         if engine._load is None:
             engine._compile_load()
+        engine.make_logits({min(T, engine.max_num_seqs) * engine.rows for T, _ in steps})
         t_compile = time.perf_counter() - t0
         if first_run_loads():
             run_once(engine, keys, samplers)
@@ -324,7 +325,7 @@ def run_once(engine, keys, samplers):
         ints = np.concatenate([np.full(n, fill.get(name, 0), np.int32)
                                for name, n in int_layout(T, S, P, engine.rows).items()])
         kv, last_tokens, history = engine.state
-        _, kv = engine._exe[(T, P)](engine.params, kv, last_tokens, ints)
+        _, kv = engine._forward(engine._exe[(T, P)], kv, last_tokens, ints, S * engine.rows)
         engine.state = (kv, last_tokens, history)
     for S, mode, *guided in samplers:
         floats, rows = sampling.pack_rows([], S)

@@ -136,6 +136,21 @@ def test_the_same_without_overlap(big):
         assert tokens(outs[rid]) == solo(prompt, 6)[0]
 
 
+def test_each_step_writes_its_logits_over_the_last_ones(big):
+    # The forward pass's output stays at one address (on the GPU its CUDA graph is then
+    # launched as recorded, not updated every call first).
+    S = big.max_num_seqs
+    before = big._logits[S]
+    address = before.unsafe_buffer_pointer()
+    reqs = [(f"l{i}", p, SamplingParams(max_tokens=4, **GREEDY), 0)
+            for i, p in enumerate(prompts(3, 5, 20, seed=4))]
+    outs = run(big, reqs)
+    assert before.is_deleted() and big._logits[S].unsafe_buffer_pointer() == address
+    assert sorted(big._logits) == [S]
+    for rid, prompt, _, _ in reqs:
+        assert tokens(outs[rid]) == solo(prompt, 4)[0]
+
+
 def test_prefix_reuse_takes_fewer_pages_and_changes_nothing(big):
     first = prompts(1, 40, 41, seed=3)[0]
     second = first[:36] + [7, 8, 9, 10, 11]
