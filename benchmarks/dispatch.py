@@ -41,6 +41,8 @@ FLAGS = {
     # the graphs keep the addresses of buffers that stay put after a few calls (XLA maps them
     # at fixed virtual addresses), so a call updates only the commands of those that moved
     "skip": "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED",
+    # only the temporaries' buffer is mapped at one fixed virtual address
+    "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
     # each kernel may start while the one before it finishes (programmatic dependent launch)
     "pdl": "--xla_gpu_enable_pdl=true",
 }
