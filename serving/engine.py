@@ -55,6 +55,10 @@ HISTORY_CHUNK = 256  # tokens per call when loading a penalized sequence's histo
 # product. So the token axis is never shorter than two slots, unless every projection is one of
 # the quantized kernels, which read a lone row faster than two (`min_token_bucket`).
 MIN_TOKEN_BUCKET = 2
+# Steps of up to this many logits rows write them over the last such step's (`Engine._forward`):
+# where the host's launch shows. Larger steps take a new buffer (their sizes' buffers kept
+# would add up to twice the largest, out of the memory left for activations).
+KEPT_LOGITS_ROWS = 128
 
 
 def min_token_bucket(params) -> int:
@@ -326,19 +330,21 @@ class Engine:
         return out
 
     def _forward(self, exe, kv, last_tokens, ints, S: int):
-        """Run a compiled forward pass. It writes its logits over those of the last step of the
-        same size (donated): on the GPU its CUDA graph then finds its output where it was, and
-        is launched as recorded instead of being updated first (which waits for the step before)."""
+        """Run a compiled forward pass of S logits rows. A small step writes its logits over
+        those of the last step of its size (donated): on the GPU its CUDA graph then finds its
+        output where it was, and is launched as recorded instead of being updated first."""
+        if S > KEPT_LOGITS_ROWS:
+            return exe(self.params, kv, last_tokens, ints)
         self.make_logits([S])  # only if a failed step took this size's buffer with it
         logits, kv = exe(self.params, kv, last_tokens, ints, self._logits.pop(S))
         self._logits[S] = logits
         return logits, kv
 
     def make_logits(self, sizes):
-        """A logits buffer [S, V] for each row count S in `sizes` that has none (warm-up makes
-        every step's, so that making one compiles nothing later)."""
+        """A logits buffer [S, V] for each small row count S in `sizes` that has none (warm-up
+        makes every step's, so that making one compiles nothing later)."""
         for S in sizes:
-            if S not in self._logits:
+            if S <= KEPT_LOGITS_ROWS and S not in self._logits:
                 self._logits[S] = jnp.zeros((S, self.config.vocab_size), jnp.float32,
                                             device=self._inputs)
 
@@ -485,9 +491,10 @@ class Engine:
                              seq.arrival_time, seq.first_token_time)
 
     # -- device side --------------------------------------------------------------------------
-    def _forward_fn(self, params, kv, last_tokens, ints, _logits, *, shape):
-        """The model over one ragged batch: logits of the sampled rows [S, V] (in the donated
-        buffer `_logits`) and the new KV. `shape` (T, S, P) tells how `ints` is laid out."""
+    def _forward_fn(self, params, kv, last_tokens, ints, *_logits, shape):
+        """The model over one ragged batch: logits of the sampled rows [S, V] (written over
+        `_logits`, donated, in small steps) and the new KV. `shape` (T, S, P) tells how `ints`
+        is laid out."""
         T, S, P = shape
         sizes = list(int_layout(T, S, P, self.rows).values())
         table, tok, pos, slot, src, qstart, ctx, last = jnp.split(ints, np.cumsum(sizes)[:-1])
@@ -523,13 +530,15 @@ class Engine:
         T, P = key
         S = min(T, self.max_num_seqs)
         n_int = sum(int_layout(T, S, P, self.rows).values())
-        fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), donate_argnums=(1, 4),
-                       keep_unused=True)  # the logits buffer is donated, never read
-        kv, last_tokens, _ = self.state
         spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
+        kv, last_tokens, _ = self.state
+        args = [self.params, kv, last_tokens, spec((n_int,), jnp.int32)]
+        if S * self.rows <= KEPT_LOGITS_ROWS:
+            args.append(spec((S * self.rows, self.config.vocab_size), jnp.float32))
+        fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), keep_unused=True,
+                       donate_argnums=(1, 4)[:len(args) - 3])  # kv, and the logits kept
         with tuning.batch_invariant(self.batch_invariant):
-            return fn.lower(self.params, kv, last_tokens, spec((n_int,), jnp.int32),
-                            spec((S * self.rows, self.config.vocab_size), jnp.float32))
+            return fn.lower(*args)
 
     def _lower_sampler(self, S: int, mode: str, guided: bool | str = False):
         _, last_tokens, history = self.state

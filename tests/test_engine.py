@@ -136,19 +136,25 @@ def test_the_same_without_overlap(big):
         assert tokens(outs[rid]) == solo(prompt, 6)[0]
 
 
-def test_each_step_writes_its_logits_over_the_last_ones(big):
-    # The forward pass's output stays at one address (on the GPU its CUDA graph is then
-    # launched as recorded, not updated every call first).
-    S = big.max_num_seqs
-    before = big._logits[S]
+def test_each_small_step_writes_its_logits_over_the_last_ones(monkeypatch):
+    # A small step's output stays at one address (on the GPU its CUDA graph is then launched as
+    # recorded, not updated every call first); larger steps take a new buffer.
+    from pallasite.serving import engine as engine_module
+    monkeypatch.setattr(engine_module, "KEPT_LOGITS_ROWS", 4)
+    engine = Engine(CONFIG, PARAMS, num_pages=64, page_size=4, max_num_seqs=8,
+                    max_num_batched_tokens=16, max_model_len=64, token_buckets=[4, 16],
+                    page_buckets=[16])
+    engine.warmup()
+    assert sorted(engine._logits) == [4]
+    before = engine._logits[4]
     address = before.unsafe_buffer_pointer()
-    reqs = [(f"l{i}", p, SamplingParams(max_tokens=4, **GREEDY), 0)
-            for i, p in enumerate(prompts(3, 5, 20, seed=4))]
-    outs = run(big, reqs)
-    assert before.is_deleted() and big._logits[S].unsafe_buffer_pointer() == address
-    assert sorted(big._logits) == [S]
+    reqs = [(f"l{i}", p, SamplingParams(max_tokens=5, **GREEDY), 2 * i)
+            for i, p in enumerate(prompts(6, 3, 12, seed=4))]
+    outs = run(engine, reqs)  # steps of 4 and of 8 rows
+    assert before.is_deleted() and engine._logits[4].unsafe_buffer_pointer() == address
+    assert sorted(engine._logits) == [4]
     for rid, prompt, _, _ in reqs:
-        assert tokens(outs[rid]) == solo(prompt, 4)[0]
+        assert tokens(outs[rid]) == solo(prompt, 5)[0]
 
 
 def test_prefix_reuse_takes_fewer_pages_and_changes_nothing(big):
