@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .w4a16_matmul import F32_ONE, one_plus
+from .w4a16_matmul import one_plus
 from .w4a16_mgpu import SLAB, tile_rows
 
 MAX_ROWS = 8  # each row costs an FMA a weight: past a few rows the MMA kernel is the faster
@@ -47,24 +47,7 @@ def fma(a, b, c, *, asm: bool):
     return out
 
 
-def plane_floats(words, planes, bits: int, pairs: bool):
-    """(j, v, m) for each bit plane j in `planes`: floats v with v * m = m + c_j / 2**bits, so
-    that v times (m * x) is m * x plus the code's share. One plane a shift makes v = 1 + c / 2**bits
-    (m 1). With `pairs` (INT4), one shift serves two planes: plane j + 1 in the mantissa's top
-    four bits as before, plane j in the four under them, 1 + c / 256 (m 16)."""
-    if not pairs:
-        return [(j, one_plus(words, j, bits), 1.0) for j in planes]
-    out = []
-    for j in planes[::2]:
-        shift = 15 - 4 * j  # plane j + 1 to bits 19-22, plane j to 15-18
-        moved = words << shift if shift >= 0 else words >> -shift
-        for p, low in ((j, 15), (j + 1, 19)):
-            v = lax.bitcast_convert_type((moved & (0xF << low)) | F32_ONE, jnp.float32)
-            out.append((p, v, 16.0 if low == 15 else 1.0))
-    return out
-
-
-def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, pairs, asm):
+def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, asm):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     per, tile = 32 // bits, tile_rows(bits)
     rows, t = x_ref.shape[0], tiles_step
@@ -85,22 +68,19 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, pai
         t0 = pl.multiple_of(i * t, t)
         words = w_ref[:, pl.ds(t0, t), :]
         for c in range(per // planes):
-            parts, xsums, msums = [0.0] * rows, [0.0] * rows, [0.0] * rows
-            for j, v, m in plane_floats(words, range(c * planes, (c + 1) * planes), bits, pairs):
+            parts, xsums = [0.0] * rows, [0.0] * rows
+            for j in range(c * planes, (c + 1) * planes):
+                v = one_plus(words, j, bits)
                 for r in range(rows):
                     xj = x_ref[r, pl.ds(t0, t), j, :].astype(jnp.float32)
-                    xm = xj * m if m != 1.0 else xj
-                    parts[r] = fma(v, xm[None], parts[r], asm=asm)
+                    parts[r] = fma(v, xj[None], parts[r], asm=asm)
                     xsums[r] = xsums[r] + xj
-                    if pairs:
-                        msums[r] = msums[r] + xm
             s = group_vec(s_ref, t0, c)
             z = 2.0 ** (bits - 1) if z_ref is None else group_vec(z_ref, t0, c)
-            for r in range(rows):  # sum c x = 2**bits (parts - sum m x); less z sum x, times s
+            b = (-(2.0 ** bits) - z) * s  # the zero's share, times the group's sum of x
+            for r in range(rows):
                 accs[r] = fma(parts[r], s, accs[r], asm=asm)
-                xsum = jnp.sum(xsums[r], axis=1)[None, :, None]
-                msum = jnp.sum(msums[r], axis=1)[None, :, None] if pairs else xsum
-                zaccs[r] = zaccs[r] - s * (2.0 ** bits * msum + z * xsum)
+                zaccs[r] = zaccs[r] + b * jnp.sum(xsums[r], axis=1)[None, :, None]
         return tuple(accs), tuple(zaccs)
 
     bn = w_ref.shape[0]
@@ -129,14 +109,13 @@ def plan(tiles: int, group_tiles: int, tiles_step: int, num_splits: int) -> tupl
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "tiles_step",
                                              "num_splits", "num_warps", "num_stages", "fused",
-                                             "pairs", "interpret"))
+                                             "interpret"))
 def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, block_n: int = 64,
                tiles_step: int = 4, num_splits: int = 1, num_warps: int = 4, num_stages: int = 1,
-               fused: bool = True, pairs: bool = False, interpret: bool = False):
+               fused: bool = True, interpret: bool = False):
     """x [M, K] (M <= MAX_ROWS) times the packed weight (words_t [N, K_pad // per], scale
     [G, N] f32, zero [G, N] or None: symmetric) -> [M, N] in x's dtype. `fused`: the products'
-    multiply-adds by inline PTX (`fma`); `pairs`: INT4 planes two a shift (`plane_floats`);
-    `num_stages`: Triton's software pipeline depth."""
+    multiply-adds by inline PTX (`fma`); `num_stages`: Triton's software pipeline depth."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
@@ -166,8 +145,7 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
     out_dtype = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(
         functools.partial(_kernel, bits=bits, group_size=group, tiles_step=step,
-                          steps=span // step, asm=fused and not interpret,
-                          pairs=pairs and bits == 4 and min(per, group // SLAB) % 2 == 0),
+                          steps=span // step, asm=fused and not interpret),
         grid=(n // block_n, splits),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),

@@ -17,8 +17,6 @@ from tests.test_w4a16_matmul import numpy_dequant, random_weight
 
 CASES = [  # m, k, n, bits, group_size, asym, blocks
     (1, 512, 64, 4, 128, False, dict(num_splits=2)),
-    (2, 512, 64, 4, 128, True, dict(num_splits=2, pairs=True)),  # two planes a shift
-    (1, 300, 64, 4, 32, False, dict(pairs=True)),  # pairs inside a group of two planes
     (3, 512, 64, 4, 128, True, dict(num_splits=2, tiles_step=2)),
     (2, 300, 64, 4, 32, True, dict(tiles_step=2)),  # K padded; four groups a tile
     (1, 384, 32, 4, 64, False, dict(block_n=32, tiles_step=4)),  # a step of three tiles: two
