@@ -84,7 +84,8 @@ def fake_device(engine, vocab: int, draw=None, device_ms: float = 0.0):
 
 
 def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
-          settle: bool = True, whole_text: bool = False, device_ms: float = 0.0):
+          settle: bool = True, whole_text: bool = False, device_ms: float = 0.0,
+          slots: int | None = None):
     import jax
     from pallasite.model import config_from_dict, init_params
     from pallasite.serving.detokenize import TextStage
@@ -97,14 +98,15 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
                                    max_position_embeddings=4096))
     params = jax.tree.map(np.asarray, init_params(config, 0))
     max_len = prompt + output + 16
-    pages = max(seqs * -(-max_len // 16), 2048 // 16) + 16  # room for max_model_len too
+    slots = slots or seqs
+    pages = max(slots * -(-max_len // 16), 2048 // 16) + 16  # room for max_model_len too
     tok = None
     if tokenizer:
         from pallasite.model import default_model_path
         from pallasite.model.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained(default_model_path())
     engine = Engine(config, params, tok, num_pages=pages, page_size=16,
-                    max_num_seqs=seqs, max_num_batched_tokens=max(8192, seqs),
+                    max_num_seqs=slots, max_num_batched_tokens=max(8192, slots),
                     max_model_len=2048, page_buckets=[128])
     fake_device(engine, 1000, device_ms=device_ms)
     if settle:
@@ -220,6 +222,9 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--output", type=int, default=400)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--slots", type=int, default=None,
+                    help="the engine's sequence limit (default: --seqs), e.g. 1024 slots with a "
+                         "few running, as at the end of an offline run")
     ap.add_argument("--tokenizer", action="store_true",
                     help="detokenize the outputs (the default model's tokenizer)")
     ap.add_argument("--whole-text", action="store_true",
@@ -240,7 +245,7 @@ def main(argv=None):
     for mixed in [False, True] if args.decode == args.mixed else [args.mixed]:
         engine = build(args.seqs, args.prompt, args.churn_output if mixed else args.output,
                        args.tokenizer, mixed, settle=not args.default_gc,
-                       whole_text=args.whole_text, device_ms=args.device_ms)
+                       whole_text=args.whole_text, device_ms=args.device_ms, slots=args.slots)
         rec = measure(engine, args.steps, args.profile, mixed)
         parts = " ".join(f"{k[:-len('_cpu_ms_median')]} {v:.2f}" for k, v in rec.items()
                          if k.endswith("_cpu_ms_median"))
