@@ -187,7 +187,7 @@ def make_step(engine, key, inputs, exe=None):
 
     def step():
         kv, last_tokens, history = engine.state
-        logits, kv = engine._forward(exe, kv, last_tokens, ints, S)
+        logits, kv = engine._forward(exe, kv, last_tokens, ints, S * engine.rows)
         out, last_tokens, history = sampler(logits, last_tokens, history, sample_ints, floats)
         out.copy_to_host_async()
         engine.state = (kv, last_tokens, history)
