@@ -533,10 +533,12 @@ class Engine:
         spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._inputs)
         kv, last_tokens, _ = self.state
         args = [self.params, kv, last_tokens, spec((n_int,), jnp.int32)]
-        if S * self.rows <= KEPT_LOGITS_ROWS:
+        kept = S * self.rows <= KEPT_LOGITS_ROWS
+        if kept:
             args.append(spec((S * self.rows, self.config.vocab_size), jnp.float32))
+        # keep_unused: the kept logits are never read, only donated to hold the new ones
         fn = self._jit(partial(self._forward_fn, shape=(T, S, P)), keep_unused=True,
-                       donate_argnums=(1, 4)[:len(args) - 3])  # kv, and the logits kept
+                       donate_argnums=(1, 4) if kept else 1)
         with tuning.batch_invariant(self.batch_invariant):
             return fn.lower(*args)
 

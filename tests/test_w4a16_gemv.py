@@ -1,8 +1,8 @@
 """The few-row integer product on the Hopper layout's words (`kernels/w4a16_gemv.py`) in Pallas
 interpret mode against a plain numpy dequantization: INT4 and INT8, symmetric and with zero
 points, groups smaller than, equal to and larger than a K tile, channel-wise, K padded to the
-tile, split-K, several rows, act-order; and the library's choice of it: one row of symmetric
-INT4 in groups of 128, the form run on the GPU."""
+tile, split-K, several rows, act-order; and the library's choice of it: one row of the forms
+run on the GPU (INT4 in groups of 128 with or without zero points, INT8 in groups of 128)."""
 
 import jax
 import jax.numpy as jnp
