@@ -43,6 +43,8 @@ FLAGS = {
     "skip": "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED",
     # only the temporaries' buffer is mapped at one fixed virtual address
     "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+    # a graph's independent commands are branches the GPU may run side by side
+    "concurrent": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
     # each kernel may start while the one before it finishes (programmatic dependent launch)
     "pdl": "--xla_gpu_enable_pdl=true",
 }

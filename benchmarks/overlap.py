@@ -13,6 +13,9 @@ median of `--reps` calls):
   `compute_type="gpu_stream:1"`), which XLA is to run as async work beside the MLP chain (in
   JAX 0.11.2 it fails at run time: `No ExecutionStreamId found for call-start`);
 - "stream_mlp": the MLP chain on the second stream instead.
+Run under `XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`, "serial" is one CUDA
+graph whose two chains are independent branches, which the GPU may run side by side (XLA's
+default mode, LHS, orders them as its scheduler did).
 The overlap gained is (attn + mlp - variant) / min(attn, mlp): 0 is serial, 1 is perfect.
 
 `--clocks` also runs one GEMM shape back to back for a few seconds while `nvidia-smi` samples
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import threading
 import time
@@ -55,12 +59,12 @@ def on_stream(fn, stream):
     return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=MemorySpace.Device)
 
 
-def program(layers, variant, attn_args, mlp_args, impl):
+def program(layers, variant, attn_args, mlp_args, impl, backend=None):
     q0, kp, vp, ctx, table = attn_args
     x0, w_gu, w_down = mlp_args
 
     def attn(q):
-        out = K.paged_attention(q, kp, vp, ctx, table, impl=impl)
+        out = K.paged_attention(q, kp, vp, ctx, table, impl=impl, backend=backend)
         return q + out * 0.01
 
     def mlp(x):
@@ -122,7 +126,7 @@ def time_variants(a, attn_args, mlp_args, impl) -> dict:
     res, outs = {}, {}
     for v in a.variants.split(","):
         try:
-            call = program(a.layers, v, attn_args, mlp_args, impl)
+            call = program(a.layers, v, attn_args, mlp_args, impl, a.backend)
             outs[v] = jax.device_get(call())
             if v.startswith("stream") and not a.tiny:
                 hlo = call.hlo()
@@ -157,6 +161,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", default="attn,mlp,serial,stream,stream_mlp")
+    p.add_argument("--backend", default=None, help="the paged kernel's: mosaic or triton")
     p.add_argument("--clocks", default="", help="row counts for the clock probe, e.g. 768,8192")
     p.add_argument("--tiny", action="store_true")
     a = p.parse_args(argv)
@@ -176,7 +181,8 @@ def main(argv=None):
     info = common.run_info(device=not a.tiny)
     print(f"{info.get('gpu')} JAX {jax.__version__}: {a.rows} rows ({half} a half), context "
           f"{a.context}, {a.layers} layers", flush=True)
-    rec = dict(info, rows=a.rows, context=a.context, layers=a.layers,
+    rec = dict(info, rows=a.rows, context=a.context, layers=a.layers, backend=a.backend,
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
                **time_variants(a, (q, kp, vp, ctx, table), (x, w_gu, w_down), impl))
     if a.clocks and not a.tiny:
         rec["clocks"] = [clocks(int(m)) for m in a.clocks.split(",")]
