@@ -107,7 +107,7 @@ class Engine:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
                  seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None,
-                 batch_invariant: bool | str | None = None):
+                 batch_invariant: bool | str | None = None, pace: int | None = None):
         if batch_invariant is True and mesh is not None and mesh.devices.size > 1:
             # XLA partitions the products over the mesh; the invariant kernel is one device's.
             raise ValueError("batch_invariant=True runs on one device, not on a mesh")
@@ -123,7 +123,7 @@ class Engine:
         self.pages = KVPages(num_pages, page_size, model_key=repr(config))
         self.scheduler = Scheduler(self.pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, pace=pace)
         max_pages = self.pages.pages_for(self.max_model_len)
         spec = SpeculativeConfig.parse(speculative_config)
         least = min_token_bucket(params)

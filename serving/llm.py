@@ -23,7 +23,7 @@ from .engine import Engine, RequestOutput, TokenLogprob, min_token_bucket
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
-from .settings import default_num_pages, engine_sizes  # noqa: F401  (default_num_pages: re-export)
+from .settings import default_num_pages, default_pace, engine_sizes  # noqa: F401  (default_num_pages: re-export)
 from .structured import MAX_LOGIT_BIAS, StructuredOutput
 
 
@@ -139,7 +139,9 @@ class LLM:
     "w4a16" / "w8a16" in INT4 (group 128) / INT8 (per channel), quantized as it loads; an
     AWQ, GPTQ or compressed-tensors INT4/INT8 checkpoint loads as stored. Sizes left as None
     are picked for the device (`settings.engine_sizes`): small on CPU, throughput-sized on a
-    GPU.
+    GPU. `pace` (tokens; "auto": `settings.default_pace`, on a GPU for bf16 and FP8 weights)
+    paces a batch as scheduler.py says: longest outputs first, each step's tokens spread over
+    the steps the longest request needs; None serves first come first served.
 
     `speculative_config` turns on speculative decoding, in vLLM's shape: {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or
@@ -202,7 +204,8 @@ class LLM:
 
     def _start(self, config, params, tokenizer, *, max_model_len=None, num_pages=None,
                page_size=16, max_num_seqs=None, max_num_batched_tokens=None,
-               token_buckets=None, warmup=True, kv_cache_dtype="auto", **engine_kwargs):
+               token_buckets=None, warmup=True, kv_cache_dtype="auto", pace="auto",
+               **engine_kwargs):
         self.config, self.tokenizer = config, tokenizer
         max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype) or jax.tree.leaves(params)[0].dtype
@@ -212,6 +215,7 @@ class LLM:
                              token_buckets=token_buckets, first_bucket=min_token_bucket(params))
         num_pages = sizes.pop("num_pages")
         engine_kwargs.update({k: v for k, v in sizes.items() if v is not None})
+        engine_kwargs["pace"] = default_pace(params) if pace == "auto" else pace
         max_model_len = min(max_model_len, num_pages * page_size)
         # A mesh with data > 1 gets one engine per data slice behind one front door.
         self.engine = engine_for_mesh(config, params, tokenizer, num_pages=num_pages,

@@ -16,6 +16,13 @@ sequences' slots and token counts into arrays (their num_computed and total_len 
 slot), decides every row with numpy, and runs Python per sequence only for the rare events (a
 page filling up, a preemption). A step comes out as a `Step`: its rows as
 arrays, decode rows first; `Step.chunks()` gives them as `Chunk`s where a caller wants those.
+
+Pacing (`pace`, for offline batches): a batch takes at least as many steps as its longest
+request has tokens to make, and a step of few rows costs a whole read of the weights. So a paced
+scheduler admits the longest outputs first and spreads the tokens left to compute evenly over the
+steps the longest request still needs, never under `pace` tokens a step (about where the
+products' time meets the weights' read). The short requests then fill the steps the long ones
+make anyway, instead of leaving a tail of near-empty steps.
 """
 
 from __future__ import annotations
@@ -132,7 +139,7 @@ class Step:
 
 class Scheduler:
     def __init__(self, pages: KVPages, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, window: int | None = None):
+                 max_model_len: int, window: int | None = None, pace: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({max_num_seqs}): every decoding sequence needs a token")
@@ -142,7 +149,9 @@ class Scheduler:
         self.pages, self.max_num_seqs = pages, max_num_seqs
         self.budget, self.max_model_len = max_num_batched_tokens, max_model_len
         self.drafted = 0  # speculative tokens in the decode pass's chunks (speculative.py)
+        self.pace = pace  # None: first come first served, the whole budget every step
         self.waiting: deque[Sequence] = deque()
+        self.waiting_work = 0  # tokens the waiting sequences have to compute (`_work`)
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.released = np.zeros(max_num_seqs, np.int64)  # per slot: times it was given back
@@ -157,6 +166,7 @@ class Scheduler:
         # pass reads two arrays instead of two fields of every running sequence.
         self.computed = np.zeros(max_num_seqs, np.int64)
         self.total = np.zeros(max_num_seqs, np.int64)
+        self.live = np.zeros(max_num_seqs, bool)  # slots held by a running sequence
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
         # With a sliding window on every layer (kv_window.py): pages wholly this many tokens
@@ -180,7 +190,13 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         self.check(seq.prompt_ids)
-        self.waiting.append(seq)
+        self.waiting_work += _work(seq)
+        waiting = self.waiting
+        if self.pace is None or not waiting or waiting[-1].max_output >= seq.max_output:
+            waiting.append(seq)
+        else:  # paced: longest output first, in arrival order among equals
+            waiting.insert(next(i for i, s in enumerate(waiting)
+                                if s.max_output < seq.max_output), seq)
 
     def finish(self, seq: Sequence):
         """Take a sequence out in any state (done, stopped or aborted) and free what it holds."""
@@ -189,6 +205,7 @@ class Scheduler:
             self._release(seq)
         elif seq.status == WAITING:
             self.waiting.remove(seq)
+            self.waiting_work -= _work(seq)
         seq.status = FINISHED
 
     def _release(self, seq: Sequence):
@@ -198,6 +215,7 @@ class Scheduler:
         self.pages.free(seq.request_id)
         self.free_slots.append(seq.slot)
         self.released[seq.slot] += 1
+        self.live[seq.slot] = False
         seq.slot, seq.num_computed = -1, 0
 
     def _preempt(self, seq: Sequence):
@@ -206,6 +224,7 @@ class Scheduler:
         self._release(seq)
         seq.status = WAITING
         self.waiting.appendleft(seq)
+        self.waiting_work += _work(seq)
         self.num_preemptions += 1
 
     # -- one step -----------------------------------------------------------------------------
@@ -222,7 +241,7 @@ class Scheduler:
         rows, prefilling, preempted = self._decode()
         if not isinstance(rows, Step):  # a decode pass that makes chunks (speculative.py)
             rows = Step.from_chunks(rows)
-        chunks, budget = [], self.budget - len(rows) - self.drafted
+        chunks, budget = [], self._step_budget() - len(rows) - self.drafted
         for seq in prefilling:  # prefills under way, oldest first
             if budget > 0 and seq.status == RUNNING:
                 n = budget if self.window is None else kv_window.grow_for_chunk(
@@ -232,6 +251,7 @@ class Scheduler:
                     budget -= chunks[-1].length
         while (not preempted and budget > 0 and self.waiting
                and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0], budget)):
+            self.waiting_work -= _work(self.waiting[0])
             chunks.append(self._chunk(self.waiting.popleft(), budget))
             budget -= chunks[-1].length
         # Later steps may share the pages these chunks fill: the device runs steps in order,
@@ -240,6 +260,17 @@ class Scheduler:
         self.pages.cache_pages_of((c.seq.request_id, c.seq.tokens, c.start + c.length,
                                    c.seq.page_keys) for c in chunks)
         return rows + Step.from_chunks(chunks) if chunks else rows
+
+    def _step_budget(self) -> int:
+        """The step's tokens: the whole budget, or paced (see the module's docstring) the
+        tokens left to compute over the steps the longest request still needs. A lone request
+        is never paced: there is nothing to spread."""
+        if self.pace is None or len(self.running) + len(self.waiting) < 2:
+            return self.budget
+        left = np.where(self.live, self.limit - self.computed, 0)
+        steps = max(int(left.max()), self.waiting[0].max_output if self.waiting else 1, 1)
+        work = int(left.sum()) + self.waiting_work
+        return min(self.budget, max(self.pace, -(-work // steps)))
 
     def _decode(self) -> tuple[Step, list[Sequence], bool]:
         """One token for every running sequence whose next token is its last known one, oldest
@@ -335,6 +366,7 @@ class Scheduler:
         self.limit[seq.slot] = len(seq.prompt_ids) + seq.max_output
         self.computed[seq.slot], self.total[seq.slot] = hit, len(tokens)
         self.capacity[seq.slot] = len(table) * pages.page_size
+        self.live[seq.slot] = True
         self.running.append(seq)
         self.admitted.append(seq)
         return True
@@ -343,3 +375,9 @@ class Scheduler:
         return dict(running=len(self.running), waiting=len(self.waiting),
                     prefix_hit_tokens=self.prefix_hit_tokens, preemptions=self.num_preemptions,
                     window_pages_freed=self.window_pages_freed)
+
+
+def _work(seq: Sequence) -> int:
+    """Tokens a waiting sequence will compute: its prompt, and its outputs as recomputed
+    (preempted) or still to make."""
+    return len(seq.prompt_ids) + seq.max_output

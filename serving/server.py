@@ -272,7 +272,8 @@ def llm_factory(args):
                       page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       quantization=getattr(args, "quantization", None),
-                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                      pace=None)  # online: first come first served, the whole budget a step
         if getattr(args, "speculative_config", None) is not None:
             kwargs["speculative_config"] = args.speculative_config
         if getattr(args, "batch_invariant", False):

@@ -18,6 +18,11 @@ from ..kernels import W8A16_MAX_ROWS
 CPU = dict(max_num_seqs=32, max_num_batched_tokens=512)
 GPU_MAX_SEQS, GPU_BUDGET = 1024, 8192
 TOKENS_PER_SEQ = 256  # KV tokens per sequence slot the GPU sizing plans for
+# Offline batches on a GPU are paced (scheduler.py) at no fewer tokens a step than this: about
+# where an 8B model's products take as long as the read of its weights on an H100 (bf16 at the
+# clock the power cap holds; FP8 halves both). Chosen with benchmarks/pacing_model.py, then
+# measured (docs/BENCHMARKS.md, ShareGPT).
+PACE_TOKENS = 256
 GPU_KV_FRACTION = 0.85  # of the memory free after the weights (the rest: activations, logits)
 
 
@@ -67,6 +72,16 @@ def gpu_token_buckets(budget: int, max_num_seqs: int, first: int = 2) -> list[in
         out += [b, b * 3 // 2] if b * 3 // 2 < budget and b < 2048 else [b]
         b *= 2
     return sorted({*out, budget, min(max_num_seqs, budget)})
+
+
+def default_pace(params=None) -> int | None:
+    """`LLM()`'s pacing floor: PACE_TOKENS on a GPU; none on CPU, where steps are small, nor for
+    integer weights with bf16 activations (W4A16, W8A16), whose products at a few hundred rows
+    run at half bf16's rate: paced steps are that size, and made their ShareGPT run slower."""
+    from ..model import quant_int
+    if jax.default_backend() != "gpu" or "a16" in quant_int.describe(params or {}):
+        return None
+    return PACE_TOKENS
 
 
 def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages=None,

@@ -1,9 +1,11 @@
 """The persistent batch state under load: 72 greedy requests through 64 sequence slots on the
 tiny model, with a pool small enough to preempt, shared prefixes that hit the prefix cache and
-aborts in every state. Every request that is not aborted gets exactly its solo output, and
-every running sequence's slot row always holds its page table."""
+aborts in every state, first come first served and paced (the scheduler's offline policy).
+Every request that is not aborted gets exactly its solo output, and every running sequence's
+slot row always holds its page table."""
 
 import numpy as np
+import pytest
 
 from pallasite.serving.engine import Engine
 from pallasite.serving.llm import SamplingParams
@@ -20,10 +22,11 @@ def check_slots(engine):
     assert len(set(slots)) == len(slots) and not set(slots) & set(sched.free_slots)
 
 
-def test_many_sequences_preemption_prefix_hits_and_aborts():
+@pytest.mark.parametrize("pace", [None, 16])
+def test_many_sequences_preemption_prefix_hits_and_aborts(pace):
     engine = Engine(CONFIG, PARAMS, num_pages=64, page_size=4, max_num_seqs=64,
                     max_num_batched_tokens=128, max_model_len=96, token_buckets=[64, 128],
-                    page_buckets=[24])
+                    page_buckets=[24], pace=pace)
     engine.warmup()
     rng = np.random.default_rng(12)
     shared = rng.integers(0, CONFIG.vocab_size, 24).tolist()
@@ -34,7 +37,7 @@ def test_many_sequences_preemption_prefix_hits_and_aborts():
             prompt = shared + prompt[:8]
         reqs.append((f"q{i}", prompt, int(rng.integers(8, 25)), i // 12))
     aborts = {"q3": 1, "q20": 2, "q41": 4, "q66": 6, "q70": 9}  # request -> step to abort at
-    outs, step, pending = {}, 0, list(reqs)
+    outs, step, pending, budgets = {}, 0, list(reqs), set()
     while pending or engine.has_unfinished():
         while pending and pending[0][3] <= step:
             rid, prompt, n, _ = pending.pop(0)
@@ -46,10 +49,12 @@ def test_many_sequences_preemption_prefix_hits_and_aborts():
             outs.setdefault(o.request_id, []).append(o)
         engine.pages.check()
         check_slots(engine)
+        budgets.add(engine.scheduler._step_budget())
         step += 1
         assert step < 1000
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] >= 24
+    assert (budgets == {128}) == (pace is None)  # paced steps took less than the whole budget
     assert stats["pages_used"] == 0 and stats["running"] == 0
     for rid, prompt, n, _ in reqs:
         got = outs[rid]

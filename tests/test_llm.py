@@ -113,6 +113,19 @@ def test_concurrent_callers(llm):
         assert results[i] == greedy(llm, llm.tokenizer.encode(text), 6)
 
 
+def test_a_paced_batch_completes_each_prompt_in_order(llm):
+    """LLM() paces offline batches on a GPU: longest outputs admitted first, the steps' tokens
+    spread over the longest request's steps. The answers come back in the caller's order."""
+    texts, lengths = ["The lazy dog", "built in", "you work quickly", "a"], [3, 9, 5, 7]
+    llm.engine.scheduler.pace = 8
+    try:
+        got = llm.generate(texts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths])
+    finally:
+        llm.engine.scheduler.pace = None
+    for text, n, c in zip(texts, lengths, got):
+        assert c.token_ids == greedy(llm, llm.tokenizer.encode(text), n)
+
+
 def test_reset_prefix_cache_makes_the_next_prompt_compute_whole(llm):
     ids = list(range(40, 80))  # five full pages of 8
     sp = SamplingParams(max_tokens=3, **GREEDY)

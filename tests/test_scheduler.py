@@ -144,3 +144,55 @@ def test_a_prefill_ending_mid_budget_leaves_the_rest_to_the_next_prompt():
     c2 = run_step(sched, c1)
     assert [(c.seq.request_id, c.start, c.length) for c in c1] == [("a", 0, 16)]
     assert [(c.seq.request_id, c.start, c.length) for c in c2] == [("a", 16, 14), ("b", 0, 2)]
+
+
+def test_paced_admits_the_longest_outputs_first():
+    sched = make(max_num_seqs=2, budget=64)
+    sched.pace = 4
+    for name, out in [("a", 3), ("b", 9), ("c", 5), ("d", 9), ("e", 1)]:
+        sched.add(seq(name, 4, max_tokens=out))
+    assert [s.request_id for s in sched.waiting] == ["b", "d", "c", "a", "e"]
+    assert sched.waiting_work == 5 * 4 + 3 + 9 + 5 + 9 + 1
+    chunks = run_step(sched, [])
+    assert [c.seq.request_id for c in chunks] == ["b", "d"]
+    assert sched.waiting_work == 3 * 4 + 5 + 3 + 1
+    sched.finish(sched.waiting[-1])  # aborting a waiting request takes its work out
+    assert sched.waiting_work == 2 * 4 + 5 + 3
+
+
+def test_unpaced_admits_in_arrival_order():
+    sched = make()
+    for name, out in [("a", 3), ("b", 9), ("c", 5)]:
+        sched.add(seq(name, 4, max_tokens=out))
+    assert [s.request_id for s in sched.waiting] == ["a", "b", "c"]
+
+
+def test_paced_budget_spreads_the_work_over_the_longest_requests_steps():
+    sched = make(num_pages=256, max_num_seqs=8, budget=64, max_model_len=256)
+    sched.pace = 8
+    long, short = seq("long", 10, max_tokens=40), seq("short", 30, max_tokens=2)
+    sched.add(long)
+    sched.add(short)
+    # 10 + 40 + 30 + 2 = 82 tokens to compute over the 40 steps the long request needs: 3 a
+    # step, under the floor of 8.
+    assert sched._step_budget() == 8
+    chunks = run_step(sched, [])
+    assert [(c.seq.request_id, c.length) for c in chunks] == [("long", 8)]
+    # The long one has 2 + 40 tokens left; with six more short ones waiting, 42 + 7 x 32 = 266
+    # over its 42: 7 a step, still the floor.
+    for name in "abcdef":
+        sched.add(seq(name, 30, max_tokens=2, first=100))
+    assert sched._step_budget() == 8
+    for name in "ghijklmnopqrst":  # 42 + 21 x 32 = 714 over 42: 17 a step
+        sched.add(seq(name, 30, max_tokens=2, first=200))
+    assert sched._step_budget() == 17
+    chunks = run_step(sched, chunks)  # the long prompt's last 2 tokens, then the oldest short
+    assert [(c.seq.request_id, c.length) for c in chunks] == [("long", 2), ("short", 15)]
+
+
+def test_a_lone_request_is_not_paced():
+    sched = make(budget=16)
+    sched.pace = 4
+    sched.add(seq("a", 30, max_tokens=50))
+    assert sched._step_budget() == 16
+    assert [c.length for c in run_step(sched, [])] == [16]

@@ -36,3 +36,26 @@ def test_gpu_sizes_from_free_memory(monkeypatch):
                                   token_buckets=[8, 64])
     assert given == dict(num_pages=100, max_num_seqs=8, max_num_batched_tokens=64,
                          token_buckets=[8, 64])
+
+
+def test_offline_pacing_on_a_gpu_but_not_for_integer_weights(monkeypatch):
+    from pallasite.model import config_from_dict as cfg, init_params, quant_int
+    tiny = cfg(dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    params = init_params(tiny, 0)
+    assert settings.default_pace(params) is None  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert settings.default_pace(params) == settings.PACE_TOKENS
+    assert settings.default_pace(quant_int.quantize_params(params, "w4a16")) is None
+
+
+def test_serve_is_not_paced(monkeypatch):
+    import argparse
+    from pallasite.serving import llm, server
+    seen = {}
+    monkeypatch.setattr(llm, "LLM", lambda model, **kw: seen.update(kw))
+    args = argparse.Namespace(max_model_len=None, num_pages=None, page_size=16, max_num_seqs=None,
+                              max_num_batched_tokens=None, token_buckets=None, page_buckets=None,
+                              random_weights=False, dtype=None, model=None)
+    server.llm_factory(args)()
+    assert "pace" in seen and seen["pace"] is None
