@@ -5,7 +5,9 @@ of random token ids of each sampled length, outputs of exactly the sampled lengt
     python -m benchmarks.bench_serving --sharegpt offline --out DIR   # 1000 prompts at once
     python -m benchmarks.bench_serving --sharegpt online --out DIR    # Poisson arrivals
 
-offline: every prompt submitted at once; output and total tokens/s against the best published
+offline: every prompt submitted at once, paced as `LLM()` paces an offline batch on a GPU
+(serving/scheduler.py; `--schedules` adds other limits and pacing, on the same compiled engine);
+output and total tokens/s against the best published
 single-H100 figure (16,215 output tok/s, SGLang, Llama 3.1 8B, 1000 prompts), and the run's floor:
 the larger of its FLOPs at the dense bf16 peak and its longest output times the batch-1 step.
 Every step is set against its budget (benchmarks/step_budget.py): pure decode and mixed steps by
@@ -50,7 +52,7 @@ def build(args):
     from pallasite.model.fuse import fuse_params
     from pallasite.serving.engine import Engine, min_token_bucket
     from pallasite.serving.llm import kv_cache_dtype_of
-    from pallasite.serving.settings import engine_sizes
+    from pallasite.serving.settings import default_pace, engine_sizes
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     config = config_from_dict(dict(model_type="llama", **(TINY if args.tiny else MODEL)))
     params = jax.jit(lambda: init_params(config, args.seed, dtype))()  # made on the device
@@ -67,7 +69,8 @@ def build(args):
         sizes.update(num_pages=2048, max_num_seqs=64, max_num_batched_tokens=512,
                      token_buckets=[64, 512])
     engine = Engine(config, params, page_size=16, max_model_len=MAX_MODEL_LEN,
-                    page_buckets=[16, MAX_MODEL_LEN // 16], kv_cache_dtype=kv_dtype, **sizes)
+                    page_buckets=[16, MAX_MODEL_LEN // 16], kv_cache_dtype=kv_dtype,
+                    pace=default_pace(params) if not args.tiny else 64, **sizes)
     return config, params, engine
 
 
@@ -135,9 +138,11 @@ def budget_report(cost, log, bw: float, peak: float) -> dict:
         decode_time_s=sum(dt for _, dt, _ in decode), mixed_time_s=sum(dt for _, dt, _ in mixed))
 
 
-def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline) -> dict:
+def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline, run=0) -> dict:
+    """One offline run; `run` (the how-manieth on this engine) draws new prompt tokens, so no
+    run finds an earlier one's prompts in the prefix cache."""
     pairs = lengths(n, args.tiny)
-    reqs = requests(pairs, config.vocab_size, args.seed, f"off{n}-")
+    reqs = requests(pairs, config.vocab_size, args.seed + run, f"off{n}-{run}-")
     outs, wall, log = run_offline(engine, reqs, deadline)
     if not log:
         raise SystemExit(f"offline, {n} prompts: the time limit came before the first step "
@@ -288,23 +293,26 @@ def main(args):
     if args.sharegpt == "offline":
         b1 = batch1_step_s(engine, config.vocab_size)
         sched = engine.scheduler
-        picked = (sched.max_num_seqs, sched.budget)
-        for seqs, budget in [picked] + [s for s in args.schedules or [] if s != picked]:
+        picked = (sched.max_num_seqs, sched.budget, sched.pace or 0)
+        swept = [(s, b, picked[2] if p < 0 else p) for s, b, p in args.schedules or []]
+        for seqs, budget, pace in [picked] + [s for s in swept if s != picked]:
             if seqs > picked[0] or budget > picked[1] or seqs > budget:
                 raise SystemExit(f"--schedules {seqs}:{budget}: at most the compiled "
                                  f"{picked[0]}:{picked[1]}, and sequences <= tokens")
-            sched.max_num_seqs, sched.budget = seqs, budget
+            sched.max_num_seqs, sched.budget, sched.pace = seqs, budget, pace or None
             for n in args.prompts:
                 if deadline - time.perf_counter() < 30:
                     break
-                rec = offline(engine, config, n, args, env, cost, bw, peak, b1, deadline - 10)
-                rec.update(settings="picked" if (seqs, budget) == picked else "swept",
-                           max_num_seqs=seqs, max_num_batched_tokens=budget)
+                rec = offline(engine, config, n, args, env, cost, bw, peak, b1, deadline - 10,
+                              run=len(records))
+                rec.update(settings="picked" if (seqs, budget, pace) == picked else "swept",
+                           max_num_seqs=seqs, max_num_batched_tokens=budget, pace=pace or None)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
                 save(records, args.out)
-        sched.max_num_seqs, sched.budget = picked
+        sched.max_num_seqs, sched.budget, sched.pace = picked[0], picked[1], picked[2] or None
     else:
+        engine.scheduler.pace = None  # as `pallasite serve` runs: no pacing online
         records = online(engine, config, args, env, deadline)
         save(records, args.out)
     print(f"\ntotal {time.perf_counter() - start:.0f} s (warm-up {warm['warmup_s']:.0f} s, "
@@ -326,7 +334,8 @@ def table(records) -> str:
     for r in records:
         if r["mode"] == "sharegpt_offline":
             lines += [f"offline, {r['prompts']} prompts, {r.get('max_num_seqs')} sequences / "
-                      f"{r.get('max_num_batched_tokens')} tokens a step: "
+                      f"{r.get('max_num_batched_tokens')} tokens a step, paced at "
+                      f"{r.get('pace') or 'none'}: "
                       f"{r['output_tok_per_s']:.0f} output tok/s "
                       f"({r['total_tok_per_s']:.0f} total), {r['vs_best_published']:.2f}x the best "
                       f"published; floor {r['floor_output_tok_per_s']:.0f} tok/s; decode >= 256 "
@@ -361,7 +370,9 @@ def _pct(x):
 
 
 def _schedules(s):
-    return [tuple(int(v) for v in x.split(":")) for x in s.split(",")]
+    """SEQS:TOKENS[:PACE],... (PACE 0: unpaced; left out, -1: the picked pacing)."""
+    out = [tuple(int(v) for v in x.split(":")) for x in s.split(",")]
+    return [x if len(x) == 3 else (*x, -1) for x in out]
 
 
 def add_arguments(ap):
@@ -380,4 +391,5 @@ def add_arguments(ap):
     ap.add_argument("--online-limit", type=float, default=60, help="online: seconds per rate")
     ap.add_argument("--schedules", type=_schedules, default=None,
                     help="offline: also run the workload with these scheduler limits on the same "
-                         "compiled engine, SEQS:TOKENS[,...] (e.g. 512:8192,1024:2048)")
+                         "compiled engine, SEQS:TOKENS[:PACE][,...] (e.g. 512:8192,1024:8192:0; "
+                         "PACE 0: unpaced)")
