@@ -167,6 +167,7 @@ class Scheduler:
         self.computed = np.zeros(max_num_seqs, np.int64)
         self.total = np.zeros(max_num_seqs, np.int64)
         self.live = np.zeros(max_num_seqs, bool)  # slots held by a running sequence
+        self.max_output = np.zeros(max_num_seqs, np.int64)  # per slot: its sequence's
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
         # With a sliding window on every layer (kv_window.py): pages wholly this many tokens
@@ -268,7 +269,9 @@ class Scheduler:
         if self.pace is None or len(self.running) + len(self.waiting) < 2:
             return self.budget
         left = np.where(self.live, self.limit - self.computed, 0)
-        steps = max(int(left.max()), self.waiting[0].max_output if self.waiting else 1, 1)
+        # a step takes one output token of each sequence, but a chunk of prompt
+        outputs = np.minimum(left, self.max_output).max()
+        steps = max(int(outputs), self.waiting[0].max_output if self.waiting else 1, 1)
         work = int(left.sum()) + self.waiting_work
         return min(self.budget, max(self.pace, -(-work // steps)))
 
@@ -366,7 +369,7 @@ class Scheduler:
         self.limit[seq.slot] = len(seq.prompt_ids) + seq.max_output
         self.computed[seq.slot], self.total[seq.slot] = hit, len(tokens)
         self.capacity[seq.slot] = len(table) * pages.page_size
-        self.live[seq.slot] = True
+        self.live[seq.slot], self.max_output[seq.slot] = True, seq.max_output
         self.running.append(seq)
         self.admitted.append(seq)
         return True

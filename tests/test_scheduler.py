@@ -178,16 +178,16 @@ def test_paced_budget_spreads_the_work_over_the_longest_requests_steps():
     assert sched._step_budget() == 8
     chunks = run_step(sched, [])
     assert [(c.seq.request_id, c.length) for c in chunks] == [("long", 8)]
-    # The long one has 2 + 40 tokens left; with six more short ones waiting, 42 + 7 x 32 = 266
-    # over its 42: 7 a step, still the floor.
+    # The long one has 2 + 40 tokens left, 40 of them steps; with six more short ones waiting,
+    # 42 + 7 x 32 = 266 over 40: 7 a step, still the floor.
     for name in "abcdef":
         sched.add(seq(name, 30, max_tokens=2, first=100))
     assert sched._step_budget() == 8
-    for name in "ghijklmnopqrst":  # 42 + 21 x 32 = 714 over 42: 17 a step
+    for name in "ghijklmnopqrst":  # 42 + 21 x 32 = 714 over 40: 18 a step
         sched.add(seq(name, 30, max_tokens=2, first=200))
-    assert sched._step_budget() == 17
+    assert sched._step_budget() == 18
     chunks = run_step(sched, chunks)  # the long prompt's last 2 tokens, then the oldest short
-    assert [(c.seq.request_id, c.length) for c in chunks] == [("long", 2), ("short", 15)]
+    assert [(c.seq.request_id, c.length) for c in chunks] == [("long", 2), ("short", 16)]
 
 
 def test_a_lone_request_is_not_paced():
@@ -196,3 +196,14 @@ def test_a_lone_request_is_not_paced():
     sched.add(seq("a", 30, max_tokens=50))
     assert sched._step_budget() == 16
     assert [c.length for c in run_step(sched, [])] == [16]
+
+
+def test_paced_prompts_are_not_counted_as_steps():
+    # Long prompts, short outputs: the batch needs few steps, so pacing leaves the budget whole.
+    sched = make(num_pages=512, max_num_seqs=8, budget=256, max_model_len=512)
+    sched.pace = 8
+    for i in range(8):
+        sched.add(seq(f"p{i}", 200, max_tokens=4, first=1000 * i))
+    run_step(sched, [])
+    # 8 x 204 - 256 computed over the 4 steps a request still needs: the whole budget
+    assert sched._step_budget() == 256
