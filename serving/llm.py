@@ -141,7 +141,9 @@ class LLM:
     are picked for the device (`settings.engine_sizes`): small on CPU, throughput-sized on a
     GPU. `pace` (tokens; "auto": `settings.default_pace`, on a GPU for bf16 and FP8 weights)
     paces a batch as scheduler.py says: longest outputs first, each step's tokens spread over
-    the steps the longest request needs; None serves first come first served.
+    the steps the longest request needs; None serves first come first served. Pacing takes
+    each request's max_tokens as its length: where outputs end far sooner (max_tokens None and
+    an early EOS), it makes smaller steps than it should.
 
     `speculative_config` turns on speculative decoding, in vLLM's shape: {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or
