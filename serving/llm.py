@@ -23,7 +23,8 @@ from .engine import Engine, RequestOutput, TokenLogprob, min_token_bucket
 from .engine_loop import EngineLoop
 from .replicas import engine_for_mesh
 from .sampling import MAX_LOGPROBS
-from .settings import default_num_pages, default_pace, engine_sizes  # noqa: F401  (default_num_pages: re-export)
+from .settings import default_num_pages, engine_sizes  # noqa: F401  (default_num_pages: re-export)
+from .settings import default_pace
 from .structured import MAX_LOGIT_BIAS, StructuredOutput
 
 

@@ -167,7 +167,7 @@ class Scheduler:
         self.computed = np.zeros(max_num_seqs, np.int64)
         self.total = np.zeros(max_num_seqs, np.int64)
         self.live = np.zeros(max_num_seqs, bool)  # slots held by a running sequence
-        self.max_output = np.zeros(max_num_seqs, np.int64)  # per slot: its sequence's
+        self.max_output = np.zeros(max_num_seqs, np.int64)  # per slot: its sequence's max_output
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
         # With a sliding window on every layer (kv_window.py): pages wholly this many tokens
