@@ -10,7 +10,10 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
   installed; chunk_8k: its chunk alone;
 - sharegpt_mixed: 30 fresh prompt chunks of 256 tokens plus 512 decode rows at context 320 (the
   offline ShareGPT run's mixed step);
-- prefill_2k: one 2048-token prompt.
+- prefill_2k: one 2048-token prompt;
+- paced: a step of the paced offline run, a 56-token chunk (to 256 keys) and 200 decode rows
+  at 400; decode_768: 768 decode rows at 320 (a large unpaced decode step).
+`--splits 1,2,4` also times the library's own tiles at each of those key splits.
 
 "library" is `kernels.ragged_paged_attention` choosing for itself, as the engine calls it. With
 --fp8 every case runs on float8 pages with per-kv-head scales (FA3 is left out).
@@ -45,7 +48,10 @@ H, KV, D, PAGE = 32, 8, 128, 16
 CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
          "chunk_8k": ([512], [8192]),
          "sharegpt_mixed": ([256] * 30 + [1] * 512, [256] * 30 + [320] * 512),
-         "prefill_2k": ([2048], [2048])}
+         "prefill_2k": ([2048], [2048]),
+         # a step of the paced offline run (serving/scheduler.py): a chunk and 200 decode rows
+         "paced": ([56] + [1] * 200, [256] + [400] * 200),
+         "decode_768": ([1] * 768, [320] * 768)}
 TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5)}
 # (block_rows, block_k, num_warps, num_stages); the first is the H100's table entry today
 VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3),
@@ -87,6 +93,10 @@ def run_case(name, q_lens, ctx, args):
         jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
                           num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
                               *a, interpret=args.tiny, **kw, **sc))))
+    for n in args.splits:
+        jobs.append((dict(kernel="library", num_splits=n), jax.jit(
+            lambda *a, n=n: K.ragged_paged_attention(*a, interpret=args.tiny, num_splits=n,
+                                                     **sc))))
     if args.mosaic:
         from pallasite.kernels import paged_mgpu
         tiles = [dict(zip(("block_k", "num_stages", "num_splits", "fp8_stages",
@@ -123,7 +133,7 @@ def run_case(name, q_lens, ctx, args):
 
 def label(r) -> str:
     if r["kernel"] == "library":
-        return "library"
+        return "library" + (f" {r['num_splits']} splits" if "num_splits" in r else "")
     if r["kernel"] == "mosaic":
         cv = f"/{r['converters']}cv" if "converters" in r else ""
         return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{cv}"
@@ -137,6 +147,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="also the library's tiles at these key splits")
     ap.add_argument("--mosaic", action="store_true",
                     help="also the Mosaic GPU ragged kernel (Hopper), at its tiles and splits")
     ap.add_argument("--fp8", action="store_true",
