@@ -27,6 +27,7 @@ make anyway, instead of leaving a tail of near-empty steps.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import deque
@@ -196,8 +197,7 @@ class Scheduler:
         if self.pace is None or not waiting or waiting[-1].max_output >= seq.max_output:
             waiting.append(seq)
         else:  # paced: longest output first, in arrival order among equals
-            waiting.insert(next(i for i, s in enumerate(waiting)
-                                if s.max_output < seq.max_output), seq)
+            waiting.insert(bisect.bisect_right(waiting, -seq.max_output, key=_shorter), seq)
 
     def finish(self, seq: Sequence):
         """Take a sequence out in any state (done, stopped or aborted) and free what it holds."""
@@ -378,6 +378,11 @@ class Scheduler:
         return dict(running=len(self.running), waiting=len(self.waiting),
                     prefix_hit_tokens=self.prefix_hit_tokens, preemptions=self.num_preemptions,
                     window_pages_freed=self.window_pages_freed)
+
+
+def _shorter(seq: Sequence) -> int:
+    """The paced waiting queue's sort key: longest output first."""
+    return -seq.max_output
 
 
 def _work(seq: Sequence) -> int:
