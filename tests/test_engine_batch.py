@@ -50,6 +50,9 @@ def test_many_sequences_preemption_prefix_hits_and_aborts(pace):
         engine.pages.check()
         check_slots(engine)
         budgets.add(engine.scheduler._step_budget())
+        waiting = engine.scheduler.waiting  # the paced budget's count of their work
+        assert engine.scheduler.waiting_work == sum(len(s.prompt_ids) + s.max_output
+                                                    for s in waiting)
         step += 1
         assert step < 1000
     stats = engine.stats()
