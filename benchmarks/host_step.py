@@ -83,20 +83,29 @@ def fake_device(engine, vocab: int, draw=None, device_ms: float = 0.0):
     engine._load = lambda history, *a: history
 
 
-def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
-          settle: bool = True, whole_text: bool = False, device_ms: float = 0.0,
-          slots: int | None = None):
+def stand_in_engine(tokenizer=None, device_ms: float = 0.0, **engine_kwargs):
+    """An engine of a one-layer model (contexts up to 2048, pages of 16) whose compiled programs
+    are `fake_device`'s stand-ins; `engine_kwargs` size it."""
     import jax
     from pallasite.model import config_from_dict, init_params
-    from pallasite.serving.detokenize import TextStage
     from pallasite.serving.engine import Engine
-    from pallasite.serving.llm import SamplingParams
-    from pallasite.serving.warmup import settle_heap
     config = config_from_dict(dict(model_type="llama", vocab_size=32000, hidden_size=16,
                                    intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=4096))
     params = jax.tree.map(np.asarray, init_params(config, 0))
+    engine = Engine(config, params, tokenizer, page_size=16, max_model_len=2048,
+                    page_buckets=[128], **engine_kwargs)
+    fake_device(engine, 1000, device_ms=device_ms)
+    return engine
+
+
+def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
+          settle: bool = True, whole_text: bool = False, device_ms: float = 0.0,
+          slots: int | None = None):
+    from pallasite.serving.detokenize import TextStage
+    from pallasite.serving.llm import SamplingParams
+    from pallasite.serving.warmup import settle_heap
     max_len = prompt + output + 16
     slots = slots or seqs
     pages = max(slots * -(-max_len // 16), 2048 // 16) + 16  # room for max_model_len too
@@ -105,10 +114,8 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
         from pallasite.model import default_model_path
         from pallasite.model.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained(default_model_path())
-    engine = Engine(config, params, tok, num_pages=pages, page_size=16,
-                    max_num_seqs=slots, max_num_batched_tokens=max(8192, slots),
-                    max_model_len=2048, page_buckets=[128])
-    fake_device(engine, 1000, device_ms=device_ms)
+    engine = stand_in_engine(tok, device_ms, num_pages=pages, max_num_seqs=slots,
+                             max_num_batched_tokens=max(8192, slots))
     if settle:
         settle_heap()  # as warm-up leaves the collector
     rng = np.random.default_rng(0)

@@ -1,8 +1,8 @@
 """How long the offline ShareGPT run would take under each pacing of the scheduler, by a step
 cost model (CPU only, a few seconds a variant). The real scheduler and engine run the workload
-with their compiled programs replaced by stand-ins (`host_step.fake_device`); every logged step
-is then priced by a model of the 8B-shaped bf16 step on an H100, fitted to the step profiles in
-docs/BENCHMARKS.md ("Where a decode step's time goes"):
+with their compiled programs replaced by stand-ins (`host_step.stand_in_engine`); every logged
+step is then priced by a model of the 8B-shaped bf16 step on an H100, fitted to the step
+profiles in docs/BENCHMARKS.md ("Where a decode step's time goes"):
 
     step = max(weights' read, tokens x products a token) + context tokens x K/V read a token
            + tokens x elementwise a token + a fixed cost a step
@@ -34,20 +34,10 @@ def step_s(e: dict) -> float:
 
 def run(pairs, pace, seqs: int, tokens: int, pages: int) -> dict:
     """The workload through the real scheduler at this pacing; its steps, priced."""
-    import jax
-    from pallasite.model import config_from_dict, init_params
-    from pallasite.serving.engine import Engine
     from pallasite.serving.llm import SamplingParams
-    from .host_step import fake_device
-    config = config_from_dict(dict(model_type="llama", vocab_size=32000, hidden_size=16,
-                                   intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1,
-                                   max_position_embeddings=4096))
-    engine = Engine(config, jax.tree.map(np.asarray, init_params(config, 0)), None,
-                    num_pages=pages, page_size=16, max_num_seqs=seqs,
-                    max_num_batched_tokens=tokens, max_model_len=2048, page_buckets=[128],
-                    pace=pace or None)
-    fake_device(engine, 1000)
+    from .host_step import stand_in_engine
+    engine = stand_in_engine(num_pages=pages, max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                             pace=pace or None)
     rng = np.random.default_rng(0)
     for i, (p, o) in enumerate(pairs):
         engine.add_request(f"r{i}", rng.integers(1000, 30000, p).tolist(),
