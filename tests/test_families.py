@@ -11,7 +11,7 @@ import torch
 import hf_models
 from pallasite.model import ConfigError, config_from_dict, forward_logits, init_kv_cache, load_hf
 from pallasite.serving.llm import LLM, SamplingParams
-from test_model import paged_step, rel_err
+from test_model import dense_logits, paged_step, rel_err
 
 # LongRoPE generation stays within the pretraining length: past it transformers recomputes the
 # whole cache with the long factors, which a paged cache does not (the keys it holds keep the
@@ -48,7 +48,7 @@ def test_paged_forward_matches_dense(family, tmp_path):
     page_size, num_pages = 4, 64
     assert config.sliding_window is None or config.sliding_window < 12  # prompts pass it
     seqs = [rng.integers(0, config.vocab_size, n) for n in (23, 12)]
-    dense = [np.asarray(forward_logits(params, config, jnp.asarray(s)[None]))[0] for s in seqs]
+    dense = [np.asarray(dense_logits(params, config, s[None]))[0] for s in seqs]
     perm = rng.permutation(num_pages)
     page_tables = [perm[:16], perm[16:32]]
     kv = init_kv_cache(config, num_pages, page_size, jnp.float32)
@@ -57,7 +57,7 @@ def test_paged_forward_matches_dense(family, tmp_path):
     plan += [[(0, t, t + 1), (1, t - 11, t - 10)] for t in range(20, 23)]
     for chunks in plan:
         step = [(s, seqs[s][a:b], a) for s, a, b in chunks]
-        logits, kv = paged_step(params, config, kv, step, page_tables, page_size)
+        logits, kv = paged_step(params, config, kv, step, page_tables, page_size, pad_to=(20, 3))
         for (s, a, b), row in zip(chunks, np.asarray(logits)):
             assert rel_err(row, dense[s][b - 1]) <= 1e-4, (s, b)
 

@@ -45,8 +45,19 @@ def test_load_in_bfloat16_from_float32(tmp_path):
     assert rel_err(forward_logits(params, config, jnp.asarray(ids)), torch_logits(model, ids)) < 0.05
 
 
-def paged_step(params, config, kv, chunks, page_tables, page_size):
-    """One ragged step: `chunks` is a list of (seq_id, token_ids, start_position)."""
+_jit_forward = jax.jit(forward, static_argnums=1)
+_jit_forward_logits = jax.jit(forward_logits, static_argnums=1)
+
+
+def dense_logits(params, config, ids):
+    """forward_logits under jit: eagerly a model compiles op by op, seconds per shape."""
+    return _jit_forward_logits(params, config, jnp.asarray(ids))
+
+
+def paged_step(params, config, kv, chunks, page_tables, page_size, pad_to=None):
+    """One ragged step: `chunks` is a list of (seq_id, token_ids, start_position). With
+    `pad_to=(tokens, seqs)` the step is padded to that shape and runs under jit, so the steps
+    of a plan share one compile (logits rows past the chunks' are the padding's)."""
     tokens, positions, slots, starts, lens, last = [], [], [], [0], [], []
     for seq, ids, start in chunks:
         pos = np.arange(start, start + len(ids))
@@ -58,15 +69,21 @@ def paged_step(params, config, kv, chunks, page_tables, page_size):
         lens.append(start + len(ids))
         last.append(len(tokens) - 1)
     pad = 3  # padding tokens and a padding sequence must not disturb anything
+    num_tokens, num_seqs = pad_to or (len(tokens) + pad, len(chunks) + 1)
+    pad, pad_seqs = num_tokens - len(tokens), num_seqs - len(chunks)
+    assert pad >= 3 and pad_seqs >= 1, (pad, pad_seqs)
     tokens += [0] * pad
     positions += [0] * pad
     slots += [-1] * pad
-    starts.append(starts[-1])
-    lens.append(0)
-    table = np.stack([page_tables[seq] for seq, _, _ in chunks] + [np.zeros_like(page_tables[0])])
+    starts += [starts[-1]] * pad_seqs
+    lens += [0] * pad_seqs
+    table = np.stack([page_tables[seq] for seq, _, _ in chunks]
+                     + [np.zeros_like(page_tables[0])] * pad_seqs)
+    if pad_to:
+        last += [num_tokens - 1] * pad_seqs
     batch = Batch(*(jnp.asarray(np.asarray(a, np.int32)) for a in (starts, lens, table, slots, last)))
-    return forward(params, config, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                   kv, batch)
+    return (_jit_forward if pad_to else forward)(
+        params, config, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), kv, batch)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
@@ -76,7 +93,7 @@ def test_paged_forward_matches_dense(family, tmp_path):
     rng = np.random.default_rng(0)
     page_size, num_pages = 4, 64
     seqs = [rng.integers(0, config.vocab_size, n) for n in (23, 12)]
-    dense = [np.asarray(forward_logits(params, config, jnp.asarray(s)[None]))[0] for s in seqs]
+    dense = [np.asarray(dense_logits(params, config, s[None]))[0] for s in seqs]
     perm = rng.permutation(num_pages)  # pages handed out in random order
     page_tables = [perm[:16], perm[16:32]]
     kv = init_kv_cache(config, num_pages, page_size, jnp.float32)
@@ -86,6 +103,6 @@ def test_paged_forward_matches_dense(family, tmp_path):
     for chunks in plan:
         spec = tuple((s, tuple(seqs[s][a:b]), a) for s, a, b in chunks)
         logits, kv = paged_step(params, config, kv, [(s, np.array(ids), a) for s, ids, a in spec],
-                                page_tables, page_size)
+                                page_tables, page_size, pad_to=(20, 3))
         for (s, _, b), row in zip(chunks, np.asarray(logits)):
             assert rel_err(row, dense[s][b - 1]) <= 1e-4, (s, b)
