@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,8 +176,9 @@ def test_the_mesh_tests_pass_on_8_fake_devices():
     assert done.returncode == 0 and f"{len(MESHES)} passed" in report, report
 
 
-def _flat_batch(chunks, page_tables, page_size):
-    """tokens, positions and `Batch` of one ragged step (`test_model.paged_step`'s layout)."""
+def _flat_batch(chunks, page_tables, page_size, num_tokens):
+    """tokens, positions and `Batch` of one ragged step (`test_model.paged_step`'s layout),
+    padded to `num_tokens` so that every step shares one compile."""
     from pallasite.model import Batch
     tokens, positions, slots, starts, lens, last = [], [], [], [0], [], []
     for seq, ids, start in chunks:
@@ -187,6 +189,8 @@ def _flat_batch(chunks, page_tables, page_size):
         starts.append(len(tokens))
         lens.append(start + len(ids))
         last.append(len(tokens) - 1)
+    pad = num_tokens - len(tokens)
+    tokens, positions, slots = tokens + [0] * pad, positions + [0] * pad, slots + [-1] * pad
     table = np.stack([page_tables[seq] for seq, _, _ in chunks])
     i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))
     return i32(tokens), i32(positions), Batch(*(i32(a) for a in (starts, lens, table, slots,
@@ -209,7 +213,7 @@ def test_on_a_mesh_equals_one_device(name, shape, tmp_path):
     assert attn["wkv_a"].sharding.spec == P(None, None)  # the latent's projection: whole
     assert moe["w_up"].sharding.spec == P("expert", None, "tensor")
     ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 19)))
-    want = forward_logits(params, config, ids)
+    want = dense_logits(params, config, ids)
     assert rel_err(layout.forward_logits()(on_mesh, ids), want) <= 1e-5
     page_size, num_pages = 4, 16
     kv = layout.init_kv_cache(num_pages, page_size, jnp.float32)
@@ -218,11 +222,11 @@ def test_on_a_mesh_equals_one_device(name, shape, tmp_path):
     tables = [np.arange(8), np.arange(8, 16)]
     seqs = np.asarray(ids)
     plan = [[(0, 0, 7), (1, 0, 3)], [(0, 7, 8), (1, 3, 9)], [(0, 8, 9), (1, 9, 10)]]
-    step = layout.forward()
+    step, one_device = layout.forward(), jax.jit(forward, static_argnums=1)  # not op by op
     for chunks in plan:
-        args = _flat_batch([(s, seqs[s][a:b], a) for s, a, b in chunks], tables, page_size)
+        args = _flat_batch([(s, seqs[s][a:b], a) for s, a, b in chunks], tables, page_size, 10)
         got, kv = step(on_mesh, *args[:2], kv, args[2])
-        ref, one_kv = forward(params, config, *args[:2], one_kv, args[2])
+        ref, one_kv = one_device(params, config, *args[:2], one_kv, args[2])
         assert rel_err(got, ref) <= 1e-5
 
 
