@@ -16,7 +16,9 @@ dequantizing in the graph rounds it. Each plane's MMA is issued as soon as its o
 a tile's are awaited once.
 
 One CTA of one warpgroup per [block_n, block_m] output tile; with `num_splits` > 1, that many
-CTAs share its K tiles and write float32 partial sums that XLA adds. The jnp reference is
+CTAs share its K tiles and write float32 partial sums that XLA adds. The output tile takes the
+pipeline's shared memory once the loop is done, so at 128 rows two CTAs fit an SM (ptxas gives
+a thread about 200-226 registers: two CTAs by registers too). The jnp reference is
 `dequantize_t` (or `w4a16_matmul.int_matmul_reference` on the Triton layout of the same codes).
 Measured against the Triton kernel and bf16 in `benchmarks/bench_w4a16_mgpu.py`.
 
@@ -96,25 +98,33 @@ def rows_block(m: int) -> int:
 def blocks_for(m: int, n: int, k_tiles: int) -> dict:
     """Tiles for an [m, K] x [K, n] call (swept on the H100/H200 at 8B layer shapes,
     benchmarks/bench_w4a16_mgpu.py): 128 output columns a CTA, and K split while the grid
-    stays under four CTAs an SM up to 64 rows (two above)."""
+    stays under four CTAs an SM up to 64 rows (two above); past 16 rows, not at all where the
+    column blocks alone give every SM one (gate_up at 64 rows: 60 us against 72 split in two,
+    a second wave of CTAs; at 16 rows the split was 4% ahead)."""
     bn = 128 if n % 128 == 0 else 64
     blocks = (n // bn) * -(-m // rows_block(m))
-    target, splits = (528 if m <= 64 else 264), 1
+    full = m > 16 and blocks >= 132
+    target, splits = (0 if full else 528 if m <= 64 else 264), 1
     while splits < 8 and blocks * splits * 2 <= target and k_tiles % (splits * 2) == 0:
         splits *= 2
     return dict(block_n=bn, num_splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",
-                                             "num_stages", "num_splits", "unpack", "interpret"))
+                                             "num_stages", "num_splits", "unpack", "wait_every",
+                                             "interpret"))
 def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                  block_n: int = 128, block_m: int | None = None, num_stages: int = 2,
-                 num_splits: int = 1, unpack: str = "fma", interpret: bool = False):
+                 num_splits: int = 1, unpack: str = "fma", wait_every: int | None = None,
+                 interpret: bool = False):
     """x [M, K] bf16 times the packed weight (words_t [N, K_pad // per], scale [G, N] f32,
     zero [G, N] bf16 or None: symmetric) -> out^T [N, M_pad] bf16, or [splits, N, M_pad] f32
     partial sums with num_splits > 1. `unpack`: "fma" makes each code the float 1 + u/2**bits
     with a shift, an AND and an OR and the weight with one FMA; "magic" the float 2**23 + u with
-    an OR, then a subtraction and a product; "convert" converts the integer."""
+    an OR, then a subtraction and a product; "convert" converts the integer. `wait_every`: make
+    that many planes' operands first, then issue their MMAs and await them (the default issues
+    each as its operand is made; waiting by 2-8 planes measured level or slower,
+    benchmarks/w4a16_issue.py)."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
@@ -176,8 +186,18 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     def step(acc_ref, x_smem, w_smem, s_smem, z_smem):
         """Each plane's weights straight from registers into its MMA; all awaited before the
         step returns its slots."""
-        for j, w in enumerate(weights(w_smem, s_smem, z_smem)):
-            mma(acc_ref, w, x_smem, j)
+        planes = weights(w_smem, s_smem, z_smem)
+        if wait_every is None:
+            for j, w in enumerate(planes):
+                mma(acc_ref, w, x_smem, j)
+        else:
+            every = min(wait_every, per)
+            for j0 in range(0, per, every):
+                ws = lax.optimization_barrier(tuple(next(planes) for _ in range(every)))
+                for j, w in enumerate(ws, j0):
+                    mma(acc_ref, w, x_smem, j)
+                if not interpret and j0 + every < per:
+                    plgpu.wgmma_wait(0)
         if not interpret:
             plgpu.wgmma_wait(0)
 
@@ -206,19 +226,22 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                                 max_concurrent_steps=stages)(*args)
             return acc_ref[...]
 
+        if interpret:  # a float32 scratch stands in for the accumulator
+            def product_zeroed(acc_ref):
+                acc_ref[...] = jnp.zeros(shape, jnp.float32)
+                return product(acc_ref)
+            acc = pl.run_scoped(product_zeroed, plgpu.SMEM(shape, jnp.float32))
+        else:
+            acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
         def out(o_smem):
-            if interpret:  # a float32 scratch stands in for the accumulator
-                def product_zeroed(acc_ref):
-                    acc_ref[...] = jnp.zeros(shape, jnp.float32)
-                    return product(acc_ref)
-                acc = pl.run_scoped(product_zeroed, plgpu.SMEM(shape, jnp.float32))
-            else:
-                acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
             o_smem[...] = acc.astype(out_dtype)
             plgpu.commit_smem()
             dst = o_gmem.at[cols, rows] if splits == 1 else o_gmem.at[si, cols, rows]
             plgpu.copy_smem_to_gmem(o_smem, dst)
             plgpu.wait_smem_to_gmem(0)
+        # after the pipeline's scope, so the output tile reuses its buffers' shared memory:
+        # at 128 rows that leaves room for two CTAs an SM
         pl.run_scoped(out, plgpu.SMEM(shape, out_dtype, transforms=o_t))
 
     interp = None

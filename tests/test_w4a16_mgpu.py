@@ -11,19 +11,21 @@ from pallasite.kernels import w4a16_matmul as im
 from pallasite.kernels import w4a16_mgpu as mg
 from tests.test_w4a16_matmul import numpy_dequant, random_weight
 
-CASES = [  # m, k, n, bits, group_size, asym, splits, unpack
-    (5, 512, 128, 4, 128, False, 1, "fma"),
-    (20, 300, 64, 4, 32, True, 2, "fma"),
-    (3, 256, 64, 8, 32, True, 1, "fma"),
-    (9, 512, 64, 4, 512, False, 1, "magic"),
-    (17, 256, 64, 4, 64, True, 1, "convert"),
-    (4, 128, 64, 4, 128, False, 1, "fma"),  # one K tile
-    (1, 256, 64, 8, 128, True, 4, "fma"),  # a split of one 64-row tile, half a group
+CASES = [  # m, k, n, bits, group_size, asym, splits, unpack, wait_every
+    (5, 512, 128, 4, 128, False, 1, "fma", None),
+    (20, 300, 64, 4, 32, True, 2, "fma", None),
+    (3, 256, 64, 8, 32, True, 1, "fma", None),
+    (9, 512, 64, 4, 512, False, 1, "magic", None),
+    (17, 256, 64, 4, 64, True, 1, "convert", None),
+    (4, 128, 64, 4, 128, False, 1, "fma", None),  # one K tile
+    (1, 256, 64, 8, 128, True, 4, "fma", None),  # a split of one 64-row tile, half a group
+    (20, 300, 64, 4, 32, True, 2, "fma", 2),  # MMAs awaited two planes at a time
+    (3, 256, 64, 8, 32, True, 1, "fma", 8),  # more than INT8's four planes: all at once
 ]
 
 
-@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits,unpack", CASES)
-def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack):
+@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits,unpack,wait_every", CASES)
+def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack, wait_every):
     rng = np.random.default_rng(m + k)
     codes, scale, zero = random_weight(rng, k, n, bits, group_size, asym)
     words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
@@ -32,10 +34,20 @@ def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack):
                                                                      group_size)
     got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), mg.pack_t(codes, bits), s, z, bits=bits,
                         group_size=g, block_n=64, num_splits=splits, unpack=unpack,
-                        interpret=True)
+                        wait_every=wait_every, interpret=True)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
     assert err < 1e-2  # each weight rounded to bf16, as dequantizing in the graph does
+
+
+@pytest.mark.parametrize("m,n,k_tiles,splits", [
+    (64, 28672, 32, 1),  # 224 column blocks fill the SMs: a split would add a second wave
+    (16, 28672, 32, 2),  # at 16 rows the split still paid
+    (64, 6144, 32, 8),  # 48 blocks: split K
+    (256, 4096, 112, 4),  # two row blocks of 32: two CTAs an SM
+])
+def test_blocks_for_splits_only_a_short_grid(m, n, k_tiles, splits):
+    assert mg.blocks_for(m, n, k_tiles) == dict(block_n=128, num_splits=splits)
 
 
 def test_act_order_permutation():
