@@ -148,7 +148,9 @@ def test_quantize_params_packs_the_experts(mode):
         moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
         tie_word_embeddings=False))
-    params = init_params(config, seed=3)
+    # Under jit: eagerly the init pass and each forward compile op by op.
+    params = jax.jit(init_params, static_argnums=(0, 1))(config, 3)
+    forward = jax.jit(forward_logits, static_argnums=1)
     qp = quant_int.quantize_params(params, mode)
     moe = qp["layers_1"]["moe"]
     for name, shape in (("w_gate", (4, 128, 64)), ("w_up", (4, 128, 64)),
@@ -160,10 +162,10 @@ def test_quantize_params_packs_the_experts(mode):
     assert not isinstance(moe["router"], PackedInt) and quant.all_linear_quantized(qp)
     assert describe(qp) == f"{mode} channel"
     ids = np.random.default_rng(0).integers(0, 128, (2, 12))
-    got = forward_logits(qp, config, ids)
-    np.testing.assert_allclose(got, forward_logits(dequantized(qp), config, ids), rtol=1e-5,
+    got = forward(qp, config, ids)
+    np.testing.assert_allclose(got, forward(dequantized(qp), config, ids), rtol=1e-5,
                                atol=1e-5)
-    plain = forward_logits(params, config, ids)
+    plain = forward(params, config, ids)
     err = np.linalg.norm(got - plain) / np.linalg.norm(plain)
     assert err < (0.3 if mode == "w4a16" else 0.02)  # RTN of random weights, per channel
 
