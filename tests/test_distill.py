@@ -39,7 +39,8 @@ def test_distill_kl_matches_numpy(t):
 def test_objective_mixes_kl_and_cross_entropy():
     student_cfg = config_from_dict(train_fixtures.CONFIG)
     teacher_cfg = config_from_dict(TEACHER)
-    student, teacher = init_params(student_cfg, 1), init_params(teacher_cfg, 2)
+    init = jax.jit(init_params, static_argnums=(0, 1))  # eagerly it compiles op by op
+    student, teacher = init(student_cfg, 1), init(teacher_cfg, 2)
     rng = np.random.default_rng(3)
     B, T, V = 2, 16, student_cfg.vocab_size
     inputs = rng.integers(0, V, (B, T))
