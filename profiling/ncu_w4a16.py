@@ -1,0 +1,54 @@
+"""Where the Hopper W4A16 kernel (`kernels/w4a16_mgpu.py`) stalls, instruction by instruction
+(Nsight Compute): the library's call on the Llama-3-8B gate/up layer (4096 x 28672, INT4 in
+groups of 128) at each of --ms rows, run once each between cuProfilerStart/Stop so that only
+those launches are profiled:
+
+    ncu --clock-control none --profile-from-start off --section SourceCounters \\
+        --section WarpStateStats --section Occupancy --section LaunchStats \\
+        -o w4a16 python -m profiling.ncu_w4a16 --ms 16,256
+    ncu -i w4a16.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
+    python -m profiling.ncu_flash --summarize sass.csv.gz  # stalls by reason, opcode, instruction
+
+GPU only (Hopper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from pallasite import kernels
+    from pallasite.kernels import w4a16_matmul as im
+    from pallasite.kernels import w4a16_mgpu as mg
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="16,256")
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=28672)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, (args.k, args.n))
+    scale = rng.uniform(0.005, 0.02, (args.k // 128, args.n)).astype(np.float32)
+    _, s, _, _ = im.pack_weight(codes, scale, None, bits=4, group_size=128)
+    words_t = mg.pack_t(codes, 4)
+    fn = jax.jit(lambda x, w, s: kernels.int_matmul(x, w, s, bits=4, group_size=128,
+                                                    layout="nk16"))
+    xs = [jax.random.normal(jax.random.key(m), (m, args.k), jnp.bfloat16)
+          for m in map(int, args.ms.split(","))]
+    for x in xs:
+        jax.block_until_ready(fn(x, words_t, s))
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for x in xs:
+        cuda.cuProfilerStart()
+        jax.block_until_ready(fn(x, words_t, s))
+        cuda.cuProfilerStop()
+        print(f"profiled M={x.shape[0]}: {mg.blocks_for(x.shape[0], args.n, args.k // 128)}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
