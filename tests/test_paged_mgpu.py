@@ -45,7 +45,7 @@ def poison_stale_slots(pages, ctx, table):
 
 CASES = [
     # ctx, H, KV, D, page_size, splits, block_k, stages, dtype
-    ([1, 37, 0], 8, 2, 64, 16, 1, 64, 4, jnp.bfloat16),      # GQA 4, context 0 and 1
+    ([1, 37, 0], 4, 1, 64, 16, 1, 64, 4, jnp.bfloat16),      # GQA 4, context 0 and 1
     ([200], 2, 2, 64, 16, 1, 64, 2, jnp.float16),            # GQA 1, 4 tiles through 2 slots
     ([53], 8, 1, 128, 32, 3, 64, 4, jnp.bfloat16),           # GQA 8, more splits than tiles
     ([131, 64], 4, 1, 64, 32, 2, 64, 2, jnp.bfloat16),       # split-K, ctx a tile multiple
@@ -308,7 +308,7 @@ def test_decode_backend_choice(monkeypatch):
     reference's."""
     from pallasite import kernels
     from pallasite.kernels import tuning
-    q, kp, vp, ctx, table = decode_case(31, [300], 8, 2, 64, 16, jnp.bfloat16)
+    q, kp, vp, ctx, table = decode_case(31, [300], 4, 1, 64, 16, jnp.bfloat16)
     f32 = q.astype(jnp.float32), kp.astype(jnp.float32)
     assert kernels.decode_backend(q, kp, table) == "triton"  # no Hopper here
     monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
