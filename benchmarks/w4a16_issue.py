@@ -37,11 +37,11 @@ def compiled(x, words_t, s, variant: str, **kw):
     if variant == "bitcast":
         mg.one_plus = lambda words, j, bits: lax.bitcast_convert_type(words, jnp.float32)
     elif variant != "default":  # e.g. "stages3+wait2": options over the library's tiles
-        keys = dict(wait=("wait_every",), stages=("num_stages",), bm=("block_m",),
-                    bn=("block_n",), splits=("num_splits",))
+        keys = dict(wait="wait_every", stages="num_stages", bm="block_m", bn="block_n",
+                    splits="num_splits")
         for part in variant.split("+"):
             name = part.rstrip("0123456789")
-            kw = kw | {keys[name][0]: int(part[len(name):])}
+            kw = kw | {keys[name]: int(part[len(name):])}
     try:
         def fn(x, w, s):  # int_matmul's body, tracing the kernel afresh (not jit's cached trace)
             y = mg.int_matmul_t.__wrapped__(x, w, s, bits=4, group_size=128, **kw)
