@@ -17,7 +17,9 @@ from pallasite.serving.warmup import CompileCounter, compile_all, step_keys
 CONFIG = config_from_dict(dict(
     model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
-PARAMS = jax.tree.map(lambda x: x * 6 if x.ndim > 1 else x, init_params(CONFIG, seed=0))
+# Under one jit: eagerly the init pass compiles op by op, seconds at every collection.
+PARAMS = jax.jit(lambda: jax.tree.map(lambda x: x * 6 if x.ndim > 1 else x,
+                                      init_params(CONFIG, seed=0)))()
 
 
 def test_gpu_plan_of_the_8b_engine():
