@@ -17,7 +17,9 @@ CONFIG = config_from_dict(dict(
     model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 # Larger weights than the 0.02 init make the logits peaked, so greedy choices are far from ties.
-PARAMS = jax.tree.map(lambda x: x * 6 if x.ndim > 1 else x, init_params(CONFIG, seed=0))
+# Under one jit: eagerly the init pass compiles op by op, seconds at every collection.
+PARAMS = jax.jit(lambda: jax.tree.map(lambda x: x * 6 if x.ndim > 1 else x,
+                                      init_params(CONFIG, seed=0)))()
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 _compiles = [0]

@@ -19,7 +19,9 @@ CONFIG = config_from_dict(dict(
     model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 # Peaked logits (weights x 6), so greedy choices are far from ties.
-PARAMS = jax.tree.map(lambda x: x * 6 if x.ndim > 1 else x, init_params(CONFIG, seed=0))
+# Under one jit: eagerly the init pass compiles op by op, seconds at every collection.
+PARAMS = jax.jit(lambda: jax.tree.map(lambda x: x * 6 if x.ndim > 1 else x,
+                                      init_params(CONFIG, seed=0)))()
 
 
 def test_unknown_kv_cache_dtype_is_refused_with_the_choices():
