@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import ctypes
 import gzip
 import io
+
+from profiling import profile_each
 
 # Variants of kernels/flash_mgpu.py by name: staggered consumers with P's row sum taken under
 # P V (the default) or in the softmax, and pipelined consumers.
@@ -40,15 +41,8 @@ def profiled(names, causal):
     import jax
     from pallasite.kernels import flash_mgpu
     q, k, v = inputs()
-    fns = [jax.jit(lambda q, k, v, kw=VARIANTS[n]: flash_mgpu.flash_attention(
-        q, k, v, causal=causal, **kw)) for n in names]
-    for f in fns:
-        jax.block_until_ready(f(q, k, v))
-    cuda = ctypes.CDLL("libcuda.so.1")
-    for f in fns:
-        cuda.cuProfilerStart()
-        jax.block_until_ready(f(q, k, v))
-        cuda.cuProfilerStop()
+    profile_each([(jax.jit(lambda q, k, v, kw=VARIANTS[n]: flash_mgpu.flash_attention(
+        q, k, v, causal=causal, **kw)), (q, k, v)) for n in names])
 
 
 def timed(names, rounds=3, out=None):

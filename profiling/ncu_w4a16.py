@@ -15,7 +15,8 @@ GPU only (Hopper).
 from __future__ import annotations
 
 import argparse
-import ctypes
+
+from profiling import profile_each
 
 
 def main():
@@ -39,15 +40,9 @@ def main():
                                                     layout="nk16"))
     xs = [jax.random.normal(jax.random.key(m), (m, args.k), jnp.bfloat16)
           for m in map(int, args.ms.split(","))]
+    profile_each([(fn, (x, words_t, s)) for x in xs])
     for x in xs:
-        jax.block_until_ready(fn(x, words_t, s))
-    cuda = ctypes.CDLL("libcuda.so.1")
-    for x in xs:
-        cuda.cuProfilerStart()
-        jax.block_until_ready(fn(x, words_t, s))
-        cuda.cuProfilerStop()
-        print(f"profiled M={x.shape[0]}: {mg.blocks_for(x.shape[0], args.n, args.k // 128)}",
-              flush=True)
+        print(f"profiled M={x.shape[0]}: {mg.blocks_for(x.shape[0], args.n, args.k // 128)}")
 
 
 if __name__ == "__main__":
