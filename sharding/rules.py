@@ -53,15 +53,16 @@ def logical_to_spec(logical_axes, shape, plan: MeshPlan) -> P:
 
 @functools.lru_cache(maxsize=16)
 def _param_layout(config: ModelConfig):
-    """(treedef, shapes, logical names) of the params, traced once per config."""
-    shapes, treedef = jax.tree.flatten(param_shapes(config))
+    """(treedef, shapes, logical names, key paths) of the params, traced once per config."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config))
     logical = jax.tree.leaves(param_logical_axes(config), is_leaf=lambda x: isinstance(x, P))
-    return treedef, [s.shape for s in shapes], logical
+    paths = [tuple(getattr(k, "key", k) for k in path) for path, _ in leaves]
+    return treedef, [s.shape for _, s in leaves], logical, paths
 
 
 def param_partition_specs(config: ModelConfig, plan: MeshPlan):
     """A pytree like the params of PartitionSpecs over the mesh axes."""
-    treedef, shapes, logical = _param_layout(config)
+    treedef, shapes, logical, _ = _param_layout(config)
     return jax.tree.unflatten(treedef, [logical_to_spec(names, shape, plan)
                                         for names, shape in zip(logical, shapes)])
 
@@ -101,9 +102,7 @@ def param_bytes_per_device(config: ModelConfig, plan: MeshPlan, dtype,
     import numpy as np
 
     from ..model import quant
-    _, shapes, logical = _param_layout(config)
-    paths = [tuple(getattr(k, "key", k) for k in path) for path, _ in
-             jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]]
+    _, shapes, logical, paths = _param_layout(config)
     total = 0
     for path, shape, names in zip(paths, shapes, logical):
         size = math.prod(shard_shape(shape, logical_to_spec(names, shape, plan), plan))
