@@ -100,7 +100,7 @@ def blocks_for(m: int, n: int, k_tiles: int) -> dict:
     benchmarks/bench_w4a16_mgpu.py): 128 output columns a CTA, and K split while the grid
     stays under four CTAs an SM up to 64 rows (two above); past 16 rows, not at all where the
     column blocks alone give every SM one (gate_up at 64 rows: 60 us against 72 split in two,
-    a second wave of CTAs; 2-5% at 24-48 rows; at 16 the split was 3% ahead)."""
+    a second wave of CTAs; 2-6% at 24-48 rows; at 16 the split was 3% ahead)."""
     bn = 128 if n % 128 == 0 else 64
     blocks = (n // bn) * -(-m // rows_block(m))
     full = m > 16 and blocks >= 132
