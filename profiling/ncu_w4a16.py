@@ -22,20 +22,15 @@ from profiling import profile_each
 def main():
     import jax
     import jax.numpy as jnp
-    import numpy as np
+    from benchmarks.w4a16_issue import int4_weight
     from pallasite import kernels
-    from pallasite.kernels import w4a16_matmul as im
     from pallasite.kernels import w4a16_mgpu as mg
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="16,256")
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=28672)
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
-    codes = rng.integers(0, 16, (args.k, args.n))
-    scale = rng.uniform(0.005, 0.02, (args.k // 128, args.n)).astype(np.float32)
-    _, s, _, _ = im.pack_weight(codes, scale, None, bits=4, group_size=128)
-    words_t = mg.pack_t(codes, 4)
+    s, words_t, _ = int4_weight(args.k, args.n)
     fn = jax.jit(lambda x, w, s: kernels.int_matmul(x, w, s, bits=4, group_size=128,
                                                     layout="nk16"))
     xs = [jax.random.normal(jax.random.key(m), (m, args.k), jnp.bfloat16)
