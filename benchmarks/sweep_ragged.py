@@ -12,7 +12,11 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
   offline ShareGPT run's mixed step);
 - prefill_2k: one 2048-token prompt;
 - paced: a step of the paced offline run, a 56-token chunk (to 256 keys) and 200 decode rows
-  at 400; decode_768: 768 decode rows at 320 (a large unpaced decode step).
+  at 400; decode_768: 768 decode rows at 320 (a large unpaced decode step);
+  paced_decode and paced_chunk: the paced step's decode rows alone and its chunk alone;
+  sharegpt_decode and sharegpt_chunks: the same halves of sharegpt_mixed.
+A case of decode rows only also times the decode kernel (`kernels.paged_attention`, one token a
+sequence, no block metadata; with --mosaic the Mosaic GPU one too).
 `--splits 1,2,4` also times the library's own tiles at each of those key splits.
 
 "library" is `kernels.ragged_paged_attention` choosing for itself, as the engine calls it. With
@@ -51,8 +55,12 @@ CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
          "prefill_2k": ([2048], [2048]),
          # a step of the paced offline run (serving/scheduler.py): a chunk and 200 decode rows
          "paced": ([56] + [1] * 200, [256] + [400] * 200),
-         "decode_768": ([1] * 768, [320] * 768)}
-TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5)}
+         "decode_768": ([1] * 768, [320] * 768),
+         "paced_decode": ([1] * 200, [400] * 200),
+         "paced_chunk": ([56], [256]),
+         "sharegpt_decode": ([1] * 512, [320] * 512),
+         "sharegpt_chunks": ([256] * 30, [256] * 30)}
+TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5), "decode": ([1] * 5, [40] * 5)}
 # (block_rows, block_k, num_warps, num_stages); the first is the H100's table entry today
 VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3),
             (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)]
@@ -93,6 +101,11 @@ def run_case(name, q_lens, ctx, args):
         jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
                           num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
                               *a, interpret=args.tiny, **kw, **sc))))
+    if all(n == 1 for n in q_lens):  # one token a sequence: the decode kernel takes it too
+        for backend in ("triton", "mosaic") if args.mosaic else ("triton",):
+            jobs.append((dict(kernel="decode", backend=backend), jax.jit(
+                lambda q, kp, vp, qs, c, t, b=backend: K.paged_attention(
+                    q, kp, vp, c, t, backend=b, interpret=args.tiny, **sc))))
     for n in args.splits:
         jobs.append((dict(kernel="library", num_splits=n), jax.jit(
             lambda *a, n=n: K.ragged_paged_attention(*a, interpret=args.tiny, num_splits=n,
@@ -132,6 +145,8 @@ def run_case(name, q_lens, ctx, args):
 
 
 def label(r) -> str:
+    if r["kernel"] == "decode":
+        return f"decode kernel ({r['backend']})"
     if r["kernel"] == "library":
         return "library" + (f" {r['num_splits']} splits" if "num_splits" in r else "")
     if r["kernel"] == "mosaic":
