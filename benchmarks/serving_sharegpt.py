@@ -143,7 +143,17 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline, r
     run finds an earlier one's prompts in the prefix cache."""
     pairs = lengths(n, args.tiny)
     reqs = requests(pairs, config.vocab_size, args.seed + run, f"off{n}-{run}-")
+    if args.parts:  # the host time of each part of a step (`benchmarks/dispatch.py`)
+        from .dispatch import instrument
+        times, restore = instrument(engine)
     outs, wall, log = run_offline(engine, reqs, deadline)
+    parts = {}
+    if args.parts:
+        restore()
+        parts = dict(parts_us={p: dict(median=1e6 * float(np.median(v)),
+                                       mean=1e6 * float(np.mean(v)),
+                                       p90=1e6 * float(np.percentile(v, 90)))
+                               for p, v in times.items() if v})
     if not log:
         raise SystemExit(f"offline, {n} prompts: the time limit came before the first step "
                          "(raise --time-limit)")
@@ -168,7 +178,8 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline, r
                kv_occupancy_max=max(e["pages_used"] for e in log) / engine.pages.num_pages,
                preemptions=stats["preemptions"],
                host_ms_per_step=stats["host_ms_per_step"],
-               wait_ms_per_step=stats["wait_ms_per_step"], **budget_report(cost, log, bw, peak))
+               wait_ms_per_step=stats["wait_ms_per_step"], **budget_report(cost, log, bw, peak),
+               **parts)
     rec = {**env, **rec}
     engine.scheduler.num_preemptions = 0
     return rec
@@ -350,6 +361,9 @@ def table(records) -> str:
                                  f"{g['roofline_ms']:.2f} | {g['frac_of_roofline']:.0%} | "
                                  f"{g.get('host_ms', float('nan')):.2f} | "
                                  f"{g.get('wait_ms', float('nan')):.2f} |")
+            if "parts_us" in r:
+                lines.append("host us a step, median / mean: " + ", ".join(
+                    f"{p} {v['median']:.0f} / {v['mean']:.0f}" for p, v in r["parts_us"].items()))
             lines.append("")
     online_rows = [r for r in records if r["mode"] == "sharegpt_online"]
     if online_rows:
@@ -389,6 +403,9 @@ def add_arguments(ap):
                     default=[8.0, 16.0, 32.0, 64.0], help="online: arrivals per second")
     ap.add_argument("--online-prompts", type=int, default=300, help="online: requests per rate")
     ap.add_argument("--online-limit", type=float, default=60, help="online: seconds per rate")
+    ap.add_argument("--parts", action="store_true",
+                    help="offline: also time each part of a step on the host (schedule, pack, "
+                         "the programs' launches, accept)")
     ap.add_argument("--schedules", type=_schedules, default=None,
                     help="offline: also run the workload with these scheduler limits on the same "
                          "compiled engine, SEQS:TOKENS[:PACE][,...] (e.g. 512:8192,1024:8192:0; "
