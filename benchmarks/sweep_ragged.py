@@ -96,7 +96,8 @@ def run_case(name, q_lens, ctx, args):
         q, kp, vp, qs, ctx_a, table)
     jobs = [(dict(kernel="library"), jax.jit(lambda *a: K.ragged_paged_attention(
         *a, interpret=args.tiny, **sc)))]
-    for rows, bk, warps, stages in (VARIANTS[:2] if args.tiny else VARIANTS):
+    for rows, bk, warps, stages in ([] if args.library else VARIANTS[:2] if args.tiny
+                                    else VARIANTS):
         kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps, num_stages=stages)
         jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
                           num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
@@ -162,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--library", action="store_true",
+                    help="only the library's own tiles (and the decode kernel), no sweep")
     ap.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also the library's tiles at these key splits")
     ap.add_argument("--mosaic", action="store_true",
