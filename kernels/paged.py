@@ -15,11 +15,9 @@ one more launch. Batch 1 with a long context then still fills the GPU. With `spl
 split takes that many tiles from a fixed boundary instead, so a row's sums never depend on the
 other rows of its block or on the call's number of splits: it is batch-invariant.
 
-Block metadata (each block's sequence, first token, its sequence's query tokens and context) is
-computed with jnp from query_start and the context lengths, with a static upper bound of
-cdiv(T, tokens_per_block) + S blocks; the blocks past the real ones write zeros for the tokens
-past query_start[-1], so no select follows the launch. A program's metadata is five loads that
-wait on nothing, so its first page-table read waits on one load, as a decode program's does.
+Block metadata (which sequence and first token each block has) is computed with jnp from
+query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; the blocks past
+the real ones write zeros for the tokens past query_start[-1], so no select follows the launch.
 Decode (one token per sequence) needs no metadata: block b is sequence b, so the call is the
 kernel alone (plus the merge with splits); each XLA op around a launch costs ~2-3 us, a
 twentieth of a batch-1 32k decode.
@@ -104,20 +102,6 @@ def block_metadata(query_start, tokens_per_block, num_blocks):
     return jnp.where(valid, seq, S), jnp.where(valid, tok, pad_tok).astype(jnp.int32)
 
 
-def block_info(query_start, context_lens, tokens_per_block, num_blocks, num_tokens):
-    """What a block's program reads first, gathered once a step ([5 * num_blocks] int32: its
-    sequence, first token, the sequence's query tokens [lo, hi) and context). A block of padding
-    tokens is a sequence with no context whose tokens run from its first to the end: its rows
-    get zeros."""
-    seq, tok = block_metadata(query_start, tokens_per_block, num_blocks)
-    pad = seq == context_lens.shape[0]
-    s = jnp.where(pad, 0, seq)
-    lo = jnp.where(pad, tok, query_start[s])
-    hi = jnp.where(pad, num_tokens, query_start[s + 1])
-    ctx = jnp.where(pad, 0, context_lens[s])
-    return jnp.concatenate([s, tok, lo, hi, ctx]).astype(jnp.int32)
-
-
 def _gather(*idx):
     """An all-array index (each broadcast to one shape): Pallas's interpreter cannot mix index
     arrays with slices, the Triton lowering takes either."""
@@ -196,10 +180,18 @@ def _kernel(*refs, sm_scale, group, num_heads, block_rows, pages_per_block, page
         s = t0 = q_lo = pl.program_id(0)
         q_hi = s + 1
         ctx = ctx_ref[s]
-    else:  # five loads that need no other: the first page-table read waits on one only
-        info_ref, _, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
-        b, nb = pl.program_id(0), info_ref.shape[0] // 5
-        s, t0, q_lo, q_hi, ctx = (info_ref[i * nb + b] for i in range(5))
+    else:
+        (seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref,
+         *out_refs) = refs
+        b = pl.program_id(0)
+        s, t0 = seq_ref[b], tok_ref[b]
+        # A block of padding tokens (sequence S) is a sequence with no context whose tokens run
+        # from t0 to the end: its rows get zeros.
+        pad = s == ctx_ref.shape[0]
+        s = jnp.where(pad, 0, s)
+        q_lo = jnp.where(pad, t0, qs_ref[s])
+        q_hi = jnp.where(pad, q_ref.shape[0] // num_heads, qs_ref[s + 1])
+        ctx = jnp.where(pad, 0, ctx_ref[s])
     D = q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -370,8 +362,8 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
            block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
            num_stages=2, prefetch_pages=True, fp8_dot="q", interpret=False):
-    """The kernel launch alone, on q [T, H, D] and per-block metadata (`block_info`), or None
-    for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
+    """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start),
+    or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
     per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32).
     `split_tiles`: every split takes that many key tiles from a fixed boundary (the last ones
     empty), instead of an even share of its block's tiles."""
@@ -380,7 +372,7 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
     S, pages_per_seq = page_table.shape
     G = H // KV
     block_rows = rows_per_block(block_rows, G, fp8_dot, k_pages.dtype == jnp.float8_e4m3fn)
-    num_blocks = S if meta is None else meta.shape[0] // 5
+    num_blocks = S if meta is None else meta[0].shape[0]
     grid = (num_blocks, KV, num_splits)
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, sp: (0,) * len(shape))
     per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0))
@@ -392,8 +384,9 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
             None if k_scale is None else jnp.concatenate([head_scale(k_scale, KV),
                                                           head_scale(v_scale, KV)])]
     if meta is not None:
-        in_specs = [whole(5 * num_blocks)] + in_specs
-        args = [meta] + args
+        seq, tok, query_start = meta
+        in_specs = [whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
+        args = [seq, tok, query_start.astype(jnp.int32)] + args
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T * H, D), q.dtype)]
         out_specs = [whole(T * H, D)]
@@ -456,8 +449,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     if not one_token_per_seq:
         if num_blocks is None:  # enough for any split of T tokens into S sequences
             num_blocks = pl.cdiv(T, tpb) + S
-        meta = block_info(query_start.astype(jnp.int32), context_lens.astype(jnp.int32), tpb,
-                          num_blocks, T)
+        qs = query_start.astype(jnp.int32)
+        meta = (*block_metadata(qs, tpb, num_blocks), qs)
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
                   sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
