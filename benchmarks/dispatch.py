@@ -91,7 +91,8 @@ def summary(times: dict, engine, steps0: int, host0: float) -> dict:
     return out
 
 
-def run_variant(tiny: bool, weights: str, host_trace: bool = False) -> list[dict]:
+def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int = 64
+                ) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from benchmarks.bench_quant import LLAMA3_8B, TINY
@@ -106,11 +107,12 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False) -> list[dict
     elif weights == "w4a16":  # random INT4 g128 words made on the device, as bench_int4's
         from benchmarks.bench_int4 import random_w4a16
         params = random_w4a16(params)
-    prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, 64)
+    prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, batch)
     pages = -(-(prompt_len + new) // 16)
+    budget = max(prompt_len, batch)  # past 128 sequences every step has `batch` tokens
     llm = LLM.from_params(config, params, None, max_num_seqs=batch,
-                          max_num_batched_tokens=prompt_len, num_pages=batch * pages + 8,
-                          token_buckets=[1, 2, batch, prompt_len], page_buckets=[pages],
+                          max_num_batched_tokens=budget, num_pages=batch * pages + 8,
+                          token_buckets=sorted({1, 2, batch, budget}), page_buckets=[pages],
                           max_model_len=prompt_len + new,
                           kv_cache_dtype="fp8" if kv == "fp8kv" else "auto")
     del params
@@ -140,18 +142,25 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False) -> list[dict
         records.append(rec)
         restore()
     if host_trace:
+        steps = lambda: engine.totals["steps"]
         records.append(dict(case="host_trace", weights=weights, kv_cache_dtype=kv or "auto",
-                            host_events=trace_host(llm, prompts[0], sampling)))
+                            host_events=trace_host(lambda: list(llm.stream(prompts[0], sampling)),
+                                                   steps)))
+        records.append(dict(case=f"host_trace_batch{batch}", weights=weights,
+                            kv_cache_dtype=kv or "auto", host_events=trace_host(
+                                lambda: llm.generate(prompts, sampling), steps)))
     llm.close()
     return records
 
 
-def trace_host(llm, prompt, sampling, top=40) -> list[dict]:
-    """The host's traced events during batch-1 decode (`LLM.stream`), by name: calls and
-    microseconds a step, the largest first. Names nest (an executable's launch holds its
-    thunks'), so the rows overlap."""
+def trace_host(run, steps, top=40) -> list[dict]:
+    """The host's traced events while `run()` runs engine steps (`steps()` counts them), by
+    name: calls and microseconds a step, the largest first. Names nest (an executable's launch
+    holds its thunks'), so the rows overlap."""
     from benchmarks import common
-    steps, data = common.traced(lambda: sum(1 for _ in llm.stream(prompt, sampling)))
+    steps0 = steps()
+    _, data = common.traced(run)
+    steps = steps() - steps0
     total, calls = {}, {}
     for plane in data.planes:
         if plane.name.startswith("/device"):
@@ -199,8 +208,12 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU dry run)")
     p.add_argument("--variants", default="bf16:default,fp8:default,fp8:none,fp8:all")
+    p.add_argument("--batch", type=int, default=64,
+                   help="sequences of the many-sequence case (past 128, every step is that many "
+                        "tokens, as a paced offline step)")
     p.add_argument("--host-trace", action="store_true",
-                   help="also trace batch-1 decode and list the host's events by name")
+                   help="also trace batch-1 decode and the many-sequence case, and list the "
+                        "host's events by name")
     p.add_argument("--why-updates", action="store_true",
                    help="log XLA's CUDA-graph updates, and keep the buffer assignments")
     p.add_argument("--child-timeout", type=float, default=None,
@@ -211,7 +224,7 @@ def main(argv=None):
         weights, flags = args.child.split(":")
         from benchmarks import common
         recs = [common.run_info() | r | dict(xla_flags=flags)
-                for r in run_variant(args.tiny, weights, args.host_trace)]
+                for r in run_variant(args.tiny, weights, args.host_trace, args.batch)]
         print("RECORDS " + json.dumps(recs), flush=True)
         return
     from benchmarks import common
@@ -229,6 +242,7 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
+        cmd += ["--batch", str(args.batch)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                   timeout=args.child_timeout)
@@ -262,8 +276,8 @@ def main(argv=None):
                 print(f"  graph of {u['num_commands']} commands: {u['updates']} updates, median "
                       f"{u['median_us']:.0f} us, p90 {u['p90_us']:.0f}, max {u['max_us']}")
             continue
-        if r["case"] == "host_trace":
-            print(f"{r['weights']}:{r['xla_flags']} host events a batch-1 step:")
+        if r["case"].startswith("host_trace"):
+            print(f"{r['weights']}:{r['xla_flags']} {r['case']}: host events a step:")
             for e in r["host_events"]:
                 print(f"  {e['us_per_step']:9.1f} us {e['calls_per_step']:7.1f} calls  {e['name']}")
             continue
