@@ -6,12 +6,12 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
 
 Each variant is `weights:flags` (weights bf16, fp8 or w4a16, with `+fp8kv` for float8 KV pages; flags a
 name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
-64-sequence `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
+64-sequence (`--batch`) `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
 host time as the engine counts it (its device wait taken out). A call's time is what the host
 spends launching it: the device runs behind it. The 64 sequences' greedy tokens are recorded as
 a digest, the same in every variant that computes right. `--host-trace` also lists the host's
-traced events a batch-1 step (PJRT, the command buffers' update and launch). `--why-updates`
+traced events a step of each case (PJRT, the command buffers' update and launch). `--why-updates`
 keeps XLA's log of each command-buffer update (level 3 of `command_buffer_thunk`: how many
 allocations moved, and after how many calls) in the record, and the forward programs' buffer
 assignments under OUT/buffers (the rest of XLA's dump is dropped). Records go to
