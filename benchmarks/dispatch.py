@@ -91,8 +91,8 @@ def summary(times: dict, engine, steps0: int, host0: float) -> dict:
     return out
 
 
-def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int = 64
-                ) -> list[dict]:
+def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int = 64,
+                table_pages: int | None = None, pool_pages: int = 0) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from benchmarks.bench_quant import LLAMA3_8B, TINY
@@ -108,12 +108,13 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int =
         from benchmarks.bench_int4 import random_w4a16
         params = random_w4a16(params)
     prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, batch)
-    pages = -(-(prompt_len + new) // 16)
+    pages = table_pages or -(-(prompt_len + new) // 16)  # the page table's width
     budget = max(prompt_len, batch)  # past 128 sequences every step has `batch` tokens
     llm = LLM.from_params(config, params, None, max_num_seqs=batch,
-                          max_num_batched_tokens=budget, num_pages=batch * pages + 8,
+                          max_num_batched_tokens=budget,
+                          num_pages=max(batch * -(-(prompt_len + new) // 16) + 8, pool_pages),
                           token_buckets=sorted({1, 2, batch, budget}), page_buckets=[pages],
-                          max_model_len=prompt_len + new,
+                          max_model_len=max(prompt_len + new, 16 * pages),
                           kv_cache_dtype="fp8" if kv == "fp8kv" else "auto")
     del params
     engine = llm.engine
@@ -211,6 +212,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64,
                    help="sequences of the many-sequence case (past 128, every step is that many "
                         "tokens, as a paced offline step)")
+    p.add_argument("--table-pages", type=int, default=None,
+                   help="the page table's width in pages (ShareGPT's engine: 128)")
+    p.add_argument("--pool-pages", type=int, default=0,
+                   help="KV pages in the pool, at least (ShareGPT's engine: about 19,000)")
     p.add_argument("--host-trace", action="store_true",
                    help="also trace batch-1 decode and the many-sequence case, and list the "
                         "host's events by name")
@@ -224,7 +229,8 @@ def main(argv=None):
         weights, flags = args.child.split(":")
         from benchmarks import common
         recs = [common.run_info() | r | dict(xla_flags=flags)
-                for r in run_variant(args.tiny, weights, args.host_trace, args.batch)]
+                for r in run_variant(args.tiny, weights, args.host_trace, args.batch,
+                                     args.table_pages, args.pool_pages)]
         print("RECORDS " + json.dumps(recs), flush=True)
         return
     from benchmarks import common
@@ -242,7 +248,8 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
-        cmd += ["--batch", str(args.batch)]
+        cmd += ["--batch", str(args.batch), "--pool-pages", str(args.pool_pages)]
+        cmd += ["--table-pages", str(args.table_pages)] * bool(args.table_pages)
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                   timeout=args.child_timeout)
