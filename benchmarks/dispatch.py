@@ -161,7 +161,12 @@ def trace_host(run, steps, top=40) -> list[dict]:
     from benchmarks import common
     steps0 = steps()
     _, data = common.traced(run)
-    steps = steps() - steps0
+    return events_by_name(data, steps() - steps0, top)
+
+
+def events_by_name(data, steps: int, top=40) -> list[dict]:
+    """A host trace's events (`ProfileData`) by name: calls and microseconds a step, the largest
+    first."""
     total, calls = {}, {}
     for plane in data.planes:
         if plane.name.startswith("/device"):

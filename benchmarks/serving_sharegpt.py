@@ -109,6 +109,39 @@ def step_times(log):
             if "done" in a and "done" in b]
 
 
+def trace_steps(engine, first: int, n: int):
+    """Trace the host (`jax.profiler`) through steps [first, first + n) of the engine's next
+    run. Returns a function to call after the run: it puts `Engine.step` back and returns the
+    traced events by name, a step each (`dispatch.events_by_name`), or None if no step was
+    traced."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+    from .dispatch import events_by_name
+    step, done, where = engine.step, [0], tempfile.TemporaryDirectory()
+
+    def traced_step():
+        if done[0] == first:
+            jax.profiler.start_trace(where.name)
+        out = step()
+        done[0] += 1
+        if done[0] == first + n:
+            jax.profiler.stop_trace()
+        return out
+
+    def events():
+        del engine.step  # the class's method again
+        if done[0] <= first:
+            return None
+        if done[0] < first + n:  # the run ended inside the traced steps
+            jax.profiler.stop_trace()
+        data = ProfileData.from_file(glob.glob(f"{where.name}/**/*.xplane.pb", recursive=True)[0])
+        where.cleanup()
+        return events_by_name(data, min(done[0], first + n) - first)
+    engine.step = traced_step
+    return events
+
+
 def run_offline(engine, reqs, deadline):
     """`bench_serving.run` with the step log and host/device totals recorded."""
     from .bench_serving import run
@@ -146,11 +179,15 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline, r
     if args.parts:  # the host time of each part of a step (`benchmarks/dispatch.py`)
         from .dispatch import instrument
         times, restore = instrument(engine)
+    if args.host_trace:
+        traced = trace_steps(engine, *args.host_trace)
     outs, wall, log = run_offline(engine, reqs, deadline)
-    parts = {}
+    parts = {}  # and the host trace's events
+    if args.host_trace:
+        parts["host_events"] = traced()
     if args.parts:
         restore()
-        parts = dict(parts_us={p: dict(median=1e6 * float(np.median(v)),
+        parts.update(parts_us={p: dict(median=1e6 * float(np.median(v)),
                                        mean=1e6 * float(np.mean(v)),
                                        p90=1e6 * float(np.percentile(v, 90)))
                                for p, v in times.items() if v})
@@ -361,6 +398,9 @@ def table(records) -> str:
                                  f"{g['roofline_ms']:.2f} | {g['frac_of_roofline']:.0%} | "
                                  f"{g.get('host_ms', float('nan')):.2f} | "
                                  f"{g.get('wait_ms', float('nan')):.2f} |")
+            for e in (r.get("host_events") or [])[:25]:
+                lines.append(f"    {e['us_per_step']:9.1f} us {e['calls_per_step']:7.1f} calls  "
+                             f"{e['name']}")
             if "parts_us" in r:
                 lines.append("host us a step, median / mean: " + ", ".join(
                     f"{p} {v['median']:.0f} / {v['mean']:.0f}" for p, v in r["parts_us"].items()))
@@ -406,6 +446,10 @@ def add_arguments(ap):
     ap.add_argument("--parts", action="store_true",
                     help="offline: also time each part of a step on the host (schedule, pack, "
                          "the programs' launches, accept)")
+    ap.add_argument("--host-trace", type=lambda s: tuple(int(x) for x in s.split(":")),
+                    default=None, metavar="FIRST:N",
+                    help="offline: trace the host through N steps of each run from step FIRST, "
+                         "and list its events by name (PJRT, CUDA graph updates and launches)")
     ap.add_argument("--schedules", type=_schedules, default=None,
                     help="offline: also run the workload with these scheduler limits on the same "
                          "compiled engine, SEQS:TOKENS[:PACE][,...] (e.g. 512:8192,1024:8192:0; "
