@@ -48,13 +48,14 @@ LIMIT = 1e-2
 
 
 def mgpu_variants(m, n, k_tiles, tiny):
-    """64/128 output columns, row blocks, the library's split rule (`w4a16_mgpu.blocks_for`)
-    or none."""
+    """64/128/256 output columns, row blocks, the library's split rule
+    (`w4a16_mgpu.blocks_for`) or none. 256 columns over 64 rows hold as large an accumulator
+    as 128 x 128 and read each activation tile for twice the columns."""
     if tiny:
         return [dict(block_n=64), dict(block_n=64, num_splits=2, unpack="convert")]
     bms = [None] if m <= 64 else [64, 128] if m == 128 else [64, 128, 256]
     out = []
-    for bn, bm in itertools.product((64, 128), bms):
+    for bn, bm in itertools.product((64, 128, 256), bms):
         rows = bm or mg.rows_block(m)
         if bn * rows > 16384 or (bn == 64 and rows < 128 and m > 64):
             continue  # the accumulator's registers; narrow tiles only where they can pay

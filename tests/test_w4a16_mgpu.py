@@ -40,6 +40,22 @@ def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack, wait_eve
     assert err < 1e-2  # each weight rounded to bf16, as dequantizing in the graph does
 
 
+def test_wide_column_tile():
+    """256 output columns a CTA over 64-row blocks: the accumulator as large as 128 x 128's,
+    each activation tile shared by twice the columns."""
+    m, k, n, bits, group_size = 70, 256, 256, 4, 128
+    rng = np.random.default_rng(3)
+    codes, scale, zero = random_weight(rng, k, n, bits, group_size, True)
+    words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, zero, bits,
+                                                                     group_size)
+    got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), mg.pack_t(codes, bits), s, z, bits=bits,
+                        group_size=g, block_n=256, block_m=64, interpret=True)
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert got.shape == (m, n) and err < 1e-2
+
+
 @pytest.mark.parametrize("m,n,k_tiles,splits", [
     (64, 28672, 32, 1),  # 224 column blocks fill the SMs: a split would add a second wave
     (16, 28672, 32, 2),  # at 16 rows the split still paid
