@@ -109,7 +109,7 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int =
         params = random_w4a16(params)
     prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, batch)
     pages = table_pages or -(-(prompt_len + new) // 16)  # the page table's width
-    budget = max(prompt_len, batch)  # past 128 sequences every step has `batch` tokens
+    budget = max(prompt_len, batch)  # tokens a step: a prompt, or a row for every sequence
     llm = LLM.from_params(config, params, None, max_num_seqs=batch,
                           max_num_batched_tokens=budget,
                           num_pages=max(batch * -(-(prompt_len + new) // 16) + 8, pool_pages),

@@ -182,12 +182,12 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline, r
     if args.host_trace:
         traced = trace_steps(engine, *args.host_trace)
     outs, wall, log = run_offline(engine, reqs, deadline)
-    parts = {}  # and the host trace's events
+    host = {}  # the host's parts and traced events, where asked for
     if args.host_trace:
-        parts["host_events"] = traced()
+        host["host_events"] = traced()
     if args.parts:
         restore()
-        parts.update(parts_us={p: dict(median=1e6 * float(np.median(v)),
+        host.update(parts_us={p: dict(median=1e6 * float(np.median(v)),
                                        mean=1e6 * float(np.mean(v)),
                                        p90=1e6 * float(np.percentile(v, 90)))
                                for p, v in times.items() if v})
@@ -216,7 +216,7 @@ def offline(engine, config, n: int, args, env, cost, bw, peak, b1_s, deadline, r
                preemptions=stats["preemptions"],
                host_ms_per_step=stats["host_ms_per_step"],
                wait_ms_per_step=stats["wait_ms_per_step"], **budget_report(cost, log, bw, peak),
-               **parts)
+               **host)
     rec = {**env, **rec}
     engine.scheduler.num_preemptions = 0
     return rec

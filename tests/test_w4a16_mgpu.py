@@ -24,8 +24,7 @@ CASES = [  # m, k, n, bits, group_size, asym, splits, unpack, wait_every
 ]
 
 
-@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits,unpack,wait_every", CASES)
-def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack, wait_every):
+def check(m, k, n, bits, group_size, asym, **blocks):
     rng = np.random.default_rng(m + k)
     codes, scale, zero = random_weight(rng, k, n, bits, group_size, asym)
     words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
@@ -33,27 +32,22 @@ def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack, wait_eve
     want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, zero, bits,
                                                                      group_size)
     got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), mg.pack_t(codes, bits), s, z, bits=bits,
-                        group_size=g, block_n=64, num_splits=splits, unpack=unpack,
-                        wait_every=wait_every, interpret=True)
+                        group_size=g, interpret=True, **blocks)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
     assert err < 1e-2  # each weight rounded to bf16, as dequantizing in the graph does
 
 
+@pytest.mark.parametrize("m,k,n,bits,group_size,asym,splits,unpack,wait_every", CASES)
+def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack, wait_every):
+    check(m, k, n, bits, group_size, asym, block_n=64, num_splits=splits, unpack=unpack,
+          wait_every=wait_every)
+
+
 def test_wide_column_tile():
     """256 output columns a CTA over 64-row blocks: the accumulator as large as 128 x 128's,
     each activation tile shared by twice the columns."""
-    m, k, n, bits, group_size = 70, 256, 256, 4, 128
-    rng = np.random.default_rng(3)
-    codes, scale, zero = random_weight(rng, k, n, bits, group_size, True)
-    words, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, zero, bits,
-                                                                     group_size)
-    got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), mg.pack_t(codes, bits), s, z, bits=bits,
-                        group_size=g, block_n=256, block_m=64, interpret=True)
-    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
-    assert got.shape == (m, n) and err < 1e-2
+    check(70, 256, 256, 4, 128, True, block_n=256, block_m=64)
 
 
 @pytest.mark.parametrize("m,n,k_tiles,splits", [
