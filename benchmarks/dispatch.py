@@ -108,11 +108,12 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int =
         from benchmarks.bench_int4 import random_w4a16
         params = random_w4a16(params)
     prompt_len, new, batch = (16, 16, 4) if tiny else (128, 128, batch)
-    pages = table_pages or -(-(prompt_len + new) // 16)  # the page table's width
+    seq_pages = -(-(prompt_len + new) // 16)
+    pages = table_pages or seq_pages  # the page table's width
     budget = max(prompt_len, batch)  # tokens a step: a prompt, or a row for every sequence
     llm = LLM.from_params(config, params, None, max_num_seqs=batch,
                           max_num_batched_tokens=budget,
-                          num_pages=max(batch * -(-(prompt_len + new) // 16) + 8, pool_pages),
+                          num_pages=max(batch * seq_pages + 8, pool_pages),
                           token_buckets=sorted({1, 2, batch, budget}), page_buckets=[pages],
                           max_model_len=max(prompt_len + new, 16 * pages),
                           kv_cache_dtype="fp8" if kv == "fp8kv" else "auto")

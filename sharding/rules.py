@@ -56,8 +56,7 @@ def _param_layout(config: ModelConfig):
     """(treedef, shapes, logical names, key paths) of the params, traced once per config."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config))
     logical = jax.tree.leaves(param_logical_axes(config), is_leaf=lambda x: isinstance(x, P))
-    paths = [tuple(getattr(k, "key", k) for k in path) for path, _ in leaves]
-    return treedef, [s.shape for _, s in leaves], logical, paths
+    return treedef, [s.shape for _, s in leaves], logical, [path for path, _ in leaves]
 
 
 def param_partition_specs(config: ModelConfig, plan: MeshPlan):
@@ -101,12 +100,12 @@ def param_bytes_per_device(config: ModelConfig, plan: MeshPlan, dtype,
     per-channel scales are under 0.1% more and not counted)."""
     import numpy as np
 
-    from ..model import quant
     _, shapes, logical, paths = _param_layout(config)
     total = 0
     for path, shape, names in zip(paths, shapes, logical):
         size = math.prod(shard_shape(shape, logical_to_spec(names, shape, plan), plan))
-        one = 1 if quantization and quant.linear_axes(path) else np.dtype(dtype).itemsize
+        keys = tuple(getattr(k, "key", k) for k in path)
+        one = 1 if quantization and quant.linear_axes(keys) else np.dtype(dtype).itemsize
         total += one * size
     return total
 

@@ -39,9 +39,8 @@ def global_shapes(config: ModelConfig) -> dict:
     """Parameter name -> shape: the partition rules' own trace of the init (`jax.eval_shape`),
     so the names, shapes and specs line up leaf for leaf."""
     import jax
-    treedef, shapes, *_ = _param_layout(config)
-    named = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(len(shapes))))
-    return {jax.tree_util.keystr(k): tuple(shapes[i]) for k, i in named[0]}
+    _, shapes, _, paths = _param_layout(config)
+    return {jax.tree_util.keystr(k): tuple(shape) for k, shape in zip(paths, shapes)}
 
 
 def param_table(config: ModelConfig, plan: MeshPlan) -> list[dict]:
