@@ -9,6 +9,13 @@ beside the timed call, at the two decode targets (batch 1 / context 32k, batch 6
 
 `--float8` profiles the Triton decode over bf16 pages and over float8 pages by `fp8_dot`
 instead (B=64 at 4k, B=768 at 320), for Nsight's sections (occupancy, stalls, instructions).
+One case with light sections finishes in about three minutes on an H100:
+
+    ncu --clock-control none --profile-from-start off --kernel-name regex:'paged|marker' \
+        --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats --section SpeedOfLight -o f8 \
+        python -m profiling.ncu_decode --float8 --cases b768_320
+    ncu -i f8.ncu-rep --page details --csv > details.csv
 
 Calls: our decode through `kernels.paged_attention` with each backend, JAX's Pallas paged kernel,
 and an XLA sum over K and V (the floor of reading them once). Under ncu each call runs once
