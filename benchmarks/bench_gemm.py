@@ -77,6 +77,7 @@ def xla_dot(x, w):
 
 
 def mosaic(name: str, k: int):
+    """The jitted call of tile `name`: x [M, K] and the form's weights -> [M, N]."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as hmix
     cfg = config(name, k)
@@ -103,6 +104,54 @@ def reference(x, w):
     return xla_dot(x, w)
 
 
+def one_shape(shape: str, m: int, args, env) -> list[dict]:
+    """XLA's bf16 product and every tile of the form that fits, checked, then timed together."""
+    k, n = SHAPES[shape]
+    x, w = inputs(m, k, n, 0)  # XLA's bf16 product is the baseline of either form
+    calls, names, records = [(jax.jit(xla_dot), (x, w))], ["xla"], []
+    if args.form == "int8":
+        x, w = inputs(m, k, n, 0, "int8")
+    for t in (t for t in args.tiles.split(",") if fits(t, m, n)):
+        rec = dict(env, shape=shape, m=m, k=k, n=n, tile=t)
+        try:
+            f = mosaic(t, k)
+            common.poison()
+            xc, wc = inputs(m, k, n, 1, args.form)
+            rec["rel_err"] = common.rel_err(f(xc, wc), reference(xc, wc))
+        except Exception as e:  # noqa: BLE001 -- recorded, not timed
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if rec.get("rel_err", 1.0) <= 1e-2:
+            calls.append((f, (x, w)))
+            names.append(t)
+        else:
+            records.append(rec)
+    times = common.device_times(calls, args.reps)
+    for t, (ms, kernels) in zip(names, times):
+        wbytes = k * n * (1 if t in INT8_TILES else 2)
+        rec = dict(env, shape=shape, m=m, k=k, n=n, tile=t, ms=ms, vs_xla=times[0][0] / ms,
+                   weight_tbps=wbytes / (ms * 1e-3) / 1e12,
+                   tflops=2 * m * k * n / (ms * 1e-3) / 1e12, kernels=kernels[:4])
+        if t != "xla":
+            rec["config"] = str(config(t, k))
+        records.append(rec)
+    return records
+
+
+def table(records) -> str:
+    lines = ["| shape | M | XLA us | TB/s | best tile | us | TB/s | TFLOP/s | vs XLA |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for shape, m in dict.fromkeys((r["shape"], r["m"]) for r in records):
+        rs = [r for r in records if r["shape"] == shape and r["m"] == m and "ms" in r]
+        xla = [r for r in rs if r["tile"] == "xla"]
+        best = min((r for r in rs if r["tile"] != "xla"), key=lambda r: r["ms"], default=None)
+        if xla and best:
+            lines.append(f"| {shape} | {m} | {1e3 * xla[0]['ms']:.1f} | "
+                         f"{xla[0]['weight_tbps']:.2f} | {best['tile']} | {1e3 * best['ms']:.1f} "
+                         f"| {best['weight_tbps']:.2f} | {best['tflops']:.0f} | "
+                         f"{best['vs_xla']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -117,55 +166,14 @@ def main(argv=None):
     print(json.dumps(env), flush=True)
     records = []
     for shape in args.shapes.split(","):
-        k, n = SHAPES[shape]
         for m in (int(x) for x in args.ms.split(",")):
-            x, w = inputs(m, k, n, 0)  # XLA's bf16 product is the baseline of either form
-            calls, names = [(jax.jit(xla_dot), (x, w))], ["xla"]
-            if args.form == "int8":
-                x, w = inputs(m, k, n, 0, "int8")
-            for t in args.tiles.split(","):
-                rec = dict(env, shape=shape, m=m, k=k, n=n, tile=t)
-                if not fits(t, m, n):
-                    continue
-                try:
-                    f = mosaic(t, k)
-                    common.poison()
-                    xc, wc = inputs(m, k, n, 1, args.form)
-                    rec["rel_err"] = common.rel_err(f(xc, wc), reference(xc, wc))
-                except Exception as e:  # noqa: BLE001 -- recorded, not timed
-                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                if rec.get("rel_err", 1.0) <= 1e-2:
-                    calls.append((f, (x, w)))
-                    names.append(t)
-                else:
-                    records.append(rec)
-                    print(json.dumps(rec), flush=True)
-            times = common.device_times(calls, args.reps)
-            xla_ms = times[0][0]
-            for t, (ms, kernels) in zip(names, times):
-                wbytes = k * n * (1 if t in INT8_TILES else 2)
-                rec = dict(env, shape=shape, m=m, k=k, n=n, tile=t, ms=ms, vs_xla=xla_ms / ms,
-                           weight_tbps=wbytes / (ms * 1e-3) / 1e12,
-                           tflops=2 * m * k * n / (ms * 1e-3) / 1e12, kernels=kernels[:4])
-                if t != "xla":
-                    rec["config"] = str(config(t, k))
+            for rec in one_shape(shape, m, args, env):
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
             os.makedirs(args.out, exist_ok=True)  # kept after each shape, should a later hang
             with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
                 json.dump(records, f, indent=1)
-    print("\n| shape | M | XLA us | TB/s | best tile | us | TB/s | TFLOP/s | vs XLA |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for shape in args.shapes.split(","):
-        for m in (int(x) for x in args.ms.split(",")):
-            rs = [r for r in records if r["shape"] == shape and r["m"] == m and "ms" in r]
-            xla = [r for r in rs if r["tile"] == "xla"]
-            best = min((r for r in rs if r["tile"] != "xla"), key=lambda r: r["ms"], default=None)
-            if not xla or best is None:
-                continue
-            print(f"| {shape} | {m} | {1e3 * xla[0]['ms']:.1f} | {xla[0]['weight_tbps']:.2f} | "
-                  f"{best['tile']} | {1e3 * best['ms']:.1f} | {best['weight_tbps']:.2f} | "
-                  f"{best['tflops']:.0f} | {best['vs_xla']:.2f}x |")
+    print("\n" + table(records))
 
 
 if __name__ == "__main__":
