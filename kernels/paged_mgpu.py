@@ -9,7 +9,7 @@ a CTA's block is then up to 64 // G query tokens of one sequence (blocks as `pag
 cuts them), its rows token-major, each row masked at its own token's causal limit. Decode is the
 case of one token a block.
 
-One CTA per (kv head, split, block) runs two warpgroups (float8 pages: see below):
+One CTA per (block, kv head, split) runs two warpgroups (float8 pages: see below):
 - a producer that streams the split's key tiles (`block_k` keys each) into a ring of
   `num_stages` shared-memory slots for K and for V: one TMA copy per page (or per `block_k`
   rows of a page larger than the tile), the page id read from the page table in global memory.
@@ -20,6 +20,12 @@ One CTA per (kv head, split, block) runs two warpgroups (float8 pages: see below
   heads), so each K/V page is read once for the whole group.
   Each tile is S = Q K^T (wgmma), an online softmax in float32 (base 2, scale folded in), then
   O += P V with P straight from registers.
+Persistent CTAs (`programs`): that many CTAs a split instead of one a (block, kv head) item,
+each taking every programs-th item (blocks fastest, so the CTAs running at once read one kv
+head's pages). The producer streams the items' tiles through one ring, the ring's step counted
+on across items, so the next item's first tiles land while the consumer finishes the last
+one's; q has two slots, the next item's copied in while this one runs. Short tables leave a
+CTA a few tiles, and its setup and drain then weigh as much as its reads.
 Split-K: a split takes an even share of the sequence's key tiles and writes a normalized float32
 output and its base-2 log-sum-exp, merged by `paged.merge_splits` (which also drops the padding
 rows); a split with no tiles writes zeros and NEG_INF. With one split the kernel writes the
@@ -59,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +86,10 @@ SMEM_BYTES = 227 * 1024  # shared memory one Hopper CTA may use
 FP8 = jnp.float8_e4m3fn
 
 
-def _smem_bytes(D, itemsize, block_k, num_stages, num_splits, fp8_stages=0):
+def _smem_bytes(D, itemsize, block_k, num_stages, num_splits, fp8_stages=0, programs=None):
     ring = 2 * num_stages * block_k * D * itemsize
     staging = 2 * fp8_stages * block_k * D  # float8 pages: the TMA's one-byte tiles
-    q = ROWS * D * itemsize
+    q = ROWS * D * itemsize * (1 if programs is None else 2)
     out = ROWS * D * 4 + ROWS * 4 if num_splits > 1 else 0
     return ring + staging + q + out
 
@@ -94,7 +101,7 @@ def register_pool(warpgroups):
 
 
 def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=4,
-              converters=1, registers=None, **_) -> str | None:
+              converters=1, registers=None, programs=None, **_) -> str | None:
     """Why this kernel cannot take the call (None if it can)."""
     S, H, D = q.shape
     KV, _, page_size, Dk = k_pages.shape
@@ -113,13 +120,16 @@ def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=
         return f"page_size {page_size} (a multiple of 8 dividing block_k or a multiple of it)"
     if num_splits < 1 or num_stages < 1 or (fp8 and fp8_stages < 1):
         return f"num_splits {num_splits}, num_stages {num_stages}, fp8_stages {fp8_stages}"
+    if programs is not None and programs < 1:
+        return f"programs {programs}"
     if fp8 and registers:  # asking for more than the pool would wait forever in setmaxnreg
         consumer, producer = registers
         if (converters < 2 or consumer + converters * producer > register_pool(1 + converters)
                 or consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256):
             return (f"registers {registers} with {converters} converters (two converters; "
                     f"multiples of 8 within {register_pool(1 + converters)} in all)")
-    need = _smem_bytes(D, 2, block_k, num_stages, num_splits, fp8_stages if fp8 else 0)
+    need = _smem_bytes(D, 2, block_k, num_stages, num_splits, fp8_stages if fp8 else 0,
+                       programs)
     if need > SMEM_BYTES:
         return f"{need} bytes of shared memory (block_k or num_stages too large)"
     return None
@@ -133,24 +143,65 @@ def _split_tiles(ctx, split, *, block_k, num_splits):
     return lo, jnp.minimum(lo + share, n_tiles)
 
 
+class Item(NamedTuple):
+    """One (block, kv head) of a CTA: its sequence, the keys its last token sees, its tokens,
+    and the split's key tiles [lo, hi)."""
+    b: jax.Array
+    kv: jax.Array
+    s: jax.Array
+    ctx: jax.Array
+    n: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+
+def _items(ctx_ref, *, num_kv, num_blocks, programs, split, max_keys, ragged, block_k,
+           num_splits):
+    """This CTA's items and their count: item i is (block, kv head) number p + i * programs,
+    blocks fastest, so CTAs that run at once read one kv head's pages, which a sequence's
+    chunk blocks then share through the L2 (one item a CTA when `programs` is None). Items
+    past the last have no tiles."""
+    p, total = lax.axis_index("item"), num_blocks * num_kv
+    count = 1 if programs is None else lax.div(total - p + programs - 1, programs)
+
+    def item(i):
+        k = p + i * (programs or 0)
+        real = k < total
+        k = jnp.minimum(k, total - 1)
+        kv, b = lax.div(k, num_blocks), lax.rem(k, num_blocks)
+        if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
+            s, ctx, n = ctx_ref[0, b], ctx_ref[1, b], ctx_ref[2, b]
+        else:  # decode: block b is sequence b's one token
+            s, ctx, n = b, ctx_ref[b], 1
+        ctx = jnp.where(real, jnp.minimum(ctx, max_keys), 0)  # within the table
+        lo, hi = _split_tiles(ctx, split, block_k=block_k, num_splits=num_splits)
+        return Item(b, kv, s, ctx, n, lo, hi)
+    return item, count
+
+
+def _each(count, body):
+    """body(i, steps) over a CTA's items, steps being the key tiles of the items before it;
+    returns all their tiles. No loop for one item (and no array closed over by its loops: the
+    Mosaic GPU lowering takes no constant operand there)."""
+    if isinstance(count, int) and count == 1:
+        return body(0, 0)
+    return lax.fori_loop(0, count, body, jnp.int32(0))
+
+
 def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, block_k, num_stages,
             num_splits, group, ragged, fp8_stages, convert_layout, converters, registers,
-            interpret):
+            programs, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
-    kv, split, b = lax.axis_index("kv"), lax.axis_index("split"), lax.axis_index("block")
-    if ragged:  # query tokens of one sequence: (sequence, keys the last one sees, tokens)
-        s, ctx, n = ctx_ref[0, b], ctx_ref[1, b], ctx_ref[2, b]
-    else:  # decode: block b is sequence b's one token
-        s, ctx, n = b, ctx_ref[b], 1
-    ctx = jnp.minimum(ctx, pt_ref.shape[1] * k_ref.shape[2])  # within the table
-    lo, hi = _split_tiles(ctx, split, block_k=block_k, num_splits=num_splits)
+    split = lax.axis_index("split")
+    item, count = _items(ctx_ref, num_kv=k_ref.shape[0], num_blocks=q_ref.shape[0],
+                         programs=programs, split=split,
+                         max_keys=pt_ref.shape[1] * k_ref.shape[2], ragged=ragged,
+                         block_k=block_k, num_splits=num_splits)
     wg = lax.axis_index("wg")
     smem, (k_full, v_full, q_full), (k_free, v_free), staging = scratch
     q_smem, k_smem, v_smem, o_smem = smem
     ring = dict(k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full, k_free=k_free,
-                v_free=v_free, lo=lo, hi=hi, block_k=block_k, num_stages=num_stages)
-    if fp8_stages:  # k_scale folds into the scores' scale, v_scale into the normalization
-        scale = scale * scales_ref[0, kv]
+                v_free=v_free, block_k=block_k, num_stages=num_stages)
 
     def regs(role, action):  # the register file split between the consumer and the producers
         if registers and not interpret:
@@ -159,18 +210,18 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
     @pl.when(wg == 0)
     def _consumer():
         regs(0, "increase")
-        _consume(q_ref, out_refs, q_smem, o_smem, q_full, kv=kv, split=split, b=b, ctx=ctx, n=n,
-                 group=group, ragged=ragged, scale=scale,
-                 v_scale=scales_ref[1, kv] if fp8_stages else None, interpret=interpret,
-                 **ring)
+        _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, item=item, count=count,
+                 split=split, group=group, ragged=ragged, scale=scale, fp8=bool(fp8_stages),
+                 interpret=interpret, **ring)
 
     if not fp8_stages:
-        pl.when(wg == 1)(lambda: _produce(pt_ref, k_ref, v_ref, kv=kv, s=s, ctx=ctx, **ring))
+        pl.when(wg == 1)(lambda: _produce(pt_ref, k_ref, v_ref, item=item, count=count,
+                                          **ring))
         return
     (k8, v8), (k8_full, v8_full) = staging
     tensors = [(k_ref, k8, k8_full, k_smem, k_full, k_free),
                (v_ref, v8, v8_full, v_smem, v_full, v_free)]
-    produce = functools.partial(_produce_fp8, pt_ref, kv=kv, s=s, ctx=ctx, lo=lo, hi=hi,
+    produce = functools.partial(_produce_fp8, pt_ref, item=item, count=count,
                                 block_k=block_k, num_stages=num_stages, fp8_stages=fp8_stages,
                                 convert_layout=convert_layout, interpret=interpret)
     for i, mine in enumerate([tensors] if converters == 1 else [tensors[:1], tensors[1:]]):
@@ -180,26 +231,25 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
             produce(mine)
 
 
-def _page_ids(pt_ref, *, s, ctx, lo, page_size, block_k):
-    """Table entries of a tile's copies (a page each, or the tile's rows of one page); copies
-    past the last page fetch it again (their keys are masked), so entries past the sequence
-    are never read."""
+def _page_ids(pt_ref, it, *, page_size, block_k):
+    """Table entries of key tile t's copies (a page each, or the tile's rows of one page);
+    copies past the last page fetch it again (their keys are masked), so entries past the
+    sequence are never read."""
     chunk = min(page_size, block_k)
-    last_page = jnp.maximum(ctx - 1, 0) // page_size
+    last_page = jnp.maximum(it.ctx - 1, 0) // page_size
 
-    def ids(step):
-        first = (lo + step) * block_k
-        return [pt_ref[s, jnp.minimum((first + c * chunk) // page_size, last_page)]
+    def ids(t):
+        return [pt_ref[it.s, jnp.minimum((t * block_k + c * chunk) // page_size, last_page)]
                 for c in range(block_k // chunk)]
     return ids
 
 
-def _issue(src, dst, full, ids, step, slot, *, kv, lo, block_k):
-    """TMA copies of one tile's pages (or rows of a page) into ring slot `slot`."""
+def _issue(src, dst, full, ids, t, slot, *, kv, block_k):
+    """TMA copies of key tile t's pages (or rows of a page) into ring slot `slot`."""
     page_size = src.shape[2]
     chunk = min(page_size, block_k)
     if page_size > block_k:  # the tile is rows [row, row + block_k) of one page
-        rows = pl.ds(lax.rem((lo + step) * block_k, page_size), chunk)
+        rows = pl.ds(lax.rem(t * block_k, page_size), chunk)
     else:
         rows = pl.ds(0, chunk)
     for c, page in enumerate(ids):
@@ -207,30 +257,27 @@ def _issue(src, dst, full, ids, step, slot, *, kv, lo, block_k):
         plgpu.copy_gmem_to_smem(src.at[kv, page, rows], tile_rows, full.at[slot])
 
 
-def _produce(pt_ref, k_ref, v_ref, *, kv, s, ctx, k_smem, v_smem, k_full, v_full, k_free,
-             v_free, lo, hi, block_k, num_stages):
-    page_ids = _page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=k_ref.shape[2],
-                         block_k=block_k)
-    issue = functools.partial(_issue, kv=kv, lo=lo, block_k=block_k)
-    steps = hi - lo
+def _produce(pt_ref, k_ref, v_ref, *, item, count, k_smem, v_smem, k_full, v_full, k_free,
+             v_free, block_k, num_stages):
+    """The CTA's items' tiles, in order, through one ring: step g of the CTA fills slot
+    g % num_stages once the consumer released it, so the next item's first tiles land while
+    the consumer finishes the last one's."""
+    def one(i, g):
+        it = item(i)
+        page_ids = _page_ids(pt_ref, it, page_size=k_ref.shape[2], block_k=block_k)
 
-    for i in range(num_stages):
-        @pl.when(i < steps)
-        def _():
-            ids = page_ids(i)
-            issue(k_ref, k_smem, k_full, ids, i, i)
-            issue(v_ref, v_smem, v_full, ids, i, i)
+        @pl.loop(it.lo, it.hi)
+        def _tile(t):
+            ids = page_ids(t)  # table reads in flight while waiting for the slot
+            step = g + t - it.lo
+            slot = lax.rem(step, num_stages)
+            for src, dst, full, free in ((k_ref, k_smem, k_full, k_free),
+                                         (v_ref, v_smem, v_full, v_free)):
+                pl.when(step >= num_stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                _issue(src, dst, full, ids, t, slot, kv=it.kv, block_k=block_k)
+        return g + it.hi - it.lo
 
-    @pl.loop(num_stages, jnp.maximum(steps, num_stages))
-    def _refill(step):
-        ids = page_ids(step)  # table reads in flight while waiting for the slot
-        slot = lax.rem(step, num_stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        issue(k_ref, k_smem, k_full, ids, step, slot)
-        plgpu.barrier_wait(v_free.at[slot])
-        issue(v_ref, v_smem, v_full, ids, step, slot)
-
-    _drain((k_free, v_free), steps, num_stages)
+    _drain((k_free, v_free), _each(count, one), num_stages)
 
 
 def _drain(frees, steps, num_stages):
@@ -242,28 +289,41 @@ def _drain(frees, steps, num_stages):
                 plgpu.barrier_wait(free.at[i])
 
 
-def _produce_fp8(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp8_stages,
-                 convert_layout, interpret):
-    """Float8 pages: TMA copies fill the float8 staging ring `fp8_stages` tiles ahead; each
-    tile is converted into the consumer's float16 ring (K before V, so S can start while V
-    converts), and its staging slot refilled once it is out. `tensors` are this warpgroup's
-    (pages, staging, staging_full, ring, ring_full, ring_free): K and V, or one of them when
-    each has its own warpgroup."""
-    page_ids = _page_ids(pt_ref, s=s, ctx=ctx, lo=lo, page_size=tensors[0][0].shape[2],
-                         block_k=block_k)
-    issue = functools.partial(_issue, kv=kv, lo=lo, block_k=block_k)
-    steps = hi - lo
+def _tile_cursor(item, count):
+    """Walk the CTA's key tiles in order across its items: (item, tile, item's end), skipping
+    items without tiles; past the last one the item index is `count`."""
+    def skip(c):
+        def next_item(c):
+            it = item(c[0] + 1)
+            return c[0] + 1, it.lo, it.hi
+        return lax.while_loop(lambda c: (c[1] >= c[2]) & (c[0] < count), next_item, c)
+    first = skip((jnp.int32(-1), jnp.int32(0), jnp.int32(0)))
+    return first, lambda c: skip((c[0], c[1] + 1, c[2]))
 
-    def fetch(step, slot):
-        ids = page_ids(step)
+
+def _produce_fp8(pt_ref, tensors, *, item, count, block_k, num_stages, fp8_stages,
+                 convert_layout, interpret):
+    """Float8 pages: TMA copies fill the float8 staging ring `fp8_stages` tiles ahead, across
+    the CTA's items; each tile is converted into the consumer's float16 ring (K before V, so S
+    can start while V converts), and its staging slot refilled once it is out. `tensors` are
+    this warpgroup's (pages, staging, staging_full, ring, ring_full, ring_free): K and V, or
+    one of them when each has its own warpgroup."""
+    page_size = tensors[0][0].shape[2]
+    steps = _each(count, lambda i, g: g + item(i).hi - item(i).lo)
+    cursor, advance = _tile_cursor(item, count)
+
+    def fetch(cur, step):
+        it = item(cur[0])
+        ids = _page_ids(pt_ref, it, page_size=page_size, block_k=block_k)(cur[1])
         for src, stage, stage_full, *_ in tensors:
-            issue(src, stage, stage_full, ids, step, slot)
+            _issue(src, stage, stage_full, ids, cur[1], lax.rem(step, fp8_stages), kv=it.kv,
+                   block_k=block_k)
 
     for i in range(fp8_stages):
-        pl.when(i < steps)(functools.partial(fetch, i, i))
+        pl.when(i < steps)(functools.partial(fetch, cursor, i))
+        cursor = advance(cursor)
 
-    @pl.loop(0, steps)
-    def _convert(step):
+    def convert(step, cursor):
         st, slot = lax.rem(step, fp8_stages), lax.rem(step, num_stages)
         for _, stage, stage_full, ring, ready, free in tensors:
             plgpu.barrier_wait(stage_full.at[st])
@@ -271,8 +331,10 @@ def _produce_fp8(pt_ref, tensors, *, kv, s, ctx, lo, hi, block_k, num_stages, fp
             _convert_tile(stage.at[st], ring.at[slot], convert_layout, interpret)
             plgpu.barrier_arrive(ready.at[slot])
         nxt = step + fp8_stages
-        pl.when(nxt < steps)(lambda: fetch(nxt, st))
+        pl.when(nxt < steps)(lambda: fetch(cursor, nxt))
+        return advance(cursor)
 
+    lax.fori_loop(0, steps, convert, cursor)
     _drain([t[5] for t in tensors], steps, num_stages)
 
 
@@ -286,19 +348,23 @@ def _convert_tile(src, dst, layout, interpret):
     plgpu.commit_smem()  # the warpgroup's stores, fenced for the wgmma's async reads
 
 
-def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, group, ragged,
-             scale, v_scale, k_smem, v_smem, k_full, v_full, k_free, v_free, lo, hi, block_k,
+def _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, *, item, count, split, group,
+             ragged, scale, fp8, k_smem, v_smem, k_full, v_full, k_free, v_free, block_k,
              num_stages, interpret):
+    """The CTA's items in turn, each tile's ring slot counted on from the item before. With
+    several items a CTA, q has two slots: the next item's q lands while this one runs."""
     D = q_ref.shape[-1]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, kv], q_smem, q_full)
-    plgpu.barrier_wait(q_full)
+    persistent = not (isinstance(count, int) and count == 1)
+    q_slot = (lambda i: q_smem.at[lax.rem(i, 2)]) if persistent else (lambda i: q_smem)
+    q_bar = (lambda i: q_full.at[lax.rem(i, 2)]) if persistent else (lambda i: q_full)
+
+    def load_q(i):
+        it = item(i)
+        plgpu.copy_gmem_to_smem(q_ref.at[it.b, it.kv], q_slot(i), q_bar(i))
 
     def layout(x, lay):
         return x if interpret else plgpu.layout_cast(x, lay)
 
-    m = layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l = layout(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = layout(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     cols = wgmma_iota((ROWS, block_k), 1, interpret=interpret)
     v_rows = wgmma_iota((block_k, D), 0, interpret=interpret)
     # Causal rows (several tokens a block): row r is token r // group of the block, which sees
@@ -307,44 +373,72 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, g
     diag = (cols - lax.div(wgmma_iota((ROWS, block_k), 0, interpret=interpret), group)
             if ragged else None)
 
-    def step(j, carry, masked):
-        acc, m, l = carry
-        slot = lax.rem(j - lo, num_stages)
-        sc = wgmma_qk(q_smem, k_smem.at[slot], interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
-        valid = ctx - j * block_k  # keys of this tile before the context end
-        if masked:
-            keep = cols < valid
-            if ragged:
-                keep = keep & (diag <= valid - n)
-            sc = jnp.where(keep, sc, -jnp.inf)
-        m_new = jnp.maximum(m, sc.max(axis=1) * scale)
-        # A row may see no key yet (its first tiles all past its causal limit): keep exp2 finite.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked and ragged else m_new
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_use, sc.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        plgpu.barrier_wait(v_full.at[slot])
-        if masked:
-            _zero_rows_from(v_smem.at[slot], valid, v_rows)
-        nxt = j + 1
-        wait_next = lambda: pl.when(nxt < hi)(
-            lambda: plgpu.barrier_wait(k_full.at[lax.rem(nxt - lo, num_stages)]))
-        acc = wgmma_pv(acc, p.astype(q_smem.dtype), v_smem.at[slot], wait_next, interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+    def one(i, g):
+        it = item(i)
+        if persistent:
+            @pl.when(i + 1 < count)
+            def _():  # the other q slot's last output copy has read it: refill it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                load_q(i + 1)
+        plgpu.barrier_wait(q_bar(i))
+        q_i = q_slot(i)
+        # float8 pages: k_scale folds into the scores' scale, v_scale into the normalization
+        sc_scale = scale * scales_ref[0, it.kv] if fp8 else scale
+        slot_of = lambda j: lax.rem(g + j - it.lo, num_stages)
 
-    @pl.when(hi > lo)
-    def _():
-        plgpu.barrier_wait(k_full.at[0])
+        def step(j, carry, masked):
+            acc, m, l = carry
+            slot = slot_of(j)
+            sc = wgmma_qk(q_i, k_smem.at[slot], interpret)
+            plgpu.barrier_arrive(k_free.at[slot])
+            valid = it.ctx - j * block_k  # keys of this tile before the context end
+            if masked:
+                keep = cols < valid
+                if ragged:
+                    keep = keep & (diag <= valid - it.n)
+                sc = jnp.where(keep, sc, -jnp.inf)
+            m_new = jnp.maximum(m, sc.max(axis=1) * sc_scale)
+            # A row may see no key yet (its first tiles all past its causal limit): keep exp2
+            # finite.
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked and ragged else m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(sc * sc_scale - lax.broadcast_in_dim(m_use, sc.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_full.at[slot])
+            if masked:
+                _zero_rows_from(v_smem.at[slot], valid, v_rows)
+            nxt = j + 1
+            wait_next = lambda: pl.when(nxt < it.hi)(
+                lambda: plgpu.barrier_wait(k_full.at[slot_of(nxt)]))
+            acc = wgmma_pv(acc, p.astype(q_i.dtype), v_smem.at[slot], wait_next, interpret)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
 
-    # Tiles before (ctx - n + 1) // block_k hold only keys every row sees; the rest (one tile
-    # for decode, which crosses the end) are masked.
-    whole = jnp.clip((ctx - n + 1) // block_k, lo, hi)
-    carry = lax.fori_loop(lo, whole, functools.partial(step, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(whole, hi, functools.partial(step, masked=True), carry)
+        @pl.when(it.hi > it.lo)
+        def _():
+            plgpu.barrier_wait(k_full.at[slot_of(it.lo)])
 
+        m = layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = layout(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = layout(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        # Tiles before (ctx - n + 1) // block_k hold only keys every row sees; the rest (one
+        # tile for decode, which crosses the end) are masked.
+        whole = jnp.clip((it.ctx - it.n + 1) // block_k, it.lo, it.hi)
+        carry = lax.fori_loop(it.lo, whole, functools.partial(step, masked=False), (acc, m, l))
+        acc, m, l = lax.fori_loop(whole, it.hi, functools.partial(step, masked=True), carry)
+        _write(out_refs, q_i, o_smem, acc, m, l, it=it, split=split,
+               v_scale=scales_ref[1, it.kv] if fp8 else None, persistent=persistent)
+        return g + it.hi - it.lo
+
+    load_q(0)
+    _each(count, one)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _write(out_refs, q_slot, o_smem, acc, m, l, *, it, split, v_scale, persistent):
+    """An item's normalized output (one split: through its q slot, in q's dtype), or its
+    float32 partial output and base-2 log-sum-exp; the copies are awaited later."""
     empty = l == 0.0  # a split without tiles (or context 0)
     norm = jnp.where(empty, 1.0, l)
     if v_scale is not None:  # float8 pages: V was read as stored, V / v_scale
@@ -352,17 +446,18 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, kv, split, b, ctx, n, g
     acc = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
     live = pl.ds(0, out_refs[0].shape[-2])  # the group's rows, rounded up to a tile of 8
     if len(out_refs) == 1:  # one split: the final output, through q's buffer
-        q_smem[...] = acc.astype(q_smem.dtype)
+        q_slot[...] = acc.astype(q_slot.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[live], out_refs[0].at[b, kv])
-    else:
-        o_tile, lse_tile = o_smem
-        o_tile[...] = acc
-        lse_tile[...] = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_tile.at[live], out_refs[0].at[split, b, kv])
-        plgpu.copy_smem_to_gmem(lse_tile.at[live], out_refs[1].at[split, b, kv])
-    plgpu.wait_smem_to_gmem(0)
+        plgpu.copy_smem_to_gmem(q_slot.at[live], out_refs[0].at[it.b, it.kv])
+        return
+    o_tile, lse_tile = o_smem
+    if persistent:  # the item before's copies have read the tiles
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_tile[...] = acc
+    lse_tile[...] = jnp.where(empty, NEG_INF, m + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_tile.at[live], out_refs[0].at[split, it.b, it.kv])
+    plgpu.copy_smem_to_gmem(lse_tile.at[live], out_refs[1].at[split, it.b, it.kv])
 
 
 def _zero_rows_from(v_tile, valid, rows):
@@ -393,19 +488,20 @@ def unpack(o, num_heads):
     return o[:, :, :num_heads // KV].reshape(S, num_heads, D)
 
 
-def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages):
+def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages, persistent):
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=(
         plgpu.TilingTransform((8, 128 // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(128)))
     out = None
     if num_splits > 1:
         out = (tiled((ROWS, D), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32))
-    smem = (tiled((ROWS, D), dtype), tiled((num_stages, block_k, D), dtype),
+    q_shape = (2, ROWS, D) if persistent else (ROWS, D)
+    smem = (tiled(q_shape, dtype), tiled((num_stages, block_k, D), dtype),
             tiled((num_stages, block_k, D), dtype), out)
     # With float8 pages the 16-bit ring is filled by the producer's arrival, not the TMA's.
     arrivals = 1 if fp8_stages else copies
     full = (plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
-            plgpu.Barrier())
+            plgpu.Barrier(num_barriers=2) if persistent else plgpu.Barrier())
     free = (plgpu.Barrier(num_barriers=num_stages),) * 2
     staging = None
     if fp8_stages:
@@ -417,10 +513,12 @@ def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages):
 
 def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ragged, rows,
             sm_scale, block_k, num_stages, num_splits, fp8_stages, convert_layout, converters,
-            registers, interpret):
+            registers, programs, interpret):
     """The kernel over q_packed [NB, KV, 64, D]: `blocks` is context_lens [NB] for decode or,
     `ragged`, [3, NB] (sequence, keys its last token sees, tokens) for blocks of query tokens
     of one sequence, `group` rows a token; `scales` [2, KV] are float8 pages' k/v scales.
+    `programs`: that many CTAs a split, each taking every programs-th (block, kv head) in turn
+    (None: one CTA each).
     Returns [NB, KV, rows, D] in q's dtype (float16 for float8 pages), or with splits float32
     partial outputs [splits, NB, KV, rows, D] and base-2 log-sum-exps [splits, NB, KV, rows]."""
     NB, KV, _, D = q_packed.shape
@@ -433,14 +531,17 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ra
     num_stages = max(1, min(num_stages, per_split))
     fp8_stages = max(1, min(fp8_stages, per_split)) if fp8 else 0
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
+    if programs is not None and programs >= NB * KV:
+        programs = None  # as many CTAs as items: one each
     scratch = _scratch(q_packed.dtype, D, block_k, num_stages, num_splits,
-                       copies=block_k // min(page_size, block_k), fp8_stages=fp8_stages)
+                       copies=block_k // min(page_size, block_k), fp8_stages=fp8_stages,
+                       persistent=programs is not None)
     layout = getattr(plgpu.Layout, convert_layout) if fp8 and not interpret else None
     body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
                              num_splits=num_splits, group=group, ragged=ragged,
                              fp8_stages=fp8_stages, convert_layout=layout,
                              converters=converters,
-                             registers=registers if fp8 else None,
+                             registers=registers if fp8 else None, programs=programs,
                              interpret=interpret)
 
     def entry(*refs):
@@ -458,8 +559,8 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ra
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(KV, num_splits, NB),
-        grid_names=("kv", "split", "block"),
+        grid=(num_splits, programs or NB * KV),  # the last axis runs fastest
+        grid_names=("split", "item"),
         num_threads=1 + (converters if fp8 else 1),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -479,19 +580,20 @@ def _scales(k_pages, k_scale, v_scale):
 
 
 STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "fp8_stages", "convert_layout",
-          "converters", "registers", "interpret")
+          "converters", "registers", "programs", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=None,
                     v_scale=None, sm_scale=None, block_k=64, num_stages=4, num_splits=1,
                     fp8_stages=4, convert_layout="WGMMA", converters=1, registers=None,
-                    interpret=False):
+                    programs=None, interpret=False):
     """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D] (with
     float8 pages their k/v_scale [KV]), context_lens [S] int32, page_table [S, pages_per_seq]
     int32 -> [S, H, D]."""
     why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                    fp8_stages=fp8_stages, converters=converters, registers=registers)
+                    fp8_stages=fp8_stages, converters=converters, registers=registers,
+                    programs=programs)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     S, H, D = q.shape
@@ -501,7 +603,8 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=No
                   _scales(k_pages, k_scale, v_scale), group=H // KV, ragged=False, rows=rows,
                   sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
                   num_splits=num_splits, fp8_stages=fp8_stages, convert_layout=convert_layout,
-                  converters=converters, registers=registers, interpret=interpret)
+                  converters=converters, registers=registers, programs=programs,
+                  interpret=interpret)
     if num_splits == 1:
         return unpack(out, H).astype(q.dtype)
     o, lse = out  # merged and the padding rows dropped in one launch
@@ -539,12 +642,13 @@ def token_places(query_start, T, tokens):
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            k_scale=None, v_scale=None, sm_scale=None, block_k=64, num_stages=2,
                            num_splits=1, fp8_stages=4, convert_layout="WGMMA", converters=1,
-                           registers=None, interpret=False):
+                           registers=None, programs=None, interpret=False):
     """Prefill chunks and decode tokens on one flat token axis, q [T, H, D] -> [T, H, D], as
     `paged.ragged_paged_attention` (tokens past query_start[-1] get zeros). A CTA's 64 rows are
     up to 64 // G tokens of one sequence times their G query heads, causal among themselves."""
     why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                    fp8_stages=fp8_stages, converters=converters, registers=registers)
+                    fp8_stages=fp8_stages, converters=converters, registers=registers,
+                    programs=programs)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     T, H, D = q.shape
@@ -563,7 +667,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                   group=G, ragged=True, rows=rows, sm_scale=sm_scale, block_k=block_k,
                   num_stages=num_stages, num_splits=num_splits, fp8_stages=fp8_stages,
                   convert_layout=convert_layout, converters=converters, registers=registers,
-                  interpret=interpret)
+                  programs=programs, interpret=interpret)
     if num_splits > 1:
         o, lse = out
         out = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1),

@@ -226,6 +226,79 @@ def test_ragged_fp8_backend_choice(monkeypatch):
     assert len(called) == 2
 
 
+PERSISTENT_CASES = [
+    # ctx, KV, splits, fp8, programs: fewer CTAs than (sequence, kv head) items, each walking
+    # every programs-th item through one ring (contexts 0 and 1 among them)
+    ([45, 1, 83, 0, 200], 1, 2, False, 2),   # split-K: the partial tiles reused item to item
+    ([130, 0, 37, 64], 2, 1, False, 3),      # kv heads of one sequence on different CTAs
+    ([1, 0, 130, 70], 2, 1, True, 3),        # float8: the staging ring runs across items
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+def test_paged_mgpu_persistent(case):
+    """Persistent CTAs (`programs`): each item's output as the reference's, with NaN in every
+    stale pool slot; the result equals the one-CTA-an-item kernel's."""
+    ctx, KV, splits, fp8, programs = case
+    q, kp, vp, ctx, table = decode_case(sum(ctx) + KV, ctx, 4 * KV, KV, 64, 16, jnp.bfloat16)
+    kw, scales = dict(num_splits=splits, block_k=64, num_stages=2), {}
+    if fp8:
+        (kp, vp), scales = scaled_fp8(3, kp, vp)
+        kw = dict(kw, num_stages=1, fp8_stages=3, converters=2, registers=(232, 136))
+    ref = reference.paged_attention_reference(q, kp, vp, ctx, table, **scales)
+    t = np.asarray(table)
+    kp, vp = poison_stale_slots(kp, ctx, t), poison_stale_slots(vp, ctx, t)
+    outs = [paged_mgpu.paged_attention(q, kp, vp, ctx, table, programs=p, interpret=True,
+                                       **kw, **scales) for p in (programs, None)]
+    assert rel_err(outs[0], ref) < (2e-3 if fp8 else 1e-2)
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32),
+                                  np.asarray(outs[1], np.float32))
+
+
+def test_ragged_mgpu_persistent():
+    """Mixed steps on persistent CTAs: a chunk's blocks and decode tokens, items of several
+    lengths on each CTA, the padding blocks' items without tiles; races checked."""
+    q, kp, vp, qs, ctx, table = paged_case(40, [33, 1, 1, 5], [70, 12, 0, 30], 4, 1, 64, 16,
+                                           pad_tokens=2)
+    q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
+    ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table)
+    out = paged_mgpu.ragged_paged_attention(
+        q, kp, vp, qs, ctx, table, block_k=64, programs=3,
+        interpret=InterpretGPUParams(detect_races=True))
+    assert not gpu_callbacks.get_races().races_found
+    live = int(qs[-1])
+    assert rel_err(out[:live], ref[:live]) < 1e-2
+    assert np.all(np.asarray(out[live:], np.float32) == 0)
+
+
+def test_fp8_decode_persistent_choice(monkeypatch):
+    """kernels.paged_attention on float8 pages takes the entry's `short` tiles (persistent CTAs)
+    where the table is under `below_keys` and the items fill `programs`; else its own."""
+    from pallasite import kernels
+    from pallasite.kernels import tuning
+    called = []
+    real = paged_mgpu.paged_attention
+    monkeypatch.setattr(paged_mgpu, "paged_attention",
+                        lambda *a, **kw: called.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
+    entry = dict(block_k=64, num_stages=1, fp8_stages=2, converters=2, registers=(232, 136),
+                 short=dict(block_k=64, num_stages=1, fp8_stages=3, num_splits=1, programs=4,
+                            below_keys=128))
+    own = tuning.params
+    monkeypatch.setattr(tuning, "params", lambda name, *a: dict(entry) if name.startswith(
+        "decode_mosaic") else own(name, *a))
+    monkeypatch.setattr(tuning, "decode_backend", lambda fp8=False: "mosaic")
+    q, kp, vp, ctx, table = decode_case(9, [30, 50, 1, 64], 8, 2, 64, 16, jnp.bfloat16)
+    (k8, v8), scales = scaled_fp8(4, kp, vp)
+    for tab, items, short in ((table[:, :4], slice(None), True),   # 64 keys, 8 items
+                              (table[:, :4], slice(0, 1), False),  # 2 items: under programs
+                              (jnp.pad(table, ((0, 0), (0, 8))), slice(None), False)):
+        c = jnp.minimum(ctx, tab.shape[1] * 16)[items]
+        kernels.paged_attention(q[items], k8, v8, c, tab[items], interpret=True, **scales)
+        assert (called[-1].get("programs") == 4) == short
+        assert "below_keys" not in called[-1] and "short" not in called[-1]
+
+
 def test_paged_mgpu_supported():
     q = jnp.zeros((2, 8, 128), jnp.bfloat16)
     kp = jnp.zeros((2, 10, 16, 128), jnp.bfloat16)
@@ -240,6 +313,7 @@ def test_paged_mgpu_supported():
     assert "page_size" in why(q, jnp.zeros((2, 10, 12, 128), jnp.bfloat16))
     assert "page_size" in why(q, jnp.zeros((2, 10, 48, 128), jnp.bfloat16))
     assert "block_k" in why(q, kp, block_k=32)
+    assert "programs" in why(q, kp, programs=0)
     assert "shared memory" in why(q, kp, block_k=128, num_stages=4)
     k8 = kp.astype(jnp.float8_e4m3fn)
     assert paged_mgpu.register_pool(3) == 504  # 168 a thread at launch
