@@ -139,6 +139,10 @@ def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
 def _mosaic_decode_params(q, k_pages, page_table, blocks):
     fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn  # float8 pages: their own rings and tiles
     kw = tuning.params("decode_mosaic_fp8" if fp8 else "decode_mosaic") | blocks
+    short = kw.pop("short", None)  # short tables and enough (sequence, kv head) items
+    if (short and not blocks and page_table.shape[1] * k_pages.shape[2] < short["below_keys"]
+            and q.shape[0] * k_pages.shape[0] >= short["programs"]):
+        kw = {k: v for k, v in (kw | short).items() if k != "below_keys"}
     if "num_splits" not in kw:
         tiles = -(-page_table.shape[1] * k_pages.shape[2] // kw["block_k"])
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)

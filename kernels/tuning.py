@@ -46,7 +46,15 @@ _DEFAULT = {
     # 0.0640 in the same run (2026-11-27, `sweep_fp8kv --only regs`; 232 gave 0.2215 / 0.0636).
     "decode_mosaic_fp8": dict(block_k=128, num_stages=1, fp8_stages=3,
                               convert_layout="WGMMA_UPCAST_2X", converters=2,
-                              registers=(248, 128)),
+                              registers=(248, 128),
+                              # Tables under 4096 keys with 132+ (sequence, kv head) items:
+                              # 132 persistent CTAs walk them through one ring each, 64-key
+                              # tiles (H100, 2026-11-28, `benchmarks/sweep_ragged.py --mosaic
+                              # --fp8 --programs 132`: 200 rows at 400 keys 0.1210 ms against
+                              # 0.1550 one CTA an item and Triton's 0.1406; 768 at 320 0.3281
+                              # against 0.4882 and 0.3828).
+                              short=dict(block_k=64, num_stages=2, fp8_stages=4, num_splits=1,
+                                         programs=132, below_keys=4096)),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
     # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.
