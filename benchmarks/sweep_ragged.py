@@ -25,6 +25,9 @@ sequence, no block metadata; with --mosaic the Mosaic GPU one too).
 With --mosaic, the Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`: a CTA's 64 rows are
 a block of one sequence's tokens times their query heads, K/V pages by TMA, warpgroup MMAs)
 runs beside it at its own tiles and splits, and a 512-token chunk over 8k runs alone too.
+`--programs 132,264` adds its one-split tiles with that many persistent CTAs, each walking
+every programs-th (block, kv head) through one TMA ring (and, for decode rows only, the Mosaic
+decode kernel at the library's tiles so).
 
 Every variant (block_rows, block_k, num_warps, num_stages; splits by the library's rule) is
 first checked against the jnp reference on fresh random inputs with freed memory poisoned, then
@@ -46,7 +49,7 @@ from benchmarks import common
 from benchmarks.attention import paged_inputs
 from benchmarks.sweep_fp8kv import fp8_pages
 from pallasite import kernels as K
-from pallasite.kernels import reference
+from pallasite.kernels import reference, tuning
 
 H, KV, D, PAGE = 32, 8, 128, 16
 CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
@@ -68,8 +71,15 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
 # With --fp8: (block_k, num_stages, num_splits, fp8_stages, convert_layout, converters)
+# and the register split (consumer, producer) of two converters
 MOSAIC_FP8 = [(128, 1, 1, 3, "WGMMA_UPCAST_2X", 2), (128, 1, 2, 3, "WGMMA_UPCAST_2X", 2),
-              (128, 1, 1, 3, "WGMMA_UPCAST_2X", 1), (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2)]
+              (128, 1, 1, 3, "WGMMA_UPCAST_2X", 1), (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2),
+              (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2, (248, 128)),
+              (128, 1, 1, 3, "WGMMA_UPCAST_2X", 2, (248, 128))]
+# The Mosaic GPU decode kernel with --programs: (block_k, num_stages[, fp8_stages]), the rest
+# as the library's entry (float8: two converters and their register split)
+DECODE = [(128, 2), (64, 3), (64, 4), (128, 3)]
+DECODE_FP8 = [(128, 1, 3), (128, 1, 2), (64, 2, 4), (64, 3, 4)]
 
 
 
@@ -114,8 +124,22 @@ def run_case(name, q_lens, ctx, args):
     if args.mosaic:
         from pallasite.kernels import paged_mgpu
         tiles = [dict(zip(("block_k", "num_stages", "num_splits", "fp8_stages",
-                           "convert_layout", "converters"), t))
+                           "convert_layout", "converters", "registers"), t))
                  for t in (MOSAIC_FP8 if args.fp8 else MOSAIC)]
+        tiles += [dict(t, programs=p) for p in args.programs for t in tiles
+                  if t["num_splits"] == 1]
+        if all(n == 1 for n in q_lens):  # the decode kernel at the library's tiles and more
+            entry = tuning.params("decode_mosaic_fp8" if args.fp8 else "decode_mosaic")
+            entry.pop("short", None)
+            keys = ("block_k", "num_stages", "fp8_stages")
+            for p in args.programs:
+                for t in DECODE_FP8 if args.fp8 else DECODE:
+                    tile = dict(zip(keys, t))
+                    kw = dict(entry, **tile, num_splits=1, programs=p, **sc)
+                    jobs.append((dict(kernel="decode", backend="mosaic", programs=p, **tile),
+                                 jax.jit(lambda q, kp, vp, qs, c, t, kw=kw:
+                                         paged_mgpu.paged_attention(q, kp, vp, c, t,
+                                                                    interpret=args.tiny, **kw))))
         for kw in tiles[:1] if args.tiny else tiles:
             kw = dict(kw, **sc)
             jobs.append((dict(kernel="mosaic", **{k: v for k, v in kw.items() if k not in sc}),
@@ -146,13 +170,16 @@ def run_case(name, q_lens, ctx, args):
 
 
 def label(r) -> str:
+    programs = f"/{r['programs']}p" if "programs" in r else ""
     if r["kernel"] == "decode":
-        return f"decode kernel ({r['backend']})"
+        tile = "".join(f"/{r[k]}" for k in ("block_k", "num_stages", "fp8_stages") if k in r)
+        return f"decode kernel ({r['backend']}{tile}{programs})"
     if r["kernel"] == "library":
         return "library" + (f" {r['num_splits']} splits" if "num_splits" in r else "")
     if r["kernel"] == "mosaic":
         cv = f"/{r['converters']}cv" if "converters" in r else ""
-        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{cv}"
+        cv += "/r{}-{}".format(*r["registers"]) if "registers" in r else ""
+        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{cv}{programs}"
     return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s"
 
 
@@ -169,6 +196,8 @@ def main(argv=None):
                     help="also the library's tiles at these key splits")
     ap.add_argument("--mosaic", action="store_true",
                     help="also the Mosaic GPU ragged kernel (Hopper), at its tiles and splits")
+    ap.add_argument("--programs", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="with --mosaic, also its one-split tiles with this many persistent CTAs")
     ap.add_argument("--fp8", action="store_true",
                     help="float8 pages with per-kv-head scales (the FP8 KV cache)")
     args = ap.parse_args(argv)
