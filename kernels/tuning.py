@@ -50,9 +50,9 @@ _DEFAULT = {
                               # Tables under 4096 keys with 132+ (sequence, kv head) items:
                               # 132 persistent CTAs walk them through one ring each, 64-key
                               # tiles (H100, 2026-11-28, `benchmarks/sweep_ragged.py --mosaic
-                              # --fp8 --programs 132`: 200 rows at 400 keys 0.1210 ms against
-                              # 0.1550 one CTA an item and Triton's 0.1406; 768 at 320 0.3281
-                              # against 0.4882 and 0.3828).
+                              # --fp8 --programs 132`: 200 rows at 400 keys 0.1221 ms against
+                              # 0.1559 one CTA an item and Triton's 0.1405; 768 at 320 0.3281
+                              # against 0.4882 and 0.3828). The H200 inherits it unmeasured.
                               short=dict(block_k=64, num_stages=2, fp8_stages=4, num_splits=1,
                                          programs=132, below_keys=4096)),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
