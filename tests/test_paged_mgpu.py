@@ -294,7 +294,9 @@ def test_fp8_decode_persistent_choice(monkeypatch):
                               (table[:, :4], slice(0, 1), False),  # 2 items: under programs
                               (jnp.pad(table, ((0, 0), (0, 8))), slice(None), False)):
         c = jnp.minimum(ctx, tab.shape[1] * 16)[items]
-        kernels.paged_attention(q[items], k8, v8, c, tab[items], interpret=True, **scales)
+        out = kernels.paged_attention(q[items], k8, v8, c, tab[items], interpret=True, **scales)
+        ref = reference.paged_attention_reference(q[items], k8, v8, c, tab[items], **scales)
+        assert rel_err(out, ref) < 2e-3
         assert (called[-1].get("programs") == 4) == short
         assert "below_keys" not in called[-1] and "short" not in called[-1]
 
