@@ -49,8 +49,9 @@ LIMIT = 1e-2
 
 def mgpu_variants(m, n, k_tiles, tiny):
     """64/128/256 output columns, row blocks, the library's split rule
-    (`w4a16_mgpu.blocks_for`) or none. 256 columns over 64 rows hold as large an accumulator
-    as 128 x 128 and read each activation tile for twice the columns."""
+    (`w4a16_mgpu.blocks_for`) or none, and two warpgroups a CTA at the library's tiles for them.
+    256 columns over 64 rows hold as large an accumulator as 128 x 128 and read each activation
+    tile for twice the columns."""
     if tiny:
         return [dict(block_n=64), dict(block_n=64, num_splits=2, unpack="convert")]
     bms = [None] if m <= 64 else [64, 128] if m == 128 else [64, 128, 256]
@@ -59,11 +60,11 @@ def mgpu_variants(m, n, k_tiles, tiny):
         rows = bm or mg.rows_block(m)
         if bn * rows > 16384 or (bn == 64 and rows < 128 and m > 64):
             continue  # the accumulator's registers; narrow tiles only where they can pay
-        rule = mg.blocks_for(m, n, k_tiles)["num_splits"]
+        rule = mg.blocks_for(m, n, k_tiles, consumers=1)["num_splits"]
         for splits in sorted({1, rule}):
             out.append(dict(block_n=bn, num_splits=splits,
                             **({} if bm is None else dict(block_m=bm))))
-    return out
+    return out + [mg.blocks_for(m, n, k_tiles, consumers=2)] * (n % 256 == 0)
 
 
 def gemv_variants(m, n, k_tiles, tiny, near=False):

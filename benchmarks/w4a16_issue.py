@@ -2,7 +2,8 @@
 codes and issuing the MMAs: the library's call at `blocks_for`'s tiles, timed as it issues each
 plane's MMA as soon as its operand is made (`default`), with the operands of `wait_every`
 planes made first and their MMAs awaited together (`waitN`), with other pipeline depths or
-tiles (`stagesN`, `bmN`, `bnN`, `splitsN`, joined by `+`), and with each code's shift, AND
+tiles (`stagesN`, `bmN`, `bnN`, `splitsN`, joined by `+`), with N consumer warpgroups a CTA
+sharing its activation tile (`consN`, first, at `blocks_for`'s tiles for them), and with each code's shift, AND
 and OR replaced by a bitcast of the word (`bitcast`: wrong numbers, the same loads, MMAs and
 stores, so what the integer unpacking costs), beside XLA's bf16 product, at 8B layer shapes.
 
@@ -50,8 +51,12 @@ def compiled(x, words_t, s, variant: str, **kw):
         mg.one_plus = lambda words, j, bits: lax.bitcast_convert_type(words, jnp.float32)
     elif variant != "default":  # e.g. "stages3+wait2": options over the library's tiles
         keys = dict(wait="wait_every", stages="num_stages", bm="block_m", bn="block_n",
-                    splits="num_splits")
-        for part in variant.split("+"):
+                    splits="num_splits", cons="consumers")
+        parts = variant.split("+")
+        if parts[0].startswith("cons"):  # the library's tiles for that many consumers
+            kw = mg.blocks_for(x.shape[0], words_t.shape[0], words_t.shape[1] // mg.SLAB,
+                               consumers=int(parts[0][4:]))
+        for part in parts:
             name = part.rstrip("0123456789")
             kw = kw | {keys[name]: int(part[len(name):])}
     try:
@@ -83,18 +88,24 @@ def main(argv=None):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             xc = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.bfloat16)
             kw = mg.blocks_for(m, n, words_t.shape[1] // mg.SLAB)
-            fns = {v: compiled(x, words_t, s, v, **kw) for v in variants}
+            fns, failed = {}, {}
+            for v in variants:  # a variant that does not compile (e.g. shared memory) is noted
+                try:
+                    fns[v] = compiled(x, words_t, s, v, **kw)
+                except Exception as e:  # noqa: BLE001
+                    failed[v] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"{name} M={m} {v}: {failed[v]}", flush=True)
             ref = xc.astype(jnp.float32) @ w_bf16.astype(jnp.float32)
             errs = {v: check(f, (xc, words_t, s), ref)[0] for v, f in fns.items()
                     if v != "bitcast"}
             errs = {v: None if e is None else float(e) for v, e in errs.items()}
-            timed = [v for v in variants
+            timed = [v for v in fns
                      if v == "bitcast" or (errs[v] is not None and errs[v] <= 1e-2)]
             ts = common.device_times([(fns[v], (x, words_t, s)) for v in timed]
                                      + [(jax.jit(lambda x, w: x @ w), (x, w_bf16))], args.reps)
             bf16_us = 1e3 * ts[-1][0]
             rec = dict(shape=name, k=k, n=n, m=m, params=kw, rel_err=errs, bf16_us=bf16_us,
-                       us={v: 1e3 * t for v, (t, _) in zip(timed, ts)})
+                       us={v: 1e3 * t for v, (t, _) in zip(timed, ts)}, failed=failed)
             records.append(rec)
             print(f"{name} M={m} {kw}: bf16 {bf16_us:.1f} us  " + "  ".join(
                 f"{v} {u:.1f} us ({bf16_us / u:.2f}x)" for v, u in rec["us"].items()), flush=True)

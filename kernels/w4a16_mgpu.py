@@ -70,14 +70,18 @@ def dequantize_t(words_t, scale, zero, *, bits: int, group_size: int, k: int):
 
 
 def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n: int = 128,
-              block_m: int | None = None, unpack: str = "fma", **_) -> str | None:
+              block_m: int | None = None, unpack: str = "fma", consumers: int = 1,
+              **_) -> str | None:
     """Why this kernel cannot take the call, or None."""
     if bits not in (4, 8):
         return f"bits={bits}"
     if unpack not in UNPACKS:
         return f"unpack={unpack!r} is not one of {UNPACKS}"
-    if n % block_n or block_n % 64:
-        return f"N={n} is not a multiple of block_n={block_n} (a multiple of 64)"
+    if consumers not in (1, 2):
+        return f"consumers={consumers} (1 or 2)"
+    if n % (consumers * block_n) or block_n % 64:
+        return (f"N={n} is not a multiple of {consumers} x block_n={block_n} (a multiple of "
+                f"64)")
     tile = tile_rows(bits)
     if group_size % SLAB or (group_size < tile and tile % group_size) or (
             group_size < k_pad and k_pad % group_size):
@@ -95,28 +99,37 @@ def rows_block(m: int) -> int:
     return min(128, -(-m // 16) * 16)
 
 
-def blocks_for(m: int, n: int, k_tiles: int) -> dict:
-    """Tiles for an [m, K] x [K, n] call (swept on the H100/H200 at 8B layer shapes,
-    benchmarks/bench_w4a16_mgpu.py): 128 output columns a CTA, and K split while the grid
-    stays under four CTAs an SM up to 64 rows (two above); past 16 rows, not at all where the
-    column blocks alone give every SM one (gate_up at 64 rows: 60 us against 72 split in two,
-    a second wave of CTAs; 2-6% at 24-48 rows; at 16 the split was 3% ahead)."""
-    bn = 128 if n % 128 == 0 else 64
-    blocks = (n // bn) * -(-m // rows_block(m))
+def blocks_for(m: int, n: int, k_tiles: int, consumers: int | None = None) -> dict:
+    """Tiles for an [m, K] x [K, n] call (swept on the H100 at 8B layer shapes,
+    benchmarks/bench_w4a16_mgpu.py and w4a16_issue.py): 128 output columns a warpgroup.
+
+    From 64 rows, two warpgroups a CTA share its activation tile, one CTA an SM, and K is split
+    while the grid stays under one CTA an SM (gate_up / qkv / down at 256 rows: 1.22 / 1.16 /
+    1.30x one warpgroup; level to 1.07x at 64 rows; slower at 16-32). Below, one warpgroup, and
+    K split while the grid stays under four CTAs an SM up to 64 rows (two above); past 16 rows,
+    not at all where the column blocks alone give every SM one (gate_up at 64 rows: 60 us
+    against 72 split in two, a second wave of CTAs; 2-6% at 24-48 rows; at 16 the split was 3%
+    ahead)."""
+    if consumers is None:
+        consumers = 2 if m >= 64 and n % 256 == 0 else 1
+    bn = 128 if n % (128 * consumers) == 0 else 64
+    blocks = (n // (bn * consumers)) * -(-m // rows_block(m))
     full = m > 16 and blocks >= 132
-    target, splits = (0 if full else 528 if m <= 64 else 264), 1
+    target = 132 if consumers > 1 else 0 if full else 528 if m <= 64 else 264
+    splits = 1
     while splits < 8 and blocks * splits * 2 <= target and k_tiles % (splits * 2) == 0:
         splits *= 2
-    return dict(block_n=bn, num_splits=splits)
+    return dict(block_n=bn, num_splits=splits) | (
+        dict(consumers=consumers) if consumers > 1 else {})
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",
                                              "num_stages", "num_splits", "unpack", "wait_every",
-                                             "interpret"))
+                                             "consumers", "interpret"))
 def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                  block_n: int = 128, block_m: int | None = None, num_stages: int = 2,
                  num_splits: int = 1, unpack: str = "fma", wait_every: int | None = None,
-                 interpret: bool = False):
+                 consumers: int = 1, interpret: bool = False):
     """x [M, K] bf16 times the packed weight (words_t [N, K_pad // per], scale [G, N] f32,
     zero [G, N] bf16 or None: symmetric) -> out^T [N, M_pad] bf16, or [splits, N, M_pad] f32
     partial sums with num_splits > 1. `unpack`: "fma" makes each code the float 1 + u/2**bits
@@ -124,13 +137,14 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     an OR, then a subtraction and a product; "convert" converts the integer. `wait_every`: make
     that many planes' operands first, then issue their MMAs and await them (the default issues
     each as its operand is made; waiting by 2-8 planes measured level or slower,
-    benchmarks/w4a16_issue.py)."""
+    benchmarks/w4a16_issue.py). `consumers` = 2: two warpgroups a CTA, each over block_n
+    columns of one shared activation tile."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
     k_pad = kw * per
     why = supported(m, k_pad, n, bits=bits, group_size=group_size, block_n=block_n,
-                    block_m=block_m, unpack=unpack)
+                    block_m=block_m, unpack=unpack, consumers=consumers)
     if why:
         raise ValueError(f"w4a16_mgpu: {why}")
     bm = block_m or rows_block(m)
@@ -151,11 +165,13 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     def load(ref, layout):
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
 
-    def weights(w_smem, s_smem, z_smem):
-        """The tile's dequantized bf16 [block_n, SLAB] operands, one a bit plane."""
-        words = load(w_smem, plgpu.Layout.WGMMA)
+    def weights(w_smem, s_smem, z_smem, mine):
+        """The tile's dequantized bf16 [block_n, SLAB] operands, one a bit plane, for the
+        columns `mine` of the shared tiles."""
+        words = load(w_smem.at[mine], plgpu.Layout.WGMMA)
         col = lambda v: lax.broadcast_in_dim(v, (block_n, SLAB), [0])
-        vec = lambda r, g: load(r.at[g], plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+        vec = lambda r, g: load(r.at[g, mine], plgpu.Layout.WGMMA.reduce(1)).astype(
+            jnp.float32)
         groups = {}
         for j in range(per):
             g = (j * SLAB) // group_size if group_size < tile else 0
@@ -183,10 +199,10 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         else:
             plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(xs, (1, 0)))
 
-    def step(acc_ref, x_smem, w_smem, s_smem, z_smem):
+    def step(acc_ref, x_smem, w_smem, s_smem, z_smem, mine=slice(None)):
         """Each plane's weights straight from registers into its MMA; all awaited before the
         step returns its slots."""
-        planes = weights(w_smem, s_smem, z_smem)
+        planes = weights(w_smem, s_smem, z_smem, mine)
         if wait_every is None:
             for j, w in enumerate(planes):
                 mma(acc_ref, w, x_smem, j)
@@ -201,62 +217,139 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         if not interpret:
             plgpu.wgmma_wait(0)
 
-    def body(x_gmem, w_gmem, s_gmem, *rest):
-        z_gmem, o_gmem = rest if zero is not None else (None, *rest)
-        ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-        cols, rows = pl.ds(ni * block_n, block_n), pl.ds(mi * bm, bm)
+    def operands(x_gmem, w_gmem, s_gmem, z_gmem, cols, rows, si):
+        """The split's K tiles of x and of the words (and their scale and zero rows) for the
+        CTA's columns and rows: the pipeline's specs and the views they read."""
         ks = pl.ds(si * per_split * tile, per_split * tile)
         # the split's scale rows: its groups, or the one group a split shorter than it lies in
         g_span = max(1, per_split * tile // group_size)
         gs = pl.ds(si * per_split * tile // group_size, g_span) if group_size < k_pad else (
             pl.ds(0, 1))
+        width = cols.size
         specs = [plgpu.BlockSpec((bm, tile), lambda s: (0, s), transforms=x_t),
-                 plgpu.BlockSpec((block_n, SLAB), lambda s: (0, s), transforms=w_t),
-                 plgpu.BlockSpec((g_rows, block_n), g_index)]
+                 plgpu.BlockSpec((width, SLAB), lambda s: (0, s), transforms=w_t),
+                 plgpu.BlockSpec((g_rows, width), g_index)]
         args = [x_gmem.at[rows, ks], w_gmem.at[cols, pl.ds(si * per_split * SLAB,
                                                              per_split * SLAB)],
                 s_gmem.at[gs, cols]]
         if zero is not None:
-            specs.append(plgpu.BlockSpec((g_rows, block_n), g_index))
+            specs.append(plgpu.BlockSpec((g_rows, width), g_index))
             args.append(z_gmem.at[gs, cols])
+        return specs, args
+
+    def accumulate(fn):
+        """fn(acc_ref) with a zeroed float32 accumulator; in interpret mode a shared-memory
+        scratch stands in for it."""
+        if not interpret:
+            return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
+
+        def zeroed(acc_ref):
+            acc_ref[...] = jnp.zeros(shape, jnp.float32)
+            return fn(acc_ref)
+        return pl.run_scoped(zeroed, plgpu.SMEM(shape, jnp.float32))
+
+    def store(o_smem, acc, o_gmem, cols, rows, si):
+        o_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[cols, rows] if splits == 1 else
+                                o_gmem.at[si, cols, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    def unpack_args(gmem):
+        x_gmem, w_gmem, s_gmem, *rest = gmem
+        return (x_gmem, w_gmem, s_gmem) + (tuple(rest) if zero is not None else (None, *rest))
+
+    def body(*gmem):
+        x_gmem, w_gmem, s_gmem, z_gmem, o_gmem = unpack_args(gmem)
+        ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+        cols, rows = pl.ds(ni * block_n, block_n), pl.ds(mi * bm, bm)
+        specs, args = operands(x_gmem, w_gmem, s_gmem, z_gmem, cols, rows, si)
 
         def product(acc_ref):
             body = lambda _, x_s, w_s, s_s, *z_s: step(acc_ref, x_s, w_s, s_s, *(z_s or (None,)))
             plgpu.emit_pipeline(body, grid=(per_split,), in_specs=specs,
                                 max_concurrent_steps=stages)(*args)
             return acc_ref[...]
-
-        if interpret:  # a float32 scratch stands in for the accumulator
-            def product_zeroed(acc_ref):
-                acc_ref[...] = jnp.zeros(shape, jnp.float32)
-                return product(acc_ref)
-            acc = pl.run_scoped(product_zeroed, plgpu.SMEM(shape, jnp.float32))
-        else:
-            acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-
-        def out(o_smem):
-            o_smem[...] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            dst = o_gmem.at[cols, rows] if splits == 1 else o_gmem.at[si, cols, rows]
-            plgpu.copy_smem_to_gmem(o_smem, dst)
-            plgpu.wait_smem_to_gmem(0)
+        acc = accumulate(product)
         # after the pipeline's scope, so the output tile reuses its buffers' shared memory:
         # at 128 rows that leaves room for two CTAs an SM
-        pl.run_scoped(out, plgpu.SMEM(shape, out_dtype, transforms=o_t))
+        pl.run_scoped(lambda o_smem: store(o_smem, acc, o_gmem, cols, rows, si),
+                      plgpu.SMEM(shape, out_dtype, transforms=o_t))
 
-    interp = None
-    if interpret:
+    def body_shared(*gmem):
+        """Two warpgroups a CTA, each over block_n of its columns, both reading one x tile: half
+        the activations' L2 traffic a column. The first warpgroup's leading thread issues the
+        copies, a refill once both have released the slot (a producer warpgroup of its own
+        measured level or slower, benchmarks/w4a16_issue.py)."""
+        x_gmem, w_gmem, s_gmem, z_gmem, o_gmem = unpack_args(gmem)
+        ni, mi, si, wg = (lax.axis_index(a) for a in ("n", "m", "s", "wg"))
+        cta_n, rows = consumers * block_n, pl.ds(mi * bm, bm)
+        specs, views = operands(x_gmem, w_gmem, s_gmem, z_gmem, pl.ds(ni * cta_n, cta_n), rows,
+                                si)
+        slot = lambda t: t % stages if isinstance(t, int) else lax.rem(t, stages)
+        leader = wg == 0
+
+        def consume(smem, o_smem, full, free, acc_smem=None):
+            def fetch(t):  # K tile t of every operand into its slot
+                for view, spec, buf in zip(views, specs, smem):
+                    src = view.at[tuple(pl.ds(i * d, d) for i, d in zip(spec.index_map(t),
+                                                                        spec.block_shape))]
+                    plgpu.copy_gmem_to_smem(src, buf.at[slot(t)], full.at[slot(t)])
+            pl.when(leader)(lambda: _each(fetch, range(min(stages, per_split))))
+
+            def product(acc_ref):
+                @pl.loop(0, per_split)
+                def _(t):
+                    @pl.when(leader & (t >= 1) & (t - 1 + stages < per_split))
+                    def _():  # tile t - 1's slot takes tile t - 1 + stages
+                        plgpu.barrier_wait(free.at[slot(t - 1)])
+                        fetch(t - 1 + stages)
+                    plgpu.barrier_wait(full.at[slot(t)])
+                    step(acc_ref, *(b.at[slot(t)] for b in smem), *([None] * (zero is None)),
+                         mine=pl.ds(wg * block_n, block_n))
+                    plgpu.barrier_arrive(free.at[slot(t)])
+                # the releases no refill awaited: every phase observed (the interpreter checks)
+                pl.when(leader)(lambda: _each(lambda t: plgpu.barrier_wait(free.at[slot(t)]),
+                                              range(max(0, per_split - stages), per_split)))
+                return acc_ref[...]
+            if acc_smem is None:
+                acc = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+            else:  # interpret mode allocates only for every warpgroup at once
+                acc_smem[wg] = jnp.zeros(shape, jnp.float32)
+                acc = product(acc_smem.at[wg])
+            store(o_smem.at[wg], acc, o_gmem, pl.ds(ni * cta_n + wg * block_n, block_n),
+                  rows, si)
+
+        extra = dict(acc_smem=plgpu.SMEM((consumers, *shape), jnp.float32)) if interpret else {}
+        pl.run_scoped(
+            consume, smem=[plgpu.SMEM((stages, *sp.block_shape), v.dtype,
+                                      transforms=sp.transforms) for sp, v in zip(specs, views)],
+            o_smem=plgpu.SMEM((consumers, *shape), out_dtype, transforms=o_t),
+            full=plgpu.Barrier(num_arrivals=len(specs), num_barriers=stages),
+            free=plgpu.Barrier(num_arrivals=consumers, num_barriers=stages), **extra,
+            collective_axes="wg")
+
+    interp = interpret or None
+    if interpret is True:  # or an InterpretGPUParams, e.g. with detect_races=True
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interp = InterpretGPUParams()
     out_shape = (n, mp) if splits == 1 else (splits, n, mp)
-    operands = (x, words_t, scale) + (() if zero is None else (zero,))
+    operands_ = (x, words_t, scale) + (() if zero is None else (zero,))
+    grid = (n // (consumers * block_n), mp // bm, splits)
+    kernel = dict(body=body) if consumers == 1 else dict(
+        body=body_shared, num_threads=consumers, thread_name="wg")
     return plgpu.kernel(
-        body,
+        **kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(n // block_n, mp // bm, splits),
+        grid=grid,
         grid_names=("n", "m", "s"),
         interpret=interp,
-    )(*operands)
+    )(*operands_)
+
+
+def _each(fn, items):
+    for item in items:
+        fn(item)
 
 
 def int_matmul(x, words_t, scale, zero=None, perm=None, *, bits: int, group_size: int,

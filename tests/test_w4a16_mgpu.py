@@ -44,6 +44,34 @@ def test_matches_numpy(m, k, n, bits, group_size, asym, splits, unpack, wait_eve
           wait_every=wait_every)
 
 
+@pytest.mark.parametrize("m,k,n,bits,group_size,asym,blocks", [
+    (5, 256, 256, 4, 128, False, dict()),  # a ring as deep as the K tiles
+    (20, 1024, 256, 4, 128, True, dict(num_splits=2, num_stages=3)),  # refills, split-K
+    (20, 640, 256, 4, 32, True, dict()),  # five tiles through two slots, groups of 32
+    (33, 512, 128, 8, 64, True, dict(block_m=16)),  # INT8, three row blocks
+])
+def test_two_consumers_match_numpy(m, k, n, bits, group_size, asym, blocks):
+    """Two warpgroups a CTA over one shared activation tile, each its own half of the
+    columns."""
+    check(m, k, n, bits, group_size, asym, block_n=64, consumers=2, **blocks)
+
+
+def test_two_consumers_race_free():
+    """The interpreter's race detector over the shared ring: every refill lands in a slot
+    both consumers have released."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    rng = np.random.default_rng(7)
+    codes, scale, zero = random_weight(rng, 640, 256, 4, 128, True)
+    _, s, z, g = im.pack_weight(codes, scale, zero, bits=4, group_size=128)
+    x = jnp.asarray(rng.standard_normal((9, 640)), jnp.bfloat16)
+    got = mg.int_matmul(x, mg.pack_t(codes, 4), s, z, bits=4, group_size=g, block_n=64,
+                        consumers=2, interpret=InterpretGPUParams(detect_races=True))
+    assert not gpu_callbacks.get_races().races_found
+    want = np.asarray(x, np.float32) @ numpy_dequant(codes, scale, zero, 4, 128)
+    assert np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want) < 1e-2
+
+
 def test_wide_column_tile():
     """256 output columns a CTA over 64-row blocks: the accumulator as large as 128 x 128's,
     each activation tile shared by twice the columns."""
@@ -57,7 +85,19 @@ def test_wide_column_tile():
     (256, 4096, 112, 4),  # two row blocks of 32: two CTAs an SM
 ])
 def test_blocks_for_splits_only_a_short_grid(m, n, k_tiles, splits):
-    assert mg.blocks_for(m, n, k_tiles) == dict(block_n=128, num_splits=splits)
+    assert mg.blocks_for(m, n, k_tiles, consumers=1) == dict(block_n=128, num_splits=splits)
+
+
+@pytest.mark.parametrize("m,n,k_tiles,want", [
+    (256, 28672, 32, dict(num_splits=1, consumers=2)),  # 224 CTAs of 256 columns
+    (256, 6144, 32, dict(num_splits=2, consumers=2)),  # 48 CTAs: 96 split, not 192
+    (128, 4096, 112, dict(num_splits=8, consumers=2)),  # 16 CTAs: 128 split
+    (32, 28672, 32, dict(num_splits=1)),  # one warpgroup a CTA below 64 rows
+    (64, 6016, 32, dict(num_splits=8)),  # columns not in 256s: one warpgroup
+])
+def test_blocks_for_two_consumers_from_64_rows(m, n, k_tiles, want):
+    """Two warpgroups a CTA from 64 rows, K split up to one CTA an SM."""
+    assert mg.blocks_for(m, n, k_tiles) == dict(block_n=128, **want)
 
 
 def test_act_order_permutation():
@@ -84,6 +124,9 @@ def test_pack_t_round_trip():
 def test_refuses_what_it_cannot_tile():
     assert "block_n" in mg.supported(16, 256, 96, bits=4, group_size=128, block_n=64)
     assert "group_size" in mg.supported(16, 256, 64, bits=4, group_size=96, block_n=64)
+    assert "2 x block_n" in mg.supported(16, 256, 192, bits=4, group_size=128, block_n=64,
+                                          consumers=2)
+    assert "consumers" in mg.supported(16, 256, 192, bits=4, group_size=128, consumers=3)
     assert mg.supported(300, 256, 128, bits=4, group_size=128) is None
     with pytest.raises(ValueError, match="block_n"):
         mg.int_matmul_t(jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((96, 32), jnp.int32),
