@@ -5,7 +5,8 @@ planes made first and their MMAs awaited together (`waitN`), with other pipeline
 tiles (`stagesN`, `bmN`, `bnN`, `splitsN`, joined by `+`), with N consumer warpgroups a CTA
 sharing its activation tile (`consN`, first, at `blocks_for`'s tiles for them), and with each code's shift, AND
 and OR replaced by a bitcast of the word (`bitcast`: wrong numbers, the same loads, MMAs and
-stores, so what the integer unpacking costs), beside XLA's bf16 product, at 8B layer shapes.
+stores, so what the integer unpacking costs), beside XLA's bf16 product and the weight
+dequantized in the graph before it (the library's path above 256 rows), at 8B layer shapes.
 
     python -m benchmarks.w4a16_issue --out DIR          # H100
     MOSAIC_GPU_DUMP_PTXAS=1 python -m benchmarks.w4a16_issue --shapes gate_up --ms 256 --reps 2
@@ -68,6 +69,14 @@ def compiled(x, words_t, s, variant: str, **kw):
         mg.one_plus = real
 
 
+def dequant_dot(k: int):
+    """The library's product above INT_MATMUL_MAX_ROWS: the weight dequantized in the graph,
+    then XLA's dot."""
+    dims = (((1,), (1,)), ((), ()))
+    return jax.jit(lambda x, w, s: lax.dot_general(x, mg.dequantize_t(
+        w, s, None, bits=4, group_size=128, k=k).astype(x.dtype), dims))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,12 +111,15 @@ def main(argv=None):
             timed = [v for v in fns
                      if v == "bitcast" or (errs[v] is not None and errs[v] <= 1e-2)]
             ts = common.device_times([(fns[v], (x, words_t, s)) for v in timed]
-                                     + [(jax.jit(lambda x, w: x @ w), (x, w_bf16))], args.reps)
-            bf16_us = 1e3 * ts[-1][0]
+                                     + [(dequant_dot(k), (x, words_t, s)),
+                                        (jax.jit(lambda x, w: x @ w), (x, w_bf16))], args.reps)
+            bf16_us, dequant_us = 1e3 * ts[-1][0], 1e3 * ts[-2][0]
             rec = dict(shape=name, k=k, n=n, m=m, params=kw, rel_err=errs, bf16_us=bf16_us,
+                       dequant_dot_us=dequant_us,
                        us={v: 1e3 * t for v, (t, _) in zip(timed, ts)}, failed=failed)
             records.append(rec)
-            print(f"{name} M={m} {kw}: bf16 {bf16_us:.1f} us  " + "  ".join(
+            print(f"{name} M={m} {kw}: bf16 {bf16_us:.1f} us  dequantized + bf16 "
+                  f"{dequant_us:.1f} us  " + "  ".join(
                 f"{v} {u:.1f} us ({bf16_us / u:.2f}x)" for v, u in rec["us"].items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "w4a16_issue.json"), "w") as f:
