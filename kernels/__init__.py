@@ -638,6 +638,9 @@ def matmul(x, w, *, layout: str = "kn", out_dtype=None, impl=None, interpret=Fal
 
 # -- integer weight-only matrix products (W4A16, W8A16) ------------------------------------------
 INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and takes XLA's dot
+# INT4 in the Hopper layout: its kernel, two warpgroups a CTA, is 1.08-1.33x that path at
+# 384-512 rows on 8B layers (qkv level) and slower at 768 (H100, benchmarks/w4a16_issue.py)
+INT4_HOPPER_MAX_ROWS = 512
 INT_LAYOUTS = ("kn", "nk16")  # w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]
 # Rows up to which the Hopper layout's product runs on the CUDA cores (`w4a16_gemv`): at one row
 # it is 1.14-1.32x the MMA kernel on 8B layers; at two about level, from four slower (H100).
@@ -661,14 +664,16 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
                layout: str = "kn", impl=None, interpret=False, **blocks):
     """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`, or with `layout` "nk16"
     `w4a16_mgpu.pack_t`) -> [M, N] in x's dtype: the Pallas kernel on GPU up to
-    INT_MATMUL_MAX_ROWS rows, the dequantized weight through XLA's dot above (prefill is
-    compute-bound) and on other backends."""
+    INT_MATMUL_MAX_ROWS rows (INT4_HOPPER_MAX_ROWS for INT4 in the Hopper layout), the
+    dequantized weight through XLA's dot above (prefill is compute-bound) and on other
+    backends."""
     from . import w4a16_gemv as gv
     from . import w4a16_matmul as im
     from . import w4a16_mgpu as mg
     kw = dict(bits=bits, group_size=group_size)
     k, hopper = x.shape[-1], layout == "nk16"
-    if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= INT_MATMUL_MAX_ROWS):
+    rows = INT4_HOPPER_MAX_ROWS if hopper and bits == 4 else INT_MATMUL_MAX_ROWS
+    if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= rows):
         if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)

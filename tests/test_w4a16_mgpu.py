@@ -221,3 +221,23 @@ def test_engine_in_the_hopper_layout_generates_as_in_the_triton_layout(tmp_path,
             assert llm.engine.params["layers_0"]["attn"]["wqkv"].layout == layout
             outs[layout] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs["nk16"] == outs["kn"]
+
+
+@pytest.mark.parametrize("bits,m,kernel", [(4, 512, True), (4, 513, False), (8, 384, False),
+                                            (8, 256, True)])
+def test_hopper_rows_past_which_the_weight_is_dequantized(monkeypatch, bits, m, kernel):
+    """INT4 in the Hopper layout runs its kernel to INT4_HOPPER_MAX_ROWS rows; INT8 to
+    INT_MATMUL_MAX_ROWS; past them the weight is dequantized for XLA's dot."""
+    from pallasite import kernels
+    calls = []
+    monkeypatch.setattr(kernels, "_use_pallas", lambda impl, interpret: True)
+    monkeypatch.setattr(mg, "int_matmul", lambda x, *a, **kw: calls.append(kw) or x[:, :64])
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 1 << bits, (256, 256))
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    scale = jnp.full((2, 256), 0.01, jnp.float32)
+    kernels.int_matmul(x, mg.pack_t(codes, bits), scale, bits=bits, group_size=128,
+                       layout="nk16")
+    assert bool(calls) == kernel
+    if kernel and m > 256:
+        assert calls[0]["consumers"] == 2

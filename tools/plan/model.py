@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 
-from ...kernels import INT_MATMUL_MAX_ROWS, W8A16_MAX_ROWS
+from ...kernels import INT4_HOPPER_MAX_ROWS, INT_MATMUL_MAX_ROWS, W8A16_MAX_ROWS
 from ...model import ModelConfig
 from ...sharding import MeshPlan, param_partition_specs, shard_shape
 from ...sharding.rules import _param_layout, kv_cache_heads
@@ -182,7 +182,8 @@ def step_cost(config: ModelConfig, shapes: Shapes, plan: MeshPlan, cluster: Clus
     # are costed apart (experts_time: they run as their own products, not overlapped).
     kinds = ("dense", "head") + (("embed",) if config.tie_word_embeddings else ())
     weight_bytes = sum(shapes.device.get(kind, 0) * wl.bytes_of(kind) for kind in kinds)
-    if wl.quantization in INT_BYTES and tokens > INT_MATMUL_MAX_ROWS:
+    rows = INT4_HOPPER_MAX_ROWS if wl.quantization == "w4a16" else INT_MATMUL_MAX_ROWS
+    if wl.quantization in INT_BYTES and tokens > rows:
         # above the kernel's rows the integer weights are dequantized to bf16 (written, then
         # read by XLA's dot) every step: prefill is compute-bound, but these bytes still move
         weight_bytes += shapes.device.get("dense", 0) * 2 * wl.weight_bytes
