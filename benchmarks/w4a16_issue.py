@@ -2,11 +2,11 @@
 codes and issuing the MMAs: the library's call at `blocks_for`'s tiles, timed as it issues each
 plane's MMA as soon as its operand is made (`default`), with the operands of `wait_every`
 planes made first and their MMAs awaited together (`waitN`), with other pipeline depths or
-tiles (`stagesN`, `bmN`, `bnN`, `splitsN`, joined by `+`), with N consumer warpgroups a CTA
-sharing its activation tile (`consN`, first, at `blocks_for`'s tiles for them), and with each code's shift, AND
-and OR replaced by a bitcast of the word (`bitcast`: wrong numbers, the same loads, MMAs and
-stores, so what the integer unpacking costs), beside XLA's bf16 product and the weight
-dequantized in the graph before it (the library's path above 256 rows), at 8B layer shapes.
+tiles (`stagesN`, `bmN`, `bnN`, `splitsN`, joined by `+`), with N warpgroups a CTA sharing
+its activation tile (`consN`, first: `blocks_for`'s tiles for them), and with each code's
+shift, AND and OR replaced by a bitcast of the word (`bitcast`: wrong numbers, the same loads,
+MMAs and stores, so what the integer unpacking costs), beside XLA's bf16 product and the weight
+dequantized in the graph before it (the library's path past its rows), at 8B layer shapes.
 
     python -m benchmarks.w4a16_issue --out DIR          # H100
     MOSAIC_GPU_DUMP_PTXAS=1 python -m benchmarks.w4a16_issue --shapes gate_up --ms 256 --reps 2

@@ -15,10 +15,12 @@ j * SLAB... of the x tile, and one FMA the weight (u - zero) * scale, rounded to
 dequantizing in the graph rounds it. Each plane's MMA is issued as soon as its operand is made;
 a tile's are awaited once.
 
-One CTA of one warpgroup per [block_n, block_m] output tile; with `num_splits` > 1, that many
-CTAs share its K tiles and write float32 partial sums that XLA adds. The output tile takes the
-pipeline's shared memory once the loop is done, so at 128 rows two CTAs fit an SM (ptxas gives
-a thread about 200-226 registers: two CTAs by registers too). The jnp reference is
+One CTA of one warpgroup per [block_n, block_m] output tile, or (`consumers=2`, from 64 rows)
+of two warpgroups over 2 * block_n columns that read one activation tile; with `num_splits` > 1,
+that many CTAs share its K tiles and write float32 partial sums that XLA adds. With one
+warpgroup the output tile takes the pipeline's shared memory once the loop is done, so at 128
+rows two CTAs fit an SM (ptxas gives a thread about 200-226 registers: two CTAs by registers
+too). The jnp reference is
 `dequantize_t` (or `w4a16_matmul.int_matmul_reference` on the Triton layout of the same codes).
 Measured against the Triton kernel and bf16 in `benchmarks/bench_w4a16_mgpu.py`.
 
@@ -217,7 +219,7 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         if not interpret:
             plgpu.wgmma_wait(0)
 
-    def operands(x_gmem, w_gmem, s_gmem, z_gmem, cols, rows, si):
+    def specs_and_views(x_gmem, w_gmem, s_gmem, z_gmem, cols, rows, si):
         """The split's K tiles of x and of the words (and their scale and zero rows) for the
         CTA's columns and rows: the pipeline's specs and the views they read."""
         ks = pl.ds(si * per_split * tile, per_split * tile)
@@ -255,7 +257,7 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
                                 o_gmem.at[si, cols, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    def unpack_args(gmem):
+    def unpack_args(gmem):  # (x, words, scale, zero or None, out)
         x_gmem, w_gmem, s_gmem, *rest = gmem
         return (x_gmem, w_gmem, s_gmem) + (tuple(rest) if zero is not None else (None, *rest))
 
@@ -263,7 +265,7 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         x_gmem, w_gmem, s_gmem, z_gmem, o_gmem = unpack_args(gmem)
         ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         cols, rows = pl.ds(ni * block_n, block_n), pl.ds(mi * bm, bm)
-        specs, args = operands(x_gmem, w_gmem, s_gmem, z_gmem, cols, rows, si)
+        specs, args = specs_and_views(x_gmem, w_gmem, s_gmem, z_gmem, cols, rows, si)
 
         def product(acc_ref):
             body = lambda _, x_s, w_s, s_s, *z_s: step(acc_ref, x_s, w_s, s_s, *(z_s or (None,)))
@@ -284,8 +286,8 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         x_gmem, w_gmem, s_gmem, z_gmem, o_gmem = unpack_args(gmem)
         ni, mi, si, wg = (lax.axis_index(a) for a in ("n", "m", "s", "wg"))
         cta_n, rows = consumers * block_n, pl.ds(mi * bm, bm)
-        specs, views = operands(x_gmem, w_gmem, s_gmem, z_gmem, pl.ds(ni * cta_n, cta_n), rows,
-                                si)
+        specs, views = specs_and_views(x_gmem, w_gmem, s_gmem, z_gmem, pl.ds(ni * cta_n, cta_n),
+                                       rows, si)
         slot = lambda t: t % stages if isinstance(t, int) else lax.rem(t, stages)
         leader = wg == 0
 
@@ -334,7 +336,7 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interp = InterpretGPUParams()
     out_shape = (n, mp) if splits == 1 else (splits, n, mp)
-    operands_ = (x, words_t, scale) + (() if zero is None else (zero,))
+    operands = (x, words_t, scale) + (() if zero is None else (zero,))
     grid = (n // (consumers * block_n), mp // bm, splits)
     kernel = dict(body=body) if consumers == 1 else dict(
         body=body_shared, num_threads=consumers, thread_name="wg")
@@ -344,10 +346,11 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         grid=grid,
         grid_names=("n", "m", "s"),
         interpret=interp,
-    )(*operands_)
+    )(*operands)
 
 
 def _each(fn, items):
+    """fn over items, returning None (what a `pl.when` body must)."""
     for item in items:
         fn(item)
 
