@@ -681,7 +681,8 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
             return gv.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw)
         tiles = words.shape[1] // mg.SLAB  # a K tile is SLAB words a column
         return mg.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
-                             **(mg.blocks_for(x.shape[0], words.shape[0], tiles) | blocks))
+                             **(mg.blocks_for(x.shape[0], words.shape[0], tiles, **kw,
+                                              zero_points=zero is not None) | blocks))
     # The weight dequantized as it is stored ([N, K] for the Hopper layout: XLA's dot takes
     # either side transposed, while transposing the weight would cost a pass over it).
     dims = (((1,), (1 if hopper else 0,)), ((), ()))

@@ -71,8 +71,22 @@ def dequantize_t(words_t, scale, zero, *, bits: int, group_size: int, k: int):
     return (codes[:, :k].astype(jnp.float32) - z) * scale.astype(jnp.float32).T[:, groups]
 
 
+SMEM_BYTES = 232448  # shared memory a CTA may take on Hopper
+
+
+def shared_bytes(bm: int, *, bits: int, group_size: int, block_n: int, consumers: int,
+                 num_stages: int, f32_out: bool, zero_points: bool) -> int:
+    """Shared memory of the two-warpgroup form: the ring (x, words, scale and zero rows) and
+    both output tiles, held together (one warpgroup's output tile reuses its ring)."""
+    tile, cols = tile_rows(bits), consumers * block_n
+    g_rows = max(1, tile // group_size)
+    stage = bm * tile * 2 + cols * SLAB * 4 + g_rows * cols * (4 + 2 * zero_points)
+    return num_stages * (stage + 16) + cols * bm * (4 if f32_out else 2)
+
+
 def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n: int = 128,
               block_m: int | None = None, unpack: str = "fma", consumers: int = 1,
+              num_stages: int = 2, num_splits: int = 1, zero_points: bool = False,
               **_) -> str | None:
     """Why this kernel cannot take the call, or None."""
     if bits not in (4, 8):
@@ -92,6 +106,12 @@ def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n
     bm = block_m or rows_block(m)
     if bm % 16 or bm > 256:
         return f"block_m={bm} (a multiple of 16, at most 256)"
+    if consumers > 1:
+        need = shared_bytes(bm, bits=bits, group_size=group_size, block_n=block_n,
+                            consumers=consumers, num_stages=num_stages,
+                            f32_out=num_splits > 1, zero_points=zero_points)
+        if need > SMEM_BYTES:
+            return f"two warpgroups need {need} bytes of shared memory (at most {SMEM_BYTES})"
     return None
 
 
@@ -101,7 +121,8 @@ def rows_block(m: int) -> int:
     return min(128, -(-m // 16) * 16)
 
 
-def blocks_for(m: int, n: int, k_tiles: int, consumers: int | None = None) -> dict:
+def blocks_for(m: int, n: int, k_tiles: int, consumers: int | None = None, *, bits: int = 4,
+               group_size: int = 128, zero_points: bool = False) -> dict:
     """Tiles for an [m, K] x [K, n] call (swept on the H100 at 8B layer shapes,
     benchmarks/bench_w4a16_mgpu.py and w4a16_issue.py): 128 output columns a warpgroup.
 
@@ -111,9 +132,12 @@ def blocks_for(m: int, n: int, k_tiles: int, consumers: int | None = None) -> di
     K split while the grid stays under four CTAs an SM up to 64 rows (two above); past 16 rows,
     not at all where the column blocks alone give every SM one (gate_up at 64 rows: 60 us
     against 72 split in two, a second wave of CTAs; 2-6% at 24-48 rows; at 16 the split was 3%
-    ahead)."""
+    ahead). Two warpgroups only where their shared memory fits (`supported`)."""
     if consumers is None:
-        consumers = 2 if m >= 64 and n % 256 == 0 else 1
+        two = m >= 64 and n % 256 == 0 and blocks_for(m, n, k_tiles, 2)
+        fits = two and supported(m, k_tiles * tile_rows(bits), n, bits=bits,
+                                 group_size=group_size, zero_points=zero_points, **two) is None
+        return two if fits else blocks_for(m, n, k_tiles, 1)
     bn = 128 if n % (128 * consumers) == 0 else 64
     blocks = (n // (bn * consumers)) * -(-m // rows_block(m))
     full = m > 16 and blocks >= 132
@@ -145,16 +169,18 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
     k_pad = kw * per
+    tiles = k_pad // tile
+    splits = max(s for s in range(1, num_splits + 1) if tiles % s == 0)
+    per_split = tiles // splits
     why = supported(m, k_pad, n, bits=bits, group_size=group_size, block_n=block_n,
-                    block_m=block_m, unpack=unpack, consumers=consumers)
+                    block_m=block_m, unpack=unpack, consumers=consumers,
+                    num_stages=min(num_stages, per_split), num_splits=splits,
+                    zero_points=zero is not None)
     if why:
         raise ValueError(f"w4a16_mgpu: {why}")
     bm = block_m or rows_block(m)
     mp = -(-m // bm) * bm
     x = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, k_pad - k)))
-    tiles = k_pad // tile
-    splits = max(s for s in range(1, num_splits + 1) if tiles % s == 0)
-    per_split = tiles // splits
     # scale rows (groups) a K tile spans: one block of them a tile
     g_rows = max(1, tile // group_size)
     g_index = (lambda s: (s, 0)) if group_size < tile else (lambda s: (s * tile // group_size, 0))

@@ -56,6 +56,22 @@ def test_two_consumers_match_numpy(m, k, n, bits, group_size, asym, blocks):
     check(m, k, n, bits, group_size, asym, block_n=64, consumers=2, **blocks)
 
 
+def test_two_consumers_only_where_their_shared_memory_fits():
+    """Two warpgroups hold their ring and both output tiles at once: at 128 rows with float32
+    partial sums, zero points (AWQ at g128) or groups of 64 tip them past an H100 CTA's shared
+    memory, and one warpgroup takes the call."""
+    assert mg.blocks_for(128, 4096, 112)["consumers"] == 2  # symmetric g128 fits
+    for g, zero in [(128, True), (64, False)]:
+        kw = mg.blocks_for(128, 4096, 112, group_size=g, zero_points=zero)
+        assert "consumers" not in kw and kw["num_splits"] == 8
+        why = mg.supported(128, 112 * 128, 4096, bits=4, group_size=g, zero_points=zero,
+                           **mg.blocks_for(128, 4096, 112, 2))
+        assert "shared memory" in why
+    # the figure the GPU compiler gave for three stages (H100): 281648 bytes
+    assert mg.shared_bytes(128, bits=4, group_size=128, block_n=128, consumers=2,
+                           num_stages=3, f32_out=True, zero_points=False) == 281648
+
+
 def test_two_consumers_race_free():
     """The interpreter's race detector over the shared ring: every refill lands in a slot
     both consumers have released."""
