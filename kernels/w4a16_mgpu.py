@@ -172,9 +172,10 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     tiles = k_pad // tile
     splits = max(s for s in range(1, num_splits + 1) if tiles % s == 0)
     per_split = tiles // splits
+    stages = max(1, min(num_stages, per_split))
     why = supported(m, k_pad, n, bits=bits, group_size=group_size, block_n=block_n,
                     block_m=block_m, unpack=unpack, consumers=consumers,
-                    num_stages=min(num_stages, per_split), num_splits=splits,
+                    num_stages=stages, num_splits=splits,
                     zero_points=zero is not None)
     if why:
         raise ValueError(f"w4a16_mgpu: {why}")
@@ -187,7 +188,6 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     x_t, w_t = swizzled(SLAB, jnp.bfloat16), swizzled(SLAB, jnp.int32)
     out_dtype = jnp.bfloat16 if splits == 1 else jnp.float32
     o_t = swizzled(bm, out_dtype)
-    stages = max(1, min(num_stages, per_split))
     shape = (block_n, bm)
 
     def load(ref, layout):
