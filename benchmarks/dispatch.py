@@ -9,7 +9,8 @@ name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once). 
 64-sequence (`--batch`) `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
 host time as the engine counts it (its device wait taken out). A call's time is what the host
-spends launching it: the device runs behind it. The 64 sequences' greedy tokens are recorded as
+spends launching it: the device runs behind it. The `_idle` cases run the same with each step
+collected before the next is launched, so every launch finds the device idle. The 64 sequences' greedy tokens are recorded as
 a digest, the same in every variant that computes right. `--host-trace` also lists the host's
 traced events a step of each case (PJRT, the command buffers' update and launch). `--why-updates`
 keeps XLA's log of each command-buffer update (level 3 of `command_buffer_thunk`: how many
@@ -125,11 +126,14 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int =
     llm.generate(prompts, sampling)  # compiles whatever warm-up left cold
     list(llm.stream(prompts[0], sampling))
     records = []
-    for case in ("batch1", f"batch{batch}"):
+    # "_idle": each step collected before the next is launched (overlap off), so the launch
+    # finds the device idle: a launch that takes longer with the device busy is waiting on it
+    for case in ("batch1", f"batch{batch}", "batch1_idle", f"batch{batch}_idle"):
+        engine.overlap = not case.endswith("_idle")
         times, restore = instrument(engine)
         steps0, host0 = engine.totals["steps"], engine.totals["host_s"]
         t = time.perf_counter()
-        if case == "batch1":
+        if case.split("_")[0] == "batch1":
             stamps = [time.perf_counter() for _ in llm.stream(prompts[0], sampling)]
             step_ms, digest = 1e3 * float(np.median(np.diff(stamps[1:]))), None
         else:  # the greedy tokens' digest: the same in every variant, or a variant is wrong
@@ -143,6 +147,7 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int =
         print(json.dumps(rec), flush=True)
         records.append(rec)
         restore()
+    engine.overlap = True
     if host_trace:
         steps = lambda: engine.totals["steps"]
         records.append(dict(case="host_trace", weights=weights, kv_cache_dtype=kv or "auto",
@@ -241,6 +246,9 @@ def main(argv=None):
         return
     from benchmarks import common
     records = []
+    head = common.run_info(device=False) | dict(model="tiny" if args.tiny else "llama3-8b-shaped")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for variant in args.variants.split(","):
         flags = variant.split(":")[1]
         env = dict(os.environ)
@@ -275,11 +283,9 @@ def main(argv=None):
         for r in json.loads(lines[-1][len("RECORDS "):]):
             print("  " + json.dumps(r), flush=True)
             records.append(r)
-    head = common.run_info(device=False) | dict(model="tiny" if args.tiny else "llama3-8b-shaped")
-    # the children's records name the GPU and JAX version; the command is this one
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dispatch.json").write_text(json.dumps([r | head for r in records], indent=1))
+        # written after each variant, so that a run cut short keeps the variants it finished;
+        # the children's records name the GPU and JAX version, the command is this one
+        (out / "dispatch.json").write_text(json.dumps([r | head for r in records], indent=1))
     for r in records:
         if r["case"] == "update_log":
             print(f"{r['weights']} command-buffer log:")
