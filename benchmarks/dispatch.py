@@ -93,7 +93,8 @@ def summary(times: dict, engine, steps0: int, host0: float) -> dict:
 
 
 def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int = 64,
-                table_pages: int | None = None, pool_pages: int = 0) -> list[dict]:
+                table_pages: int | None = None, pool_pages: int = 0,
+                cases: str = "batch1,batchN,batch1_idle,batchN_idle") -> list[dict]:
     import jax
     import jax.numpy as jnp
     from benchmarks.bench_quant import LLAMA3_8B, TINY
@@ -128,7 +129,7 @@ def run_variant(tiny: bool, weights: str, host_trace: bool = False, batch: int =
     records = []
     # "_idle": each step collected before the next is launched (overlap off), so the launch
     # finds the device idle: a launch that takes longer with the device busy is waiting on it
-    for case in ("batch1", f"batch{batch}", "batch1_idle", f"batch{batch}_idle"):
+    for case in cases.replace("batchN", f"batch{batch}").split(","):
         engine.overlap = not case.endswith("_idle")
         times, restore = instrument(engine)
         steps0, host0 = engine.totals["steps"], engine.totals["host_s"]
@@ -227,6 +228,9 @@ def main(argv=None):
                    help="the page table's width in pages (ShareGPT's engine: 128)")
     p.add_argument("--pool-pages", type=int, default=0,
                    help="KV pages in the pool, at least (ShareGPT's engine: about 19,000)")
+    p.add_argument("--cases", default="batch1,batchN,batch1_idle,batchN_idle",
+                   help="timed cases (batchN: --batch sequences; _idle: each step collected "
+                        "before the next launch)")
     p.add_argument("--host-trace", action="store_true",
                    help="also trace batch-1 decode and the many-sequence case, and list the "
                         "host's events by name")
@@ -241,7 +245,7 @@ def main(argv=None):
         from benchmarks import common
         recs = [common.run_info() | r | dict(xla_flags=flags)
                 for r in run_variant(args.tiny, weights, args.host_trace, args.batch,
-                                     args.table_pages, args.pool_pages)]
+                                     args.table_pages, args.pool_pages, args.cases)]
         print("RECORDS " + json.dumps(recs), flush=True)
         return
     from benchmarks import common
@@ -262,7 +266,8 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
-        cmd += ["--batch", str(args.batch), "--pool-pages", str(args.pool_pages)]
+        cmd += ["--batch", str(args.batch), "--pool-pages", str(args.pool_pages),
+                "--cases", args.cases]
         cmd += ["--table-pages", str(args.table_pages)] * bool(args.table_pages)
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
