@@ -46,6 +46,9 @@ FLAGS = {
     "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
     # a graph's independent commands are branches the GPU may run side by side
     "concurrent": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+    # every command after the one before it: a straight-line graph, which recent CUDA drivers
+    # launch in constant time rather than a time per node
+    "serialize": "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE",
     # each kernel may start while the one before it finishes (programmatic dependent launch)
     "pdl": "--xla_gpu_enable_pdl=true",
 }
