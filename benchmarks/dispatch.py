@@ -5,7 +5,8 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
     python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
 
 Each variant is `weights:flags` (weights bf16, fp8 or w4a16, with `+fp8kv` for float8 KV pages; flags a
-name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once). In it, batch-1 decode through `LLM.stream` and a
+name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once; `thread` launches
+each step on the engine's launch thread). In it, batch-1 decode through `LLM.stream` and a
 64-sequence (`--batch`) `LLM.generate` run with every part of `Engine.step` timed on the host: scheduling,
 packing, the forward program's call, the sampler's call, accepting the samples, and the step's
 host time as the engine counts it (its device wait taken out). A call's time is what the host
@@ -52,6 +53,10 @@ FLAGS = {
     # each kernel may start while the one before it finishes (programmatic dependent launch)
     "pdl": "--xla_gpu_enable_pdl=true",
 }
+# Variants that set the engine's own options instead (serving/launcher.py: each step launched on
+# a thread of its own, beside the accepting of the step before).
+FLAGS["thread"] = ""
+ENVS = {"thread": {"PALLASITE_LAUNCH_THREAD": "1"}}
 PARTS = ("schedule", "pack", "forward_call", "sampler_call", "dispatch", "accept")
 
 
@@ -266,6 +271,7 @@ def main(argv=None):
             env.update(TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
         if xla.strip():
             env["XLA_FLAGS"] = xla.strip()
+        env.update(ENVS.get(flags, {}))
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace

@@ -1,13 +1,17 @@
 """Host time of an engine step at high concurrency, with the device taken out (CPU only).
 
 `cpu_ms_per_step` (the thread's CPU time) is the figure to read on a shared machine, where
-wall time includes waiting for a core. The engine drives a tiny model, but its compiled programs are replaced by stand-ins that return
-a token per row at once, so what is timed is the host's own work: scheduling, packing the batch,
-dispatch and accepting the sampled tokens. `--profile` prints the cProfile of the timed steps.
-`--tokenizer` adds the embedded default model's tokenizer: each step's outputs then get their
-text after the step as `EngineLoop` makes it (the `fill` part), streamed a step at a time, or
-with `--whole-text` only at each request's end, as `LLM.generate` takes it. `--device-ms` gives
-the stand-in device a time a step, overlapped with the host's work as on a GPU.
+wall time includes waiting for a core. The engine drives a tiny model, but its compiled
+programs are replaced by stand-ins that return a token per row at once, so what is timed is the
+host's own work: scheduling, packing the batch, dispatch and accepting the sampled tokens.
+`--profile` prints the cProfile of the timed steps. `--tokenizer` adds the embedded default
+model's tokenizer: each step's outputs then get their text after the step as `EngineLoop` makes
+it (the `fill` part), streamed a step at a time, or with `--whole-text` only at each request's
+end, as `LLM.generate` takes it. `--device-ms` gives the stand-in device a time a step,
+overlapped with the host's work as on a GPU. `--launch-ms` gives each forward call a time
+without the GIL, as a GPU's launch spends in XLA's runtime, and `--launch-thread` makes those
+calls on the engine's launch thread (`serving/launcher.py`), beside the accepting of the step
+before.
 
 Two cases, both by default: pure decode (`--decode`), where every sequence decodes through the
 timed steps, and `--mixed`, where outputs are short (uniform in [8, 2 * --churn_output]) and
@@ -50,18 +54,21 @@ class _Out:
         return self.a
 
 
-def fake_device(engine, vocab: int, draw=None, device_ms: float = 0.0):
+def fake_device(engine, vocab: int, draw=None, device_ms: float = 0.0, launch_ms: float = 0.0):
     """Swap the engine's compiled forward passes and samplers for host stand-ins. `draw(ints,
     S)` gives each row's token from the sampler's int inputs (default: any token that is neither
     eos nor a stop); its logprob is -0.5 and its top logprob ids are itself. `device_ms`: each
     step's tokens come that long after the stand-in device, which runs steps one at a time in
-    launch order, starts it."""
+    launch order, starts it. `launch_ms`: each forward call takes that long without the GIL
+    (a sleep), as a GPU's launch spends its time in XLA's runtime."""
     from pallasite.serving import sampling
 
     width = 2 + 2 * sampling.MAX_LOGPROBS
     free = [0.0]  # when the stand-in device finishes the last step launched
 
     def exe(params, kv, last_tokens, ints, *logits):
+        if launch_ms:
+            time.sleep(launch_ms / 1e3)
         return (logits or (None,))[0], kv
 
     def compile_exe(key):
@@ -83,7 +90,8 @@ def fake_device(engine, vocab: int, draw=None, device_ms: float = 0.0):
     engine._load = lambda history, *a: history
 
 
-def stand_in_engine(tokenizer=None, device_ms: float = 0.0, **engine_kwargs):
+def stand_in_engine(tokenizer=None, device_ms: float = 0.0, launch_ms: float = 0.0,
+                    **engine_kwargs):
     """An engine of a one-layer model (contexts up to 2048, pages of 16) whose compiled programs
     are `fake_device`'s stand-ins; `engine_kwargs` size it."""
     import jax
@@ -96,13 +104,13 @@ def stand_in_engine(tokenizer=None, device_ms: float = 0.0, **engine_kwargs):
     params = jax.tree.map(np.asarray, init_params(config, 0))
     engine = Engine(config, params, tokenizer, page_size=16, max_model_len=2048,
                     page_buckets=[128], **engine_kwargs)
-    fake_device(engine, 1000, device_ms=device_ms)
+    fake_device(engine, 1000, device_ms=device_ms, launch_ms=launch_ms)
     return engine
 
 
 def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
           settle: bool = True, whole_text: bool = False, device_ms: float = 0.0,
-          slots: int | None = None):
+          slots: int | None = None, launch_ms: float = 0.0, launch_thread: bool = False):
     from pallasite.serving.detokenize import TextStage
     from pallasite.serving.llm import SamplingParams
     from pallasite.serving.warmup import settle_heap
@@ -114,8 +122,9 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
         from pallasite.model import default_model_path
         from pallasite.model.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained(default_model_path())
-    engine = stand_in_engine(tok, device_ms, num_pages=pages, max_num_seqs=slots,
-                             max_num_batched_tokens=max(8192, slots))
+    engine = stand_in_engine(tok, device_ms, launch_ms, num_pages=pages, max_num_seqs=slots,
+                             max_num_batched_tokens=max(8192, slots),
+                             launch_thread=launch_thread)
     if settle:
         settle_heap()  # as warm-up leaves the collector
     rng = np.random.default_rng(0)
@@ -239,6 +248,10 @@ def main(argv=None):
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="the stand-in device's time a step (steps overlap the host's work as "
                          "on a GPU; wall_ms_per_step then shows what the host adds)")
+    ap.add_argument("--launch-ms", type=float, default=0.0,
+                    help="each forward call's time without the GIL (a GPU's launch)")
+    ap.add_argument("--launch-thread", action="store_true",
+                    help="launch each step on the engine's launch thread (as on a GPU)")
     ap.add_argument("--decode", action="store_true", help="only the pure decode case")
     ap.add_argument("--mixed", action="store_true", help="only the case where requests finish "
                     "and new ones arrive")
@@ -252,7 +265,8 @@ def main(argv=None):
     for mixed in [False, True] if args.decode == args.mixed else [args.mixed]:
         engine = build(args.seqs, args.prompt, args.churn_output if mixed else args.output,
                        args.tokenizer, mixed, settle=not args.default_gc,
-                       whole_text=args.whole_text, device_ms=args.device_ms, slots=args.slots)
+                       whole_text=args.whole_text, device_ms=args.device_ms, slots=args.slots,
+                       launch_ms=args.launch_ms, launch_thread=args.launch_thread)
         rec = measure(engine, args.steps, args.profile, mixed)
         parts = " ".join(f"{k[:-len('_cpu_ms_median')]} {v:.2f}" for k, v in rec.items()
                          if k.endswith("_cpu_ms_median"))

@@ -15,7 +15,8 @@ The host path of a step, in order (each a method below; hooks go beside the one 
   `Scheduler.schedule_step` picks the rows (decode rows first, then prefill chunks) as arrays;
   `_admit_rows`         writes newly admitted sequences' constant rows into the batch state;
   `BatchState.pack`     gathers the step's arrays from the slot-indexed batch state (batch.py);
-  `_dispatch`           runs the compiled forward pass and sampler, donating the device state;
+  `_dispatch`           runs the compiled forward pass and sampler, donating the device state
+                        (or has the launch thread run them beside `_collect`: launcher.py);
   `_collect`            reads step n-1's samples back and `_accept`s them in bulk: tokens and
                         finish reasons as arrays over the rows, then the outputs, built
                         column by column. Their text is made after the step (detokenize.py),
@@ -25,8 +26,10 @@ The host path of a step, in order (each a method below; hooks go beside the one 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
+from concurrent.futures import Future
 from functools import partial
 from itertools import compress, repeat
 from typing import NamedTuple
@@ -43,6 +46,7 @@ from .batch import LOGPROBS, BatchState, int_layout, sample_layout
 from .structured import Guide, guided_layout
 from .kv_pages import KVPages
 from .kv_window import freeable_window
+from .launcher import Launcher
 from .scheduler import FINISHED, RequestError, Scheduler, Sequence
 from .settings import compiler_options
 from .speculative import SpeculativeConfig, make_speculator
@@ -59,6 +63,7 @@ MIN_TOKEN_BUCKET = 2
 # where the host's launch shows. Larger steps take a new buffer (their sizes' buffers kept
 # would add up to twice the largest, out of the memory left for activations).
 KEPT_LOGITS_ROWS = 128
+LAUNCH_THREAD_ENV = "PALLASITE_LAUNCH_THREAD"
 
 
 def min_token_bucket(params) -> int:
@@ -107,7 +112,8 @@ class Engine:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None = None,
                  mesh=None, token_buckets=None, page_buckets=None, overlap: bool = True,
                  seed: int = 0, kv_cache_dtype=None, speculative_config=None, draft=None,
-                 batch_invariant: bool | str | None = None, pace: int | None = None):
+                 batch_invariant: bool | str | None = None, pace: int | None = None,
+                 launch_thread: bool | None = None):
         if batch_invariant is True and mesh is not None and mesh.devices.size > 1:
             # XLA partitions the products over the mesh; the invariant kernel is one device's.
             raise ValueError("batch_invariant=True runs on one device, not on a mesh")
@@ -170,6 +176,11 @@ class Engine:
         self._rng = random.Random(seed)
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
         self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
+        # Steps a step ahead may launch on a thread of their own (launcher.py); by default
+        # only where $PALLASITE_LAUNCH_THREAD is "1", until the GPU's figures choose.
+        if launch_thread is None:
+            launch_thread = os.environ.get(LAUNCH_THREAD_ENV) == "1"
+        self._launcher = Launcher() if launch_thread else None
 
     def _place(self, mesh, num_pages: int):
         """The device state: KV pages, the last sample of each slot (+ a scratch slot) and the
@@ -286,6 +297,9 @@ class Engine:
             out, wait_s = self._collect(*done)
             outputs += out
             wait += wait_s
+        self._inflight = None  # collected; a launch that failed leaves nothing in flight
+        if launched and isinstance(launched[1], Future):  # launched beside the collect above
+            launched = (launched[0], launched[1].result(), *launched[2:])
         self._inflight = launched if self.overlap else None
         if len(rows):
             host = time.perf_counter() - t0 - wait
@@ -297,16 +311,20 @@ class Engine:
         return outputs
 
     def _launch(self, rows):
+        """Pack and launch a step; its device output, or a Future of it where the launch thread
+        runs the call while `step` collects the step before (not while a guided sampler may
+        read that step back inside `_dispatch`)."""
         released = self.scheduler.released.copy()  # before _dispatch, which may collect early
         self._admit_rows()
         packed = self.batch.pack(rows)
-        out = self._dispatch(packed, rows)
         entry = None
         if self.step_log is not None:
             entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
-        return rows, out, entry, released
+        if self._launcher and self.overlap and not self._guided:
+            return rows, self._launcher.submit(self._dispatch, packed, rows), entry, released
+        return rows, self._dispatch(packed, rows), entry, released
 
     def _admit_rows(self):
         for seq in self.scheduler.admitted:

@@ -1,6 +1,7 @@
 """The persistent batch state under load: 72 greedy requests through 64 sequence slots on the
 tiny model, with a pool small enough to preempt, shared prefixes that hit the prefix cache and
-aborts in every state, first come first served and paced (the scheduler's offline policy).
+aborts in every state, first come first served and paced (the scheduler's offline policy), with
+each step's programs launched on the engine's thread or on a launch thread of their own.
 Every request that is not aborted gets exactly its solo output, and every running sequence's
 slot row always holds its page table."""
 
@@ -22,11 +23,11 @@ def check_slots(engine):
     assert len(set(slots)) == len(slots) and not set(slots) & set(sched.free_slots)
 
 
-@pytest.mark.parametrize("pace", [None, 16])
-def test_many_sequences_preemption_prefix_hits_and_aborts(pace):
+@pytest.mark.parametrize("pace,launch_thread", [(None, False), (16, False), (None, True)])
+def test_many_sequences_preemption_prefix_hits_and_aborts(pace, launch_thread):
     engine = Engine(CONFIG, PARAMS, num_pages=64, page_size=4, max_num_seqs=64,
                     max_num_batched_tokens=128, max_model_len=96, token_buckets=[64, 128],
-                    page_buckets=[24], pace=pace)
+                    page_buckets=[24], pace=pace, launch_thread=launch_thread)
     engine.warmup()
     rng = np.random.default_rng(12)
     shared = rng.integers(0, CONFIG.vocab_size, 24).tolist()

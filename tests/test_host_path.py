@@ -7,6 +7,7 @@ token (seed + 7 * index) % V for output index `index`, the rule a seeded sampler
 sample depends on the request's seed and the output index only), so every request's stream is
 known whatever the batch, preemptions and recomputes do."""
 
+import threading
 import types
 from functools import partial
 
@@ -34,7 +35,7 @@ def expected(seed: int, max_tokens: int, stops=()) -> tuple[list[int], str]:
     return out, "length"
 
 
-def fake_engine(overlap: bool, num_pages: int) -> Engine:
+def fake_engine(overlap: bool, num_pages: int, launch_thread: bool = False) -> Engine:
     import jax
     config = config_from_dict(dict(model_type="llama", vocab_size=V, hidden_size=16,
                                    intermediate_size=32, num_hidden_layers=1,
@@ -43,19 +44,32 @@ def fake_engine(overlap: bool, num_pages: int) -> Engine:
     params = jax.tree.map(np.asarray, init_params(config, 0))
     engine = Engine(config, params, num_pages=num_pages, page_size=4, max_num_seqs=48,
                     max_num_batched_tokens=96, max_model_len=64, overlap=overlap,
-                    page_buckets=[16])
+                    page_buckets=[16], launch_thread=launch_thread)
 
     def draw(ints, S):  # a seeded sampler's rule: the seed and the output index only
         rows = ints[S:S + len(sampling.INT_FIELDS) * S].reshape(-1, S)
         return (rows[SEED] + 7 * rows[INDEX]) % V
 
     fake_device(engine, V, draw)
+    engine.launch_threads = set()  # the threads the forward calls ran on
+    compile_now = engine._compile_now
+
+    def recorded(key):
+        exe = compile_now(key)
+
+        def call(*args):
+            engine.launch_threads.add(threading.current_thread().name)
+            return exe(*args)
+        engine._exe[key] = call
+        return call
+    engine._compile_now = recorded
     return engine
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_bulk_acceptance_matches_known_streams(overlap):
-    engine = fake_engine(overlap, num_pages=40)  # short of pages: some sequences are preempted
+@pytest.mark.parametrize("overlap,launch_thread", [(True, False), (False, False), (True, True)])
+def test_bulk_acceptance_matches_known_streams(overlap, launch_thread):
+    # short of pages: some sequences are preempted
+    engine = fake_engine(overlap, num_pages=40, launch_thread=launch_thread)
     rng = np.random.default_rng(3)
     shared = rng.integers(0, V, 12).tolist()
     reqs = {}
@@ -88,6 +102,8 @@ def test_bulk_acceptance_matches_known_streams(overlap):
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["pages_used"] == 0 and stats["running"] == 0
+    on_launch_thread = {n.startswith("pallasite-launch") for n in engine.launch_threads}
+    assert on_launch_thread == {launch_thread}
     for rid, (prompt, sp, _, (want, reason)) in reqs.items():
         got = outs[rid]
         toks = [t for o in got for t in o.new_token_ids]
@@ -169,3 +185,26 @@ def test_array_decode_pass_follows_the_per_sequence_rule():
                         tables, sched.num_preemptions))
         assert got[0] == got[1], step
     assert scheds[0].num_preemptions > 0
+
+
+def test_a_failed_launch_on_the_launch_thread_surfaces_in_step():
+    engine = fake_engine(True, num_pages=40, launch_thread=True)
+    calls = []
+    compile_now = engine._compile_now
+
+    def failing(key):
+        exe = compile_now(key)
+
+        def call(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("device lost")
+            return exe(*args)
+        engine._exe[key] = call
+        return call
+    engine._compile_now = failing
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+    got = engine.step() + engine.step()
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert [t for o in got for t in o.new_token_ids] and engine._inflight is None

@@ -1,0 +1,31 @@
+"""A step's programs launched on a thread of their own, beside the engine's.
+
+Calling a compiled program spends most of its time in XLA's runtime with the GIL released: on
+a GPU, 1-2 ms a step to launch the forward program's CUDA graph, more at a thousand rows
+(docs/BENCHMARKS.md, "On an H200"). An engine made with `launch_thread=True` (or under
+$PALLASITE_LAUNCH_THREAD=1) makes that call here, while its own thread reads the previous step
+back and accepts its tokens, so the two overlap. One worker keeps the launches in order; the
+engine takes each step's result before the next step touches the device state.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+class Launcher:
+    def __init__(self):
+        self._pool = None  # made at the first launch: an engine that never steps keeps no thread
+
+    def submit(self, fn, *args) -> Future:
+        """Run fn(*args) on the launch thread, in the caller's context (the context variables
+        that a compilation on a cache miss reads, such as the batch-invariant setting)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pallasite-launch")
+        return self._pool.submit(contextvars.copy_context().run, fn, *args)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
