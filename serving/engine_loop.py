@@ -86,8 +86,7 @@ class EngineLoop:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished():
-                    for out in self.text.fill(self.engine.step()):
-                        self._deliver(out)
+                    self._deliver(*self.text.fill(self.engine.step()))
         except BaseException as e:  # the engine broke: tell every waiting request, then stop
             log.exception("engine loop stopped")
             with self._cond:
@@ -114,11 +113,14 @@ class EngineLoop:
         if stream:
             self.text.start(request_id, prompt_ids)
 
-    def _deliver(self, out: RequestOutput):
+    def _deliver(self, *outs: RequestOutput):
+        """Hand each output to its request's callback (a step's outputs under one lock)."""
         with self._cond:
-            callback = (self._callbacks.pop if out.finished else self._callbacks.get)(
-                out.request_id, None)
-        if callback is not None:
+            get, pop = self._callbacks.get, self._callbacks.pop
+            callbacks = [(pop if out.finished else get)(out.request_id, None) for out in outs]
+        for out, callback in zip(outs, callbacks):
+            if callback is None:
+                continue
             try:
                 callback(out)
             except Exception:

@@ -12,6 +12,7 @@ import math
 import queue
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
@@ -133,6 +134,36 @@ def kv_cache_dtype_of(name: str):
     return KV_CACHE_DTYPES[name] and jnp.dtype(KV_CACHE_DTYPES[name])
 
 
+def gather(results: list[Completion], ids, params, tokenizer, all_done):
+    """`LLM.generate`'s callback `on_output(i, out)`, called on the engine's thread for every
+    token of request i: its tokens, text and logprobs into results[i], the counts as it ends,
+    and `all_done()` once every request has."""
+    left, lock = [len(ids)], threading.Lock()
+
+    def on_output(i, out: RequestOutput):
+        r = results[i]
+        r.token_ids += out.new_token_ids
+        if out.text_delta is not None:  # text the engine made (stop strings)
+            r.text += out.text_delta
+        if out.logprobs is not None:
+            r.logprobs = (r.logprobs or []) + out.logprobs
+        if not out.finished:
+            return
+        # the counts as it ends (an output carries them all so far)
+        r.finish_reason, r.cached_tokens = out.finish_reason, out.cached_tokens
+        r.completion_tokens = out.completion_tokens
+        r.spec_proposed, r.spec_accepted = out.spec_proposed, out.spec_accepted
+        sp = params[i] or SamplingParams()
+        r.stop_reason = sp.reported_stop(out.stop_reason)
+        if tokenizer is not None and not sp.stop:
+            r.text = whole_text(tokenizer, ids[i], r.token_ids, out.stop_reason)
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                all_done()
+    return on_output
+
+
 class LLM:
     """A model, its tokenizer and a serving engine. `path` is a Hugging Face checkpoint folder or
     a Hub name, `org/name[@revision]` (None: the embedded default model). `quantization="fp8"`
@@ -251,36 +282,14 @@ class LLM:
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} SamplingParams for {len(ids)} prompts")
-        results = [Completion("", [], None, len(p), 0, 0) for p in ids]
-        left, done = [len(ids)], threading.Event()
-        lock = threading.Lock()
-
-        def on_output(i, out: RequestOutput):
-            r = results[i]
-            if out.text_delta is not None:  # text the engine made (stop strings)
-                r.text += out.text_delta
-            r.token_ids += out.new_token_ids
-            if out.logprobs is not None:
-                r.logprobs = (r.logprobs or []) + out.logprobs
-            r.finish_reason, r.cached_tokens = out.finish_reason, out.cached_tokens
-            r.completion_tokens = out.completion_tokens
-            r.spec_proposed, r.spec_accepted = out.spec_proposed, out.spec_accepted
-            if out.finished:
-                sp = params[i] or SamplingParams()
-                r.stop_reason = sp.reported_stop(out.stop_reason)
-                if self.tokenizer is not None and not sp.stop:
-                    r.text = whole_text(self.tokenizer, ids[i], r.token_ids, out.stop_reason)
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-
+        results, done = [Completion("", [], None, len(p), 0, 0) for p in ids], threading.Event()
+        on_output = gather(results, ids, params, self.tokenizer, done.set)
         names = []
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 names.append(f"generate-{next(self._ids)}")
-                self.loop.submit(names[-1], p, sp or SamplingParams(),
-                                 lambda out, i=i: on_output(i, out), stream=False)
+                self.loop.submit(names[-1], p, sp or SamplingParams(), partial(on_output, i),
+                                 stream=False)
             if not ids:
                 return []
             done.wait()

@@ -208,3 +208,28 @@ def test_a_failed_launch_on_the_launch_thread_surfaces_in_step():
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert [t for o in got for t in o.new_token_ids] and engine._inflight is None
+
+
+def test_the_loop_delivers_a_step_past_a_failing_callback():
+    from pallasite.serving.engine_loop import EngineLoop
+    loop = EngineLoop(fake_engine(True, num_pages=40))
+    got, finished = {f"r{i}": [] for i in range(4)}, threading.Semaphore(0)
+
+    def on_output(rid, out):
+        if rid == "r1":
+            raise ValueError("the client went away")
+        got[rid].append(out)
+        if out.finished:
+            finished.release()
+    try:
+        for i, rid in enumerate(got):
+            sp = SamplingParams(max_tokens=6, seed=i, temperature=1.0, ignore_eos=True)
+            loop.submit(rid, [1, 2, 3], sp, partial(on_output, rid), stream=False)
+        assert all(finished.acquire(timeout=60) for _ in range(3))
+    finally:
+        loop.close()
+    assert loop.error is None and got["r1"] == []
+    for i in (0, 2, 3):
+        outs = got[f"r{i}"]
+        assert [t for o in outs for t in o.new_token_ids] == expected(i, 6)[0]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
