@@ -281,6 +281,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Dispatch the next step, then collect the previous one's results."""
         t0 = time.perf_counter()
+        self._join_launch()
         outputs, self._outbox = self._outbox, []
         if self.spec:
             self.spec.plan(self.scheduler.running, self.scheduler.budget - len(
@@ -297,9 +298,6 @@ class Engine:
             out, wait_s = self._collect(*done)
             outputs += out
             wait += wait_s
-        self._inflight = None  # collected; a launch that failed leaves nothing in flight
-        if launched and isinstance(launched[1], Future):  # launched beside the collect above
-            launched = (launched[0], launched[1].result(), *launched[2:])
         self._inflight = launched if self.overlap else None
         if len(rows):
             host = time.perf_counter() - t0 - wait
@@ -312,8 +310,8 @@ class Engine:
 
     def _launch(self, rows):
         """Pack and launch a step; its device output, or a Future of it where the launch thread
-        runs the call while `step` collects the step before (not while a guided sampler may
-        read that step back inside `_dispatch`)."""
+        runs the call while `step` collects the step before and the caller takes the outputs
+        (not while a guided sampler may read that step back inside `_dispatch`)."""
         released = self.scheduler.released.copy()  # before _dispatch, which may collect early
         self._admit_rows()
         packed = self.batch.pack(rows)
@@ -322,9 +320,17 @@ class Engine:
             entry = dict(self.batch.describe(packed), running=len(self.scheduler.running),
                          pages_used=self.pages.stats()["pages_used"])
             self.step_log.append(entry)
-        if self._launcher and self.overlap and not self._guided:
+        guided = bool(self._guided)  # read here: requests come and go while the thread runs
+        if self._launcher and self.overlap and not guided:
             return rows, self._launcher.submit(self._dispatch, packed, rows), entry, released
-        return rows, self._dispatch(packed, rows), entry, released
+        return rows, self._dispatch(packed, rows, guided), entry, released
+
+    def _join_launch(self):
+        """Wait for the step the launch thread is launching (raising its error, if any)."""
+        if self._inflight and isinstance(self._inflight[1], Future):
+            rows, pending, *rest = self._inflight
+            self._inflight = None  # a launch that failed leaves nothing in flight
+            self._inflight = (rows, pending.result(), *rest)
 
     def _admit_rows(self):
         for seq in self.scheduler.admitted:
@@ -332,14 +338,15 @@ class Engine:
             if seq.penalized:
                 self._load_history(seq)
 
-    def _dispatch(self, packed, chunks):
-        """Run one step on the device (asynchronously); returns the samples' device array."""
+    def _dispatch(self, packed, chunks, guided: bool = False):
+        """Run one step on the device (asynchronously); returns the samples' device array.
+        `guided`: a live request is constrained or biased."""
         exe = self._exe.get(packed.key) or self._compile_now(packed.key)
         S = min(packed.key[0], self.max_num_seqs) * self.rows
         kv, last_tokens, history = self.state
         logits, kv = self._forward(exe, kv, last_tokens, packed.ints, S)
         ints, floats, skey = packed.sample_ints, packed.floats, (S, packed.mode)
-        if self._guided:  # only while a live request is constrained or biased
+        if guided:
             ints, floats, skey = self._guide_inputs(chunks, S, ints, floats, skey)
         sampler = self._samplers.get(skey) or self._compile_sampler(*skey)
         out, last_tokens, history = sampler(logits, last_tokens, history, ints, floats)

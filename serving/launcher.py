@@ -4,8 +4,9 @@ Calling a compiled program spends most of its time in XLA's runtime with the GIL
 a GPU, 1-2 ms a step to launch the forward program's CUDA graph, more at a thousand rows
 (docs/BENCHMARKS.md, "On an H200"). An engine made with `launch_thread=True` (or under
 $PALLASITE_LAUNCH_THREAD=1) makes that call here, while its own thread reads the previous step
-back and accepts its tokens, so the two overlap. One worker keeps the launches in order; the
-engine takes each step's result before the next step touches the device state.
+back and accepts its tokens, and while its caller takes the outputs (the engine loop delivers
+them), so the launch overlaps both. One worker keeps the launches in order; the next step waits
+for the launch before it touches the device state, and raises the launch's error if it failed.
 """
 
 from __future__ import annotations

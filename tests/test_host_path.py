@@ -204,15 +204,16 @@ def test_a_failed_launch_on_the_launch_thread_surfaces_in_step():
         return call
     engine._compile_now = failing
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
-    got = engine.step() + engine.step()
+    got = engine.step() + engine.step() + engine.step()  # the third launch fails...
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.step()
+        engine.step()  # ... and the next step, which waits for it, raises its error
     assert [t for o in got for t in o.new_token_ids] and engine._inflight is None
 
 
-def test_the_loop_delivers_a_step_past_a_failing_callback():
+@pytest.mark.parametrize("launch_thread", [False, True])
+def test_the_loop_delivers_a_step_past_a_failing_callback(launch_thread):
     from pallasite.serving.engine_loop import EngineLoop
-    loop = EngineLoop(fake_engine(True, num_pages=40))
+    loop = EngineLoop(fake_engine(True, num_pages=40, launch_thread=launch_thread))
     got, finished = {f"r{i}": [] for i in range(4)}, threading.Semaphore(0)
 
     def on_output(rid, out):
