@@ -25,8 +25,3 @@ class Launcher:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pallasite-launch")
         return self._pool.submit(contextvars.copy_context().run, fn, *args)
-
-    def close(self):
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
