@@ -26,7 +26,6 @@ The host path of a step, in order (each a method below; hooks go beside the one 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import time
 from concurrent.futures import Future
@@ -48,7 +47,7 @@ from .kv_pages import KVPages
 from .kv_window import freeable_window
 from .launcher import Launcher
 from .scheduler import FINISHED, RequestError, Scheduler, Sequence
-from .settings import compiler_options
+from .settings import compiler_options, default_launch_thread
 from .speculative import SpeculativeConfig, make_speculator
 from .warmup import default_page_buckets, warm_up
 
@@ -63,7 +62,6 @@ MIN_TOKEN_BUCKET = 2
 # where the host's launch shows. Larger steps take a new buffer (their sizes' buffers kept
 # would add up to twice the largest, out of the memory left for activations).
 KEPT_LOGITS_ROWS = 128
-LAUNCH_THREAD_ENV = "PALLASITE_LAUNCH_THREAD"
 
 
 def min_token_bucket(params) -> int:
@@ -176,10 +174,9 @@ class Engine:
         self._rng = random.Random(seed)
         self.totals = dict(steps=0, host_s=0.0, wait_s=0.0)
         self.step_log: list[dict] | None = None  # set to [] to record every step (benchmarks)
-        # Steps a step ahead may launch on a thread of their own (launcher.py); by default
-        # only where $PALLASITE_LAUNCH_THREAD is "1", until the GPU's figures choose.
+        # Steps a step ahead may launch on a thread of their own (launcher.py).
         if launch_thread is None:
-            launch_thread = os.environ.get(LAUNCH_THREAD_ENV) == "1"
+            launch_thread = default_launch_thread()
         self._launcher = Launcher() if launch_thread else None
 
     def _place(self, mesh, num_pages: int):

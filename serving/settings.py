@@ -84,6 +84,15 @@ def default_pace(params=None) -> int | None:
     return PACE_TOKENS
 
 
+LAUNCH_THREAD_ENV = "PALLASITE_LAUNCH_THREAD"  # "1": steps launch on a thread (launcher.py)
+
+
+def default_launch_thread() -> bool:
+    """Whether an engine launches its steps on a thread of their own: off unless
+    $PALLASITE_LAUNCH_THREAD is "1", until a GPU's figures choose."""
+    return os.environ.get(LAUNCH_THREAD_ENV) == "1"
+
+
 def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages=None,
                  max_num_seqs=None, max_num_batched_tokens=None, token_buckets=None,
                  first_bucket: int = 2) -> dict:

@@ -51,7 +51,8 @@ def fake_engine(overlap: bool, num_pages: int, launch_thread: bool = False) -> E
         return (rows[SEED] + 7 * rows[INDEX]) % V
 
     fake_device(engine, V, draw)
-    engine.launch_threads = set()  # the threads the forward calls ran on
+    # the threads the forward calls ran on, and a hook each call runs first
+    engine.launch_threads, engine.before_forward = set(), lambda: None
     compile_now = engine._compile_now
 
     def recorded(key):
@@ -59,6 +60,7 @@ def fake_engine(overlap: bool, num_pages: int, launch_thread: bool = False) -> E
 
         def call(*args):
             engine.launch_threads.add(threading.current_thread().name)
+            engine.before_forward()
             return exe(*args)
         engine._exe[key] = call
         return call
@@ -190,19 +192,12 @@ def test_array_decode_pass_follows_the_per_sequence_rule():
 def test_a_failed_launch_on_the_launch_thread_surfaces_in_step():
     engine = fake_engine(True, num_pages=40, launch_thread=True)
     calls = []
-    compile_now = engine._compile_now
 
-    def failing(key):
-        exe = compile_now(key)
-
-        def call(*args):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("device lost")
-            return exe(*args)
-        engine._exe[key] = call
-        return call
-    engine._compile_now = failing
+    def fail_third():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+    engine.before_forward = fail_third
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
     got = engine.step() + engine.step() + engine.step()  # the third launch fails...
     with pytest.raises(RuntimeError, match="device lost"):
