@@ -5,7 +5,7 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
     python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
 
 Each variant is `weights:flags` (weights bf16, fp8 or w4a16, with `+fp8kv` for float8 KV pages;
-flags a name in FLAGS, set as XLA_FLAGS in a fresh process, since XLA reads them once; `thread`
+flags names in FLAGS joined by `+`, set as XLA_FLAGS in a fresh process, since XLA reads them once; `thread`
 launches each step on the engine's launch thread). In it, batch-1 decode through `LLM.stream`
 and a 64-sequence (`--batch`) `LLM.generate` run with every part of `Engine.step` timed on the
 host: scheduling, packing, the forward program's call, the sampler's call, accepting the
@@ -265,14 +265,16 @@ def main(argv=None):
     for variant in args.variants.split(","):
         flags = variant.split(":")[1]
         env = dict(os.environ)
-        xla = " ".join(f for f in (env.get("XLA_FLAGS", ""), FLAGS[flags]) if f)
+        names = flags.split("+")  # e.g. "serialize+thread"
+        xla = " ".join(f for f in [env.get("XLA_FLAGS", "")] + [FLAGS[n] for n in names] if f)
         if args.why_updates:
             dump = Path(args.out) / "xla_dump" / variant.replace(":", "_")
             xla += f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward"
             env.update(TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
         if xla.strip():
             env["XLA_FLAGS"] = xla.strip()
-        env.update(ENVS.get(flags, {}))
+        for n in names:
+            env.update(ENVS.get(n, {}))
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", variant]
         t = time.time()
         cmd += ["--tiny"] * args.tiny + ["--host-trace"] * args.host_trace
