@@ -5,18 +5,18 @@ settings (Llama-3-8B shapes, random weights, through `LLM`).
     python -m benchmarks.dispatch --out DIR --tiny     # CPU dry run
 
 Each variant is `weights:flags` (weights bf16, fp8 or w4a16, with `+fp8kv` for float8 KV pages;
-flags names in FLAGS joined by `+`, set as XLA_FLAGS in a fresh process, since XLA reads them once; `thread`
-launches each step on the engine's launch thread). In it, batch-1 decode through `LLM.stream`
-and a 64-sequence (`--batch`) `LLM.generate` run with every part of `Engine.step` timed on the
-host: scheduling, packing, the forward program's call, the sampler's call, accepting the
-samples, and the step's host time as the engine counts it (its device wait taken out). A call's
-time is what the host spends launching it: the device runs behind it. The `_idle` cases
-(`--cases`) run the same with each step collected before the next is launched, so every launch
-finds the device idle. The 64 sequences' greedy tokens are recorded as a digest, the same in
-every variant that computes right. `--host-trace` also lists the host's traced events a step of
-each case (PJRT, the command buffers' update and launch). `--why-updates` keeps XLA's log of
-each command-buffer update (level 3 of `command_buffer_thunk`: how many allocations moved, and
-after how many calls) in the record, and the forward programs' buffer assignments under
+flags names in FLAGS joined by `+`, set as XLA_FLAGS in a fresh process, since XLA reads them once;
+`thread` and `nothread` launch each step on the engine's launch thread or not; a GPU's default is
+on). In it, batch-1 decode through `LLM.stream` and a 64-sequence (`--batch`) `LLM.generate` run
+with every part of `Engine.step` timed on the host: scheduling, packing, the forward program's
+call, the sampler's call, accepting the samples, and the step's host time as the engine counts it
+(its device wait taken out). A call's time is what the host spends launching it: the device runs
+behind it. The `_idle` cases (`--cases`) run the same with each step collected before the next is
+launched, so every launch finds the device idle. The 64 sequences' greedy tokens are recorded as a
+digest, the same in every variant that computes right. `--host-trace` also lists the host's traced
+events a step of each case (PJRT, the command buffers' update and launch). `--why-updates` keeps
+XLA's log of each command-buffer update (level 3 of `command_buffer_thunk`: how many allocations
+moved, and after how many calls) in the record, and the forward programs' buffer assignments under
 OUT/buffers (the rest of XLA's dump is dropped). Records go to OUT/dispatch.json.
 """
 
@@ -52,12 +52,13 @@ FLAGS = {
     "serialize": "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE",
     # each kernel may start while the one before it finishes (programmatic dependent launch)
     "pdl": "--xla_gpu_enable_pdl=true",
-    # no XLA flag: the engine's launch thread (ENVS)
+    # no XLA flag: the engine's launch thread on, or off (ENVS; on by default on a GPU)
     "thread": "",
+    "nothread": "",
 }
 # The engine's own options a variant sets (serving/launcher.py: each step launched on a thread
 # of its own, beside the accepting of the step before).
-ENVS = {"thread": {"PALLASITE_LAUNCH_THREAD": "1"}}
+ENVS = {"thread": {"PALLASITE_LAUNCH_THREAD": "1"}, "nothread": {"PALLASITE_LAUNCH_THREAD": "0"}}
 PARTS = ("schedule", "pack", "forward_call", "sampler_call", "dispatch", "accept")
 
 

@@ -84,13 +84,15 @@ def default_pace(params=None) -> int | None:
     return PACE_TOKENS
 
 
-LAUNCH_THREAD_ENV = "PALLASITE_LAUNCH_THREAD"  # "1": steps launch on a thread (launcher.py)
+LAUNCH_THREAD_ENV = "PALLASITE_LAUNCH_THREAD"  # "1" / "0": steps launch on a thread, or not
 
 
 def default_launch_thread() -> bool:
-    """Whether an engine launches its steps on a thread of their own: off unless
-    $PALLASITE_LAUNCH_THREAD is "1", until a GPU's figures choose."""
-    return os.environ.get(LAUNCH_THREAD_ENV) == "1"
+    """Whether an engine launches its steps on a thread of their own (launcher.py): on a GPU,
+    where a launch costs milliseconds of the host's (docs/BENCHMARKS.md, "On an H200"), unless
+    $PALLASITE_LAUNCH_THREAD is "0"; elsewhere only if it is "1"."""
+    env = os.environ.get(LAUNCH_THREAD_ENV)
+    return env == "1" if env in ("0", "1") else jax.default_backend() == "gpu"
 
 
 def engine_sizes(config, dtype, *, max_model_len: int, page_size: int, num_pages=None,

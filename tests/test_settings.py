@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from pallasite.model import config_from_dict
 from pallasite.serving import settings
@@ -59,3 +60,14 @@ def test_serve_is_not_paced(monkeypatch):
                               random_weights=False, dtype=None, model=None)
     server.llm_factory(args)()
     assert "pace" in seen and seen["pace"] is None
+
+
+@pytest.mark.parametrize("backend,env,on", [("gpu", None, True), ("gpu", "0", False),
+                                            ("cpu", None, False), ("cpu", "1", True)])
+def test_steps_launch_on_a_thread_on_a_gpu_unless_told(monkeypatch, backend, env, on):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    if env is None:
+        monkeypatch.delenv(settings.LAUNCH_THREAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(settings.LAUNCH_THREAD_ENV, env)
+    assert settings.default_launch_thread() is on
