@@ -1,12 +1,12 @@
 """A step's programs launched on a thread of their own, beside the engine's.
 
-Calling a compiled program spends most of its time in XLA's runtime with the GIL released: on
-a GPU, 1-2 ms a step to launch the forward program's CUDA graph, more at a thousand rows
-(docs/BENCHMARKS.md, "On an H200"). An engine on a GPU (or made with `launch_thread=True`,
-or under $PALLASITE_LAUNCH_THREAD=1) makes that call here, while its own thread reads the previous step
-back and accepts its tokens, and while its caller takes the outputs (the engine loop delivers
-them), so the launch overlaps both. One worker keeps the launches in order; the next step waits
-for the launch before it touches the device state, and raises the launch's error if it failed.
+Calling a compiled program spends most of its time in XLA's runtime with the GIL released: on a
+GPU, 1-2 ms a step to launch the forward program's CUDA graph, more at a thousand rows
+(docs/BENCHMARKS.md, "On an H200"). An engine on a GPU (or made with `launch_thread=True`, or under
+$PALLASITE_LAUNCH_THREAD=1) makes that call here, while its own thread reads the previous step back
+and accepts its tokens, and while its caller takes the outputs (the engine loop delivers them), so
+the launch overlaps both. One worker keeps the launches in order; the next step waits for the
+launch before it touches the device state, and raises the launch's error if it failed.
 """
 
 from __future__ import annotations
