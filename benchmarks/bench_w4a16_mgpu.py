@@ -8,7 +8,8 @@ from 1 to 1024, for each weight form of `--quant-forms` (default INT4 in symmetr
 few-row kernel on the same words (`kernels/w4a16_gemv.py`, `--forms gemv`), XLA reading the
 words once (`read`: the floor for a product that reads them) and torch's tinygemm INT4
 (`tinygemm`, timed with torch's CUDA events over a CUDA graph of weight copies that exceed
-the L2, as `benchmarks/bench_int4.py` times it).
+the L2, as `benchmarks/bench_int4.py` times it), and the Hopper kernel on int4 tiles
+(`--forms i4`, `unpack="int4"`).
 
     python -m benchmarks.bench_w4a16_mgpu --out DIR            # H100
     python -m benchmarks.bench_w4a16_mgpu --out DIR --forms library,library_hopper \
@@ -84,6 +85,20 @@ def gemv_variants(m, n, k_tiles, tiny, near=False):
     return out + [rule | dict(block_n=32), rule | dict(fused=False), rule | dict(num_stages=3)]
 
 
+def i4_variants(m, n, k_tiles, tiny):
+    """`unpack="int4"` (the weight as XLA's int4 type) at the library's tiles for the Hopper
+    kernel, with a deeper ring, half the columns a CTA, and twice the split."""
+    if tiny:
+        return [dict(block_n=64, unpack="int4"), dict(block_n=64, num_splits=2, unpack="int4")]
+    base = mg.blocks_for(m, n, k_tiles)
+    splits = base.get("num_splits", 1)
+    out = [base, dict(base, num_stages=4), dict(base, block_n=64),
+           dict(base, block_n=64, num_stages=4)]
+    if k_tiles % (2 * splits) == 0:
+        out.append(dict(base, num_splits=2 * splits, num_stages=4))
+    return [dict(kw, unpack="int4") for kw in out]
+
+
 def tinygemm_us(k, n, ms, form):
     """torch's `_weight_int4pack_mm` (INT4, symmetric groups of 128) at each M, in us, or {}."""
     if form["bits"] != 4 or form["group"] != 128 or form["zero"] or form["perm"]:
@@ -156,6 +171,11 @@ def run_shape(name, k, n, ms, args, deadline, form=None):
         jobs = [("mgpu", kw, jax.jit(lambda x, w, s, z, kw=kw: mg.int_matmul(
                     x, w, s, z, perm, **kw_w, **kw)), (words_t, s, z))
                 for kw in mgpu_variants(m, n, words_t.shape[1] // 16, args.tiny)]
+        if bits == 4 and group % 128 == 0 and not form["zero"]:
+            w_i4 = mg.pack_i4(codes)
+            jobs += [("i4", kw, jax.jit(lambda x, w, s, kw=kw: mg.int_matmul(
+                        x, w, s, None, perm, **kw_w, **kw)), (w_i4, s))
+                     for kw in i4_variants(m, n, words_t.shape[1] // 16, args.tiny)]
         if m <= gv.MAX_ROWS:
             jobs += [("gemv", kw, jax.jit(lambda x, w, s, z, kw=kw: gv.int_matmul(
                         x, w, s, z, perm, **kw_w, **kw)), (words_t, s, z))
@@ -222,7 +242,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--forms", default="mgpu,library,library_hopper,dequant_dot,xla_int4",
-                    help="which forms to time: mgpu (each tile variant), gemv (each tile "
+                    help="which forms to time: mgpu (each tile variant), i4 (the Hopper "
+                         "kernel on int4 tiles, symmetric INT4), gemv (each tile "
                          "variant of the few-row kernel), library (the Triton layout's path), "
                          "library_hopper (the Hopper layout's), dequant_dot, xla_int4 (XLA's "
                          "int4 type scaled in the graph; symmetric INT4), read (XLA summing the "

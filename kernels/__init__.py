@@ -641,7 +641,9 @@ INT_MATMUL_MAX_ROWS = 256  # above this many rows a call dequantizes once and ta
 # INT4 in the Hopper layout: its kernel, two warpgroups a CTA, is 1.08-1.33x that path at
 # 384-512 rows on 8B layers (qkv level) and slower at 768 (H100, benchmarks/w4a16_issue.py)
 INT4_HOPPER_MAX_ROWS = 512
-INT_LAYOUTS = ("kn", "nk16")  # w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]
+# w4a16_matmul.pack's words [K/per, N]; w4a16_mgpu.pack_t's [N, K/per]; w4a16_mgpu.pack_i4's
+# int4 [N, K] (symmetric INT4 in groups of whole 128-row tiles)
+INT_LAYOUTS = ("kn", "nk16", "nk_i4")
 # Rows up to which the Hopper layout's product runs on the CUDA cores (`w4a16_gemv`): at one row
 # it is 1.14-1.32x the MMA kernel on 8B layers; at two about level, from four slower (H100).
 # The forms run and timed on the GPU against the MMA kernel at one row (all faster): other forms
@@ -653,7 +655,8 @@ INT_GEMV_FORMS = {(4, 128, False), (4, 128, True), (8, 128, False)}  # (bits, gr
 def int_layout() -> str:
     """The packed layout the integer kernels read fastest here: the Hopper kernel's transposed
     words (`w4a16_mgpu`, faster from 16 rows up, level at one) on an sm_90 GPU running the
-    Pallas kernels, unless PALLASITE_INT_KERNEL=triton; the Triton kernel's words elsewhere."""
+    Pallas kernels, unless PALLASITE_INT_KERNEL=triton; the Triton kernel's words elsewhere.
+    (Where the Hopper kernel takes "nk16", symmetric INT4 moves on to "nk_i4": `quant_int`.)"""
     if (os.environ.get("PALLASITE_INT_KERNEL", "").lower() != "triton" and _is_hopper()
             and choose_impl() == "pallas" and not _PORTABLE[0]):
         return "nk16"
@@ -663,7 +666,8 @@ def int_layout() -> str:
 def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: int,
                layout: str = "kn", impl=None, interpret=False, **blocks):
     """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`, or with `layout` "nk16"
-    `w4a16_mgpu.pack_t`) -> [M, N] in x's dtype: the Pallas kernel on GPU up to
+    `w4a16_mgpu.pack_t`, with "nk_i4" `w4a16_mgpu.pack_i4`) -> [M, N] in x's dtype: the Pallas
+    kernel on GPU up to
     INT_MATMUL_MAX_ROWS rows (INT4_HOPPER_MAX_ROWS for INT4 in the Hopper layout), the
     dequantized weight through XLA's dot above (prefill is compute-bound) and on other
     backends."""
@@ -671,9 +675,13 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     from . import w4a16_matmul as im
     from . import w4a16_mgpu as mg
     kw = dict(bits=bits, group_size=group_size)
-    k, hopper = x.shape[-1], layout == "nk16"
+    k, hopper, i4 = x.shape[-1], layout in ("nk16", "nk_i4"), layout == "nk_i4"
     rows = INT4_HOPPER_MAX_ROWS if hopper and bits == 4 else INT_MATMUL_MAX_ROWS
     if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= rows):
+        if i4:  # int4 tiles: one row included (level with `w4a16_gemv` on the words there)
+            return mg.int_matmul(x, words, scale, None, perm, interpret=interpret, **kw, **(
+                mg.blocks_for(x.shape[0], words.shape[0], words.shape[1] // mg.tile_rows(4),
+                              group_size=group_size) | dict(unpack="int4") | blocks))
         if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)
@@ -688,6 +696,8 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     dims = (((1,), (1 if hopper else 0,)), ((), ()))
     dequantize = (lambda w: mg.dequantize_t(w, scale, zero, k=k, **kw)) if hopper else (
         lambda w: im.dequantize(w, scale, zero, k=k, **kw))
+    if i4:
+        dequantize = lambda w: mg.dequantize_i4(w, scale, group_size=group_size, k=k)
     if not _use_pallas(impl, interpret):
         x = x if perm is None else x[..., perm]
         return jax.lax.dot_general(x.astype(jnp.float32), dequantize(words), dims,

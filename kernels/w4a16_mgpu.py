@@ -43,7 +43,7 @@ from .w4a16_matmul import F32_BIAS, F32_MAGIC, one_plus
 from .w8a8_mgpu import swizzled
 
 SLAB = 16  # K rows of a bit plane here: one MMA's depth (k16), and a 128-row INT4 tile
-UNPACKS = ("fma", "magic", "convert")
+UNPACKS = ("fma", "magic", "convert", "int4")
 
 
 def tile_rows(bits: int) -> int:
@@ -53,6 +53,30 @@ def tile_rows(bits: int) -> int:
 def pack_t(codes, bits: int):
     """Unsigned codes [K, N] -> this kernel's words [N, K_pad // (32 // bits)] int32."""
     return im.pack(codes, bits, SLAB).T
+
+
+def pack_i4(codes):
+    """Unsigned INT4 codes [K, N] (symmetric: zero 8) -> the weight as XLA's int4 type,
+    [N, K_pad] (K padded to a tile with zeros), for `unpack="int4"`."""
+    codes = jnp.asarray(codes, jnp.int32)
+    k_pad = -(-codes.shape[0] // tile_rows(4)) * tile_rows(4)
+    return jnp.pad(codes.T - 8, ((0, 0), (0, k_pad - codes.shape[0]))).astype(jnp.int4)
+
+
+def unpack_i4(w, k: int | None = None):
+    """`pack_i4`'s int4 weight -> int32 codes [K, N]."""
+    return (w.astype(jnp.int32) + 8).T[:k]
+
+
+def dequantize_i4(w, scale, *, group_size: int, k: int):
+    """The f32 weight transposed, [N, K], from `pack_i4`'s int4 weight and its group scales."""
+    groups = jnp.arange(k) // group_size
+    return w[:, :k].astype(jnp.float32) * scale.astype(jnp.float32).T[:, groups]
+
+
+def i4_transforms():
+    """Shared-memory transforms of an int4 tile of 128-code rows: 64 bytes a row."""
+    return (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(64))
 
 
 def unpack_t(words_t, bits: int, k: int | None = None):
@@ -93,6 +117,9 @@ def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n
         return f"bits={bits}"
     if unpack not in UNPACKS:
         return f"unpack={unpack!r} is not one of {UNPACKS}"
+    if unpack == "int4" and (bits != 4 or zero_points or group_size % tile_rows(4)):
+        return ("unpack='int4' takes symmetric INT4 in groups of whole 128-row tiles (or one "
+                "group a column)")
     if consumers not in (1, 2):
         return f"consumers={consumers} (1 or 2)"
     if n % (consumers * block_n) or block_n % 64:
@@ -160,7 +187,9 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     zero [G, N] bf16 or None: symmetric) -> out^T [N, M_pad] bf16, or [splits, N, M_pad] f32
     partial sums with num_splits > 1. `unpack`: "fma" makes each code the float 1 + u/2**bits
     with a shift, an AND and an OR and the weight with one FMA; "magic" the float 2**23 + u with
-    an OR, then a subtraction and a product; "convert" converts the integer. `wait_every`: make
+    an OR, then a subtraction and a product; "convert" converts the integer; "int4" takes
+    words_t as `pack_i4` makes it (int4 [N, K_pad], symmetric) and converts a whole tile two
+    codes at a time (Mosaic GPU's int4 conversion), then scales it in bf16. `wait_every`: make
     that many planes' operands first, then issue their MMAs and await them (the default issues
     each as its operand is made; waiting by 2-8 planes measured level or slower,
     benchmarks/w4a16_issue.py). `consumers` = 2: two warpgroups a CTA, each over block_n
@@ -168,7 +197,8 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
-    k_pad = kw * per
+    native = unpack == "int4"
+    k_pad = kw if native else kw * per
     tiles = k_pad // tile
     splits = max(s for s in range(1, num_splits + 1) if tiles % s == 0)
     per_split = tiles // splits
@@ -186,6 +216,8 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
     g_rows = max(1, tile // group_size)
     g_index = (lambda s: (s, 0)) if group_size < tile else (lambda s: (s * tile // group_size, 0))
     x_t, w_t = swizzled(SLAB, jnp.bfloat16), swizzled(SLAB, jnp.int32)
+    if native:  # whole tiles: x's rows 128 columns wide, the weight's 128 codes
+        x_t, w_t = swizzled(tile, jnp.bfloat16), i4_transforms()
     out_dtype = jnp.bfloat16 if splits == 1 else jnp.float32
     o_t = swizzled(bm, out_dtype)
     shape = (block_n, bm)
@@ -227,9 +259,27 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         else:
             plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(xs, (1, 0)))
 
+    def step_i4(acc_ref, x_smem, w_smem, s_smem, mine):
+        """The tile's int4 codes to bf16 (a relayout, then two codes an instruction or so),
+        times its group's scale, then one MMA over the whole tile."""
+        if interpret:
+            w = w_smem.at[mine][...].astype(jnp.bfloat16)
+        else:
+            w = plgpu.load(w_smem, (mine,), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+        s = load(s_smem.at[0, mine], plgpu.Layout.WGMMA.reduce(1)).astype(jnp.bfloat16)
+        w = w * lax.broadcast_in_dim(s, w.shape, [0])
+        if interpret:
+            acc_ref[...] += jnp.dot(w.astype(jnp.float32), x_smem[...].astype(jnp.float32).T)
+        else:
+            plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+
     def step(acc_ref, x_smem, w_smem, s_smem, z_smem, mine=slice(None)):
         """Each plane's weights straight from registers into its MMA; all awaited before the
         step returns its slots."""
+        if native:
+            return step_i4(acc_ref, x_smem, w_smem, s_smem, mine)
         planes = weights(w_smem, s_smem, z_smem, mine)
         if wait_every is None:
             for j, w in enumerate(planes):
@@ -254,11 +304,12 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
         gs = pl.ds(si * per_split * tile // group_size, g_span) if group_size < k_pad else (
             pl.ds(0, 1))
         width = cols.size
+        w_cols = tile if native else SLAB  # a K tile's columns of the weight
         specs = [plgpu.BlockSpec((bm, tile), lambda s: (0, s), transforms=x_t),
-                 plgpu.BlockSpec((width, SLAB), lambda s: (0, s), transforms=w_t),
+                 plgpu.BlockSpec((width, w_cols), lambda s: (0, s), transforms=w_t),
                  plgpu.BlockSpec((g_rows, width), g_index)]
-        args = [x_gmem.at[rows, ks], w_gmem.at[cols, pl.ds(si * per_split * SLAB,
-                                                             per_split * SLAB)],
+        args = [x_gmem.at[rows, ks], w_gmem.at[cols, pl.ds(si * per_split * w_cols,
+                                                             per_split * w_cols)],
                 s_gmem.at[gs, cols]]
         if zero is not None:
             specs.append(plgpu.BlockSpec((g_rows, width), g_index))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,8 @@ class PackedInt:
     bits: int = dataclasses.field(default=4, metadata=dict(static=True))
     group_size: int = dataclasses.field(default=128, metadata=dict(static=True))
     lead: int = dataclasses.field(default=0, metadata=dict(static=True))  # 1: stacked experts
-    # kernels.INT_LAYOUTS: "kn" words [K_pad / per, N]; "nk16" the Hopper kernel's [N, K_pad / per]
+    # kernels.INT_LAYOUTS: "kn" words [K_pad / per, N]; "nk16" the Hopper kernel's [N, K_pad / per];
+    # "nk_i4" int4 [N, K_pad] (symmetric INT4)
     layout: str = dataclasses.field(default="kn", metadata=dict(static=True))
 
     @property
@@ -69,7 +71,7 @@ class PackedInt:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize
+        return sum(int(a.size) * a.dtype.itemsize // (2 if a.dtype == jnp.int4 else 1)
                    for a in (self.words, self.scale, self.zero, self.perm) if a is not None)
 
     def linear(self, x, in_axes: int):
@@ -98,8 +100,7 @@ class PackedInt:
         if self.lead:
             w = gi.dequantize(self.grouped_operand(), self.k)
         else:
-            codes = (im.unpack(self.words, self.bits, self.k) if self.layout == "kn"
-                     else mg.unpack_t(self.words, self.bits, self.k))
+            codes = _codes(self.words, self.bits, self.k, self.layout)
             w = im.dequantize_codes(codes, self.scale, self.zero, bits=self.bits,
                                     group_size=self.group_size)
             if self.perm is not None:
@@ -233,16 +234,23 @@ def for_kernels(params, layout: str | None = None):
     By default every form the Hopper kernel can tile moves there (INT4 and INT8, with or without
     zero points or act-order, any group size): on the H100 it ran 8B layers 0.94-4.3x the Triton
     kernel's speed from 16 rows up (under 1.0x only INT8 channel-wise gate/up) and 0.85-1.66x at
-    one row (`benchmarks/bench_w4a16_mgpu.py --quant-forms`)."""
+    one row (`benchmarks/bench_w4a16_mgpu.py --quant-forms`). Symmetric INT4 in groups of whole
+    128-row tiles goes on to int4 tiles ("nk_i4"): on the H200 1.12-1.57x the words from 16 to
+    256 rows on 8B layers, level at one row (`--forms i4,library_hopper`); PALLASITE_INT4_TILES=0
+    keeps the words."""
     def wanted(p: PackedInt) -> str:
         if layout is not None:
             return layout
         to = kernels.int_layout()
         if to == "nk16" and p.layout == "kn":
             kw, n = p.words.shape
-            if mg.supported(16, kw * (32 // p.bits), n, bits=p.bits, group_size=p.group_size,
-                            block_n=64):
+            k_pad = kw * (32 // p.bits)
+            if mg.supported(16, k_pad, n, bits=p.bits, group_size=p.group_size, block_n=64):
                 return "kn"  # a shape the Hopper kernel cannot tile keeps the Triton kernel
+            if (p.zero is None and os.environ.get("PALLASITE_INT4_TILES", "1") != "0"
+                    and not mg.supported(16, k_pad, n, bits=p.bits, group_size=p.group_size,
+                                         block_n=64, unpack="int4")):
+                return "nk_i4"
         return to
 
     def walk(tree):
@@ -265,9 +273,18 @@ def relayout(p: PackedInt, layout: str) -> PackedInt:
     return dataclasses.replace(p, words=words, layout=layout)
 
 
+def _codes(words, bits: int, k: int, layout: str):
+    """The int32 codes [K, N] of a packed weight in `layout`."""
+    if layout == "nk_i4":
+        return mg.unpack_i4(words, k)
+    return im.unpack(words, bits, k) if layout == "kn" else mg.unpack_t(words, bits, k)
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "k", "src", "dst"))
 def _relayout(words, *, bits: int, k: int, src: str, dst: str):
-    codes = im.unpack(words, bits, k) if src == "kn" else mg.unpack_t(words, bits, k)
+    codes = _codes(words, bits, k, src)
+    if dst == "nk_i4":
+        return mg.pack_i4(codes)
     return im.pack(codes, bits) if dst == "kn" else mg.pack_t(codes, bits)
 
 

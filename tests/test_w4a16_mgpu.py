@@ -206,14 +206,17 @@ def test_every_form_the_hopper_kernel_tiles_moves_by_default(monkeypatch):
     params = {"a": dict(forms)}
     quant_int.for_kernels(params)
     got = {k: params["a"][k].layout for k in forms}
-    assert got == dict(sym4="nk16", asym4="nk16", sym8="nk16", asym8_g32="nk16", narrow="kn")
+    assert got == dict(sym4="nk_i4", asym4="nk16", sym8="nk16", asym8_g32="nk16", narrow="kn")
+    assert params["a"]["sym4"].words.dtype == jnp.int4
+    assert params["a"]["sym4"].nbytes == forms["sym4"].nbytes  # two codes a byte either way
     x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
-    for k in ("asym4", "asym8_g32"):  # the moved weight multiplies as it did
+    for k in ("sym4", "asym4", "asym8_g32"):  # the moved weight multiplies as it did
         p, q = params["a"][k], forms[k]
         got = kernels.int_matmul(x, p.words, p.scale, p.zero, bits=p.bits,
-                                 group_size=p.group_size, layout="nk16", interpret=True)
+                                 group_size=p.group_size, layout=p.layout, interpret=True)
         want = kernels.int_matmul(x, q.words, q.scale, q.zero, bits=q.bits,
                                   group_size=q.group_size, interpret=True)
+        np.testing.assert_array_equal(np.asarray(p.dequantize()), np.asarray(q.dequantize()))
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # weights rounded to bf16
 
@@ -231,12 +234,14 @@ def test_engine_in_the_hopper_layout_generates_as_in_the_triton_layout(tmp_path,
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 33, 2, 9], [7, 3, 3, 40]]
     outs = {}
-    for layout in ("kn", "nk16"):
+    for layout, tiles, placed in (("kn", "1", "kn"), ("nk16", "0", "nk16"),
+                                  ("nk16", "1", "nk_i4")):
         monkeypatch.setattr(kernels, "int_layout", lambda layout=layout: layout)
+        monkeypatch.setenv("PALLASITE_INT4_TILES", tiles)
         with LLM(tmp_path, **kw) as llm:
-            assert llm.engine.params["layers_0"]["attn"]["wqkv"].layout == layout
-            outs[layout] = [o.token_ids for o in llm.generate(prompts, sp)]
-    assert outs["nk16"] == outs["kn"]
+            assert llm.engine.params["layers_0"]["attn"]["wqkv"].layout == placed
+            outs[placed] = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert outs["nk16"] == outs["kn"] == outs["nk_i4"]
 
 
 @pytest.mark.parametrize("bits,m,kernel", [(4, 512, True), (4, 513, False), (8, 384, False),
@@ -257,3 +262,30 @@ def test_hopper_rows_past_which_the_weight_is_dequantized(monkeypatch, bits, m, 
     assert bool(calls) == kernel
     if kernel and m > 256:
         assert calls[0]["consumers"] == 2
+
+
+@pytest.mark.parametrize("m,k,n,group_size,blocks", [
+    (5, 512, 128, 128, dict(block_n=64)),
+    (20, 300, 64, 300, dict(block_n=64)),  # one group a column, K padded to the tile
+    (3, 1024, 128, 256, dict(block_n=64, num_splits=2)),  # two tiles a group, split-K
+    (20, 512, 256, 128, dict(block_n=64, consumers=2)),
+])
+def test_int4_tiles_match_numpy(m, k, n, group_size, blocks):
+    """`unpack="int4"`: the weight as XLA's int4 type, converted a tile at a time."""
+    rng = np.random.default_rng(m + k)
+    codes, scale, _ = random_weight(rng, k, n, 4, group_size, False)
+    _, s, _, g = im.pack_weight(codes, scale, None, bits=4, group_size=group_size)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, None, 4,
+                                                                     group_size)
+    got = mg.int_matmul(jnp.asarray(x, jnp.bfloat16), mg.pack_i4(codes), s, bits=4,
+                        group_size=g, unpack="int4", interpret=True, **blocks)
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert got.shape == (m, n) and err < 1e-2
+
+
+def test_int4_tiles_refuse_what_they_do_not_take():
+    assert mg.supported(4, 512, 128, bits=4, group_size=64, unpack="int4")
+    assert mg.supported(4, 512, 128, bits=4, group_size=128, unpack="int4", zero_points=True)
+    assert mg.supported(4, 512, 128, bits=8, group_size=128, unpack="int4")
+    assert mg.supported(4, 512, 128, bits=4, group_size=128, unpack="int4") is None
