@@ -228,8 +228,9 @@ def llama3_8b(layers: int = 32, **small):
 
 def bench_decode(layers: int, cfg=None, tokens: int = 128, modes=("bf16", "w4a16")):
     """`modes`: bf16, w4a16 (the packed layout the engine picks here), w4a16_triton (the
-    Triton kernel's layout, PALLASITE_INT_KERNEL=triton) and w4a16_mma (the Hopper layout with
-    its MMA kernel at one row too, PALLASITE_INT_GEMV=0), each in its own LLM."""
+    Triton kernel's layout, PALLASITE_INT_KERNEL=triton), w4a16_words (the Hopper kernel's
+    words rather than int4 tiles, PALLASITE_INT4_TILES=0) and w4a16_mma (the words with their
+    MMA kernel at one row too, PALLASITE_INT_GEMV=0), each in its own LLM."""
     import os
 
     from pallasite.model.transformer import init_params
@@ -242,6 +243,7 @@ def bench_decode(layers: int, cfg=None, tokens: int = 128, modes=("bf16", "w4a16
             params = random_w4a16(params)
         os.environ["PALLASITE_INT_KERNEL"] = "triton" if mode == "w4a16_triton" else ""
         os.environ["PALLASITE_INT_GEMV"] = "0" if mode == "w4a16_mma" else "1"
+        os.environ["PALLASITE_INT4_TILES"] = "0" if mode in ("w4a16_words", "w4a16_mma") else "1"
         nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
         llm = LLM.from_params(cfg, params, max_model_len=1024, max_num_seqs=4, num_pages=256,
                               max_num_batched_tokens=128, token_buckets=[1, 128],
@@ -262,6 +264,7 @@ def bench_decode(layers: int, cfg=None, tokens: int = 128, modes=("bf16", "w4a16
         print(json.dumps(rec), flush=True)
     os.environ.pop("PALLASITE_INT_KERNEL", None)
     os.environ.pop("PALLASITE_INT_GEMV", None)
+    os.environ.pop("PALLASITE_INT4_TILES", None)
     if records and records[0]["mode"] == "bf16_batch1":
         for rec in records[1:]:
             rec["speedup_vs_bf16"] = records[0]["ms_per_token"] / rec["ms_per_token"]
@@ -295,7 +298,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--decode-modes", default="bf16,w4a16",
                     help="decode: bf16, w4a16 (the engine's layout here), w4a16_triton, "
-                         "w4a16_mma (the Hopper layout's MMA kernel at one row too)")
+                         "w4a16_words (the Hopper kernel's words, not int4 tiles), "
+                         "w4a16_mma (the words' MMA kernel at one row too)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -86,16 +86,19 @@ def gemv_variants(m, n, k_tiles, tiny, near=False):
 
 
 def i4_variants(m, n, k_tiles, tiny):
-    """`unpack="int4"` (the weight as XLA's int4 type) at the library's tiles for the Hopper
-    kernel, with a deeper ring, half the columns a CTA, and twice the split."""
+    """`unpack="int4"` (the weight as XLA's int4 type) at the library's tiles for it
+    (`w4a16_mgpu.i4_blocks`), with a deeper ring, half the columns a CTA, twice the split, and up
+    to 8 rows an 8-row MMA."""
     if tiny:
         return [dict(block_n=64, unpack="int4"), dict(block_n=64, num_splits=2, unpack="int4")]
-    base = mg.blocks_for(m, n, k_tiles)
+    base = {k: v for k, v in mg.i4_blocks(m, n, k_tiles).items() if k != "unpack"}
     splits = base.get("num_splits", 1)
     out = [base, dict(base, num_stages=4), dict(base, block_n=64),
            dict(base, block_n=64, num_stages=4)]
     if k_tiles % (2 * splits) == 0:
         out.append(dict(base, num_splits=2 * splits, num_stages=4))
+    if m <= 8:  # an MMA 16 rows wide, as the words' tiles
+        out += [dict(base, block_m=16), dict(base, block_m=16, num_stages=2)]
     return [dict(kw, unpack="int4") for kw in out]
 
 

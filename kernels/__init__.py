@@ -680,8 +680,8 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     if interpret or (_use_pallas(impl, interpret) and x.shape[0] <= rows):
         if i4:  # int4 tiles: one row included (level with `w4a16_gemv` on the words there)
             return mg.int_matmul(x, words, scale, None, perm, interpret=interpret, **kw, **(
-                mg.blocks_for(x.shape[0], words.shape[0], words.shape[1] // mg.tile_rows(4),
-                              group_size=group_size) | dict(unpack="int4") | blocks))
+                mg.i4_blocks(x.shape[0], words.shape[0], words.shape[1] // mg.tile_rows(4),
+                             group_size=group_size) | blocks))
         if not hopper:
             return im.int_matmul(x, words, scale, zero, perm, interpret=interpret, **kw,
                                  **blocks)

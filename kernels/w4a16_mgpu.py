@@ -131,8 +131,8 @@ def supported(m: int, k_pad: int, n: int, *, bits: int, group_size: int, block_n
         return (f"group_size={group_size} does not tile K tiles of {tile} rows and the padded "
                 f"K={k_pad} (or cover it)")
     bm = block_m or rows_block(m)
-    if bm % 16 or bm > 256:
-        return f"block_m={bm} (a multiple of 16, at most 256)"
+    if (bm % 16 and not (unpack == "int4" and bm == 8)) or bm > 256:
+        return f"block_m={bm} (a multiple of 16, at most 256; 8 with unpack='int4')"
     if consumers > 1:
         need = shared_bytes(bm, bits=bits, group_size=group_size, block_n=block_n,
                             consumers=consumers, num_stages=num_stages,
@@ -174,6 +174,20 @@ def blocks_for(m: int, n: int, k_tiles: int, consumers: int | None = None, *, bi
         splits *= 2
     return dict(block_n=bn, num_splits=splits) | (
         dict(consumers=consumers) if consumers > 1 else {})
+
+
+def i4_blocks(m: int, n: int, k_tiles: int, *, group_size: int = 128) -> dict:
+    """Tiles for `unpack="int4"`: the words' rule (`blocks_for`), and up to 8 rows an MMA 8
+    rows wide, a ring four deep and K split while the grid stays under eight CTAs an SM (H200,
+    8B layers, `bench_w4a16_mgpu --forms i4 --ms 1,2,4,8`: 1-8 rows 1-19% under the 16-row
+    tiles; one row 65 us a layer against the one-row kernel's 67 on the words)."""
+    kw = blocks_for(m, n, k_tiles, group_size=group_size)
+    if m <= 8:
+        blocks, splits = n // kw["block_n"], 1
+        while splits < 8 and blocks * splits * 2 <= 1056 and k_tiles % (splits * 2) == 0:
+            splits *= 2
+        kw = dict(kw, block_m=8, num_stages=4, num_splits=splits)
+    return kw | dict(unpack="int4")
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "block_m",

@@ -289,3 +289,21 @@ def test_int4_tiles_refuse_what_they_do_not_take():
     assert mg.supported(4, 512, 128, bits=4, group_size=128, unpack="int4", zero_points=True)
     assert mg.supported(4, 512, 128, bits=8, group_size=128, unpack="int4")
     assert mg.supported(4, 512, 128, bits=4, group_size=128, unpack="int4") is None
+
+
+def test_int4_tiles_take_an_8_row_mma_up_to_8_rows(monkeypatch):
+    """The library's call on int4 tiles: up to 8 rows an 8-row MMA and a deeper ring, the K
+    split while the grid stays under eight CTAs an SM; from 9 rows the words' tiles."""
+    from pallasite import kernels
+    calls = []
+    monkeypatch.setattr(kernels, "_use_pallas", lambda impl, interpret: True)
+    monkeypatch.setattr(mg, "int_matmul", lambda x, *a, **kw: calls.append(kw) or x[:, :64])
+    w = mg.pack_i4(np.zeros((4096, 28672), np.int32))
+    scale = jnp.full((32, 28672), 0.01, jnp.float32)
+    for m in (1, 8, 9):
+        kernels.int_matmul(jnp.zeros((m, 4096), jnp.bfloat16), w, scale, bits=4, group_size=128,
+                           layout="nk_i4")
+    one, eight, nine = calls
+    assert one["unpack"] == "int4" and one["block_m"] == 8 and one["num_stages"] == 4
+    assert one["num_splits"] == 4  # 224 column blocks: 896 CTAs
+    assert eight == one and "block_m" not in nine and nine["unpack"] == "int4"
