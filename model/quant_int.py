@@ -235,9 +235,9 @@ def for_kernels(params, layout: str | None = None):
     zero points or act-order, any group size): on the H100 it ran 8B layers 0.94-4.3x the Triton
     kernel's speed from 16 rows up (under 1.0x only INT8 channel-wise gate/up) and 0.85-1.66x at
     one row (`benchmarks/bench_w4a16_mgpu.py --quant-forms`). Symmetric INT4 in groups of whole
-    128-row tiles goes on to int4 tiles ("nk_i4"): on the H200 1.12-1.57x the words from 16 to
-    256 rows on 8B layers, level at one row (`--forms i4,library_hopper`); PALLASITE_INT4_TILES=0
-    keeps the words."""
+    128-row tiles goes on to int4 tiles ("nk_i4"): on the H200 the words took 1.26-1.77x their
+    time at 2-16 rows on 8B layers, 1.11-1.24x at 64-256, and level at one row (`--forms
+    i4,library_hopper`); PALLASITE_INT4_TILES=0 keeps the words."""
     def wanted(p: PackedInt) -> str:
         if layout is not None:
             return layout
