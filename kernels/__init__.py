@@ -667,10 +667,9 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
                layout: str = "kn", impl=None, interpret=False, **blocks):
     """x [M, K] times packed INT4/INT8 weights (`w4a16_matmul.pack`, or with `layout` "nk16"
     `w4a16_mgpu.pack_t`, with "nk_i4" `w4a16_mgpu.pack_i4`) -> [M, N] in x's dtype: the Pallas
-    kernel on GPU up to
-    INT_MATMUL_MAX_ROWS rows (INT4_HOPPER_MAX_ROWS for INT4 in the Hopper layout), the
-    dequantized weight through XLA's dot above (prefill is compute-bound) and on other
-    backends."""
+    kernel on GPU up to INT_MATMUL_MAX_ROWS rows (INT4_HOPPER_MAX_ROWS for INT4 in the Hopper
+    layouts), the dequantized weight through XLA's dot above (prefill is compute-bound) and on
+    other backends."""
     from . import w4a16_gemv as gv
     from . import w4a16_matmul as im
     from . import w4a16_mgpu as mg

@@ -274,8 +274,8 @@ def int_matmul_t(x, words_t, scale, zero=None, *, bits: int, group_size: int,
             plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(xs, (1, 0)))
 
     def step_i4(acc_ref, x_smem, w_smem, s_smem, mine):
-        """The tile's int4 codes to bf16 (a relayout, then two codes an instruction or so),
-        times its group's scale, then one MMA over the whole tile."""
+        """The tile's int4 codes to bf16 (a relayout into the MMA's layout, then Mosaic GPU's
+        conversion of two codes at a time), times its group's scale, then one MMA of it."""
         if interpret:
             w = w_smem.at[mine][...].astype(jnp.bfloat16)
         else:
