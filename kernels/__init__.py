@@ -693,10 +693,12 @@ def int_matmul(x, words, scale, zero=None, perm=None, *, bits: int, group_size: 
     # The weight dequantized as it is stored ([N, K] for the Hopper layout: XLA's dot takes
     # either side transposed, while transposing the weight would cost a pass over it).
     dims = (((1,), (1 if hopper else 0,)), ((), ()))
-    dequantize = (lambda w: mg.dequantize_t(w, scale, zero, k=k, **kw)) if hopper else (
-        lambda w: im.dequantize(w, scale, zero, k=k, **kw))
     if i4:
         dequantize = lambda w: mg.dequantize_i4(w, scale, group_size=group_size, k=k)
+    elif hopper:
+        dequantize = lambda w: mg.dequantize_t(w, scale, zero, k=k, **kw)
+    else:
+        dequantize = lambda w: im.dequantize(w, scale, zero, k=k, **kw)
     if not _use_pallas(impl, interpret):
         x = x if perm is None else x[..., perm]
         return jax.lax.dot_general(x.astype(jnp.float32), dequantize(words), dims,

@@ -169,11 +169,17 @@ def blocks_for(m: int, n: int, k_tiles: int, consumers: int | None = None, *, bi
     blocks = (n // (bn * consumers)) * -(-m // rows_block(m))
     full = m > 16 and blocks >= 132
     target = 132 if consumers > 1 else 0 if full else 528 if m <= 64 else 264
+    return dict(block_n=bn, num_splits=k_splits(blocks, k_tiles, target)) | (
+        dict(consumers=consumers) if consumers > 1 else {})
+
+
+def k_splits(blocks: int, k_tiles: int, target: int) -> int:
+    """K split in two, up to 8 ways, while `blocks` CTAs times the split stay under `target`
+    and the split divides the K tiles."""
     splits = 1
     while splits < 8 and blocks * splits * 2 <= target and k_tiles % (splits * 2) == 0:
         splits *= 2
-    return dict(block_n=bn, num_splits=splits) | (
-        dict(consumers=consumers) if consumers > 1 else {})
+    return splits
 
 
 def i4_blocks(m: int, n: int, k_tiles: int, *, group_size: int = 128) -> dict:
@@ -183,10 +189,8 @@ def i4_blocks(m: int, n: int, k_tiles: int, *, group_size: int = 128) -> dict:
     tiles; one row 65 us a layer against the one-row kernel's 67 on the words)."""
     kw = blocks_for(m, n, k_tiles, group_size=group_size)
     if m <= 8:
-        blocks, splits = n // kw["block_n"], 1
-        while splits < 8 and blocks * splits * 2 <= 1056 and k_tiles % (splits * 2) == 0:
-            splits *= 2
-        kw = dict(kw, block_m=8, num_stages=4, num_splits=splits)
+        kw = dict(kw, block_m=8, num_stages=4,
+                  num_splits=k_splits(n // kw["block_n"], k_tiles, 1056))
     return kw | dict(unpack="int4")
 
 
