@@ -218,7 +218,12 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling_params,
+                    final_only: bool = False):
+        """Queue a request. `final_only`: step() makes no output for it until it ends, and that
+        one carries all its output tokens (as `LLM.generate` wants them: a step then builds no
+        output for each running request). Asking for logprobs or stop strings (whose text comes
+        a step at a time) takes every output."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_ids, sampling_params)
@@ -230,6 +235,7 @@ class Engine:
         if not seq.stop_ids <= self._stop_set:  # candidates for the stop test of _accept
             self._stop_set |= seq.stop_ids
             self._stop_any = np.array(sorted(self._stop_set), np.int64)
+        seq.final_only = final_only and sp.logprobs is None and not sp.stop
         seq.penalized = (sp.repetition_penalty != 1 or sp.presence_penalty != 0
                          or sp.frequency_penalty != 0)
         seq.mode = sampling.mode_of(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
@@ -253,7 +259,8 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is not None:
             self._finish(seq)
-            self._outbox.append(self._output(seq, [], "", None, "abort"))
+            self._outbox.append(self._output(seq, seq.output_ids if seq.final_only else [], "",
+                                             None, "abort"))
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs or self._outbox)
@@ -430,7 +437,6 @@ class Engine:
         for i in np.flatnonzero(np.isin(tokens, self._stop_any)).tolist():
             if toks[i] in seqs[i].stop_ids:
                 reasons[i], why[i] = "stop", toks[i]
-        reasons = reasons.tolist()
         for i in np.flatnonzero(n_tokens - plen == 1).tolist():
             seqs[i].first_token_time, batch.first_token[slots[i]] = now, now
         complete, guided = [], self._guided
@@ -445,12 +451,25 @@ class Engine:
         lps = [None] * n
         for i in np.flatnonzero(batch.ints[LOGPROBS, slots] >= 0).tolist():
             lps[i] = self._logprobs(seqs[i], toks[i], out[i])
-        finished = [r is not None for r in reasons]
-        for seq in compress(seqs, finished):
+        finished = np.not_equal(reasons, None)
+        for seq in compress(seqs, finished.tolist()):
             self._finish(seq)
+        quiet = None if self.spec else batch.final_only[slots]
+        if quiet is None or not quiet.any():
+            new_ids = [[t] for t in toks]
+        else:  # rows that want only their last output get none before it (the speculative
+            # path, which merges an output a row for each token it emits, takes them all)
+            keep = np.flatnonzero(~quiet | finished)
+            rows = keep.tolist()
+            new_ids = [seqs[i].output_ids if q else [toks[i]]
+                       for i, q in zip(rows, quiet[keep].tolist())]
+            slots, reasons, finished, plen, n_tokens = (
+                a[keep] for a in (slots, reasons, finished, plen, n_tokens))
+            deltas = [deltas[i] for i in rows] if self._stopping else deltas
+            lps, why = [lps[i] for i in rows], [why[i] for i in rows]
         return list(map(_new_output, repeat(RequestOutput), zip(
-            batch.request_id[slots].tolist(), [[t] for t in toks], deltas, lps,
-            finished, reasons, plen.tolist(),
+            batch.request_id[slots].tolist(), new_ids, deltas, lps,
+            finished.tolist(), reasons.tolist(), plen.tolist(),
             batch.cached[slots].tolist(), (n_tokens - plen).tolist(),
             batch.arrival[slots].tolist(), batch.first_token[slots].tolist(), repeat(0),
             repeat(0), why)))

@@ -289,7 +289,7 @@ class LLM:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 names.append(f"generate-{next(self._ids)}")
                 self.loop.submit(names[-1], p, sp or SamplingParams(), partial(on_output, i),
-                                 stream=False)
+                                 stream=False, final_only=True)
             if not ids:
                 return []
             done.wait()

@@ -61,6 +61,9 @@ class Sequence:
     max_output: int = 1 << 30  # tokens it may generate (max_tokens, capped by the context)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     ever_admitted: bool = False
+    # Only its last output is wanted (`LLM.generate`): the engine makes no output for it until it
+    # ends, and that one carries all its output tokens.
+    final_only: bool = False
     first_token_time: float | None = None
     # The engine's per-request data: stop token ids, sampler row, detokenizer, text so far/sent.
     stop_ids: frozenset = frozenset()
