@@ -107,3 +107,17 @@ def test_report_survives_failed_variants():
                                                                     pipelined_ms=0.5)),
                            status="ok")])
     assert "Unknown flag" in text and "0.500" in text
+
+
+def test_step_bytes_count_int4_as_two_codes_a_byte():
+    from pallasite.model import config_from_dict
+    from profiling.step_engine import step_bytes
+    config = config_from_dict(dict(model_type="llama", vocab_size=32, hidden_size=16,
+                                   intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1))
+    bf16 = jnp.zeros((32, 16), jnp.bfloat16)
+    params = {"embed": bf16, "lm_head": bf16,
+              "layers_0": {"w": jnp.zeros((64, 128), jnp.int4), "s": jnp.zeros((64,), jnp.float32)}}
+    b = step_bytes(params, config, tokens=4)
+    assert b["layer_weights"] == 64 * 128 // 2 + 64 * 4
+    assert b["lm_head"] == 32 * 16 * 2 and b["kv"] == 2 * 1 * 1 * 8 * 2 * 4
