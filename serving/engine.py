@@ -420,7 +420,8 @@ class Engine:
         """Take one sampled token per sequence: tokens and finish reasons as arrays over the
         rows (Python only for stop-token candidates, first tokens, guided rows, logprobs and
         finishes), then the new text of those with stop strings in one batched detokenization
-        (the others' is a TextStage's), then the outputs. `slots`, `n_tokens` (the token count after this one): known to the caller, or
+        (the others' is a TextStage's), then the outputs (for a `final_only` request, only its
+        last). `slots`, `n_tokens` (the token count after this one): known to the caller, or
         read off the sequences."""
         now, n, batch = time.time(), len(seqs), self.batch
         tokens = out[:, 0]
