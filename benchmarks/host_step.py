@@ -8,8 +8,9 @@ host's own work: scheduling, packing the batch, dispatch and accepting the sampl
 model's tokenizer: each step's outputs then get their text after the step as `EngineLoop` makes
 it (the `fill` part), streamed a step at a time, or with `--whole-text` only at each request's
 end, as `LLM.generate` takes it. `--final-only` asks for each request's last output only, as
-`LLM.generate` does (`Engine.add_request`): a step then makes outputs for the finished alone. `--device-ms` gives the stand-in device a time a step,
-overlapped with the host's work as on a GPU. `--launch-ms` gives each forward call a time
+`LLM.generate` does (`Engine.add_request`): a step then makes outputs for the finished alone.
+`--device-ms` gives the stand-in device a time a step, overlapped with the host's work as on a
+GPU. `--launch-ms` gives each forward call a time
 without the GIL, as a GPU's launch spends in XLA's runtime, and `--launch-thread` makes those
 calls on the engine's launch thread (`serving/launcher.py`), beside the accepting of the step
 before.

@@ -135,9 +135,10 @@ def kv_cache_dtype_of(name: str):
 
 
 def gather(results: list[Completion], ids, params, tokenizer, all_done):
-    """`LLM.generate`'s callback `on_output(i, out)`, called on the engine's thread for every
-    token of request i: its tokens, text and logprobs into results[i], the counts as it ends,
-    and `all_done()` once every request has."""
+    """`LLM.generate`'s callback `on_output(i, out)`, called on the engine's thread for each
+    output of request i (its last only, unless it asks for logprobs or stop strings): its
+    tokens, text and logprobs into results[i], the counts as it ends, and `all_done()` once
+    every request has."""
     left, lock = [len(ids)], threading.Lock()
 
     def on_output(i, out: RequestOutput):
