@@ -428,10 +428,16 @@ class Engine:
         toks = tokens.tolist()
         for seq, token in zip(seqs, toks):
             seq.tokens.append(token)
-            seq.num_pending -= 1
         if slots is None:
             slots = np.fromiter((s.slot for s in seqs), np.int64, n)
             n_tokens = np.fromiter((len(s.tokens) for s in seqs), np.int64, n)
+        # One token each has arrived: a running sequence's count is its slot's; one preempted
+        # since the step's launch holds its own.
+        sched = self.scheduler
+        held = (slots >= 0) & sched.live[np.maximum(slots, 0)]
+        sched.pending[slots[held]] -= 1
+        for i in np.flatnonzero(~held).tolist():
+            seqs[i].num_pending -= 1
         plen = batch.prompt_len[slots]
         reasons = np.where(n_tokens >= self.scheduler.limit[slots], "length", None)
         why = [None] * n

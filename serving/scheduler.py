@@ -12,9 +12,9 @@ Each running sequence holds a slot (a row of the batch state the engine keeps be
 The scheduler keeps every slot's page table in one persistent array, `page_table`, written only
 where pages change (admission, a decode step that crosses a page), so packing a step is a
 gather, not a rebuild. The decode pass is the hot loop at high concurrency: it reads the running
-sequences' slots and token counts into arrays (their num_computed and total_len it keeps per
-slot), decides every row with numpy, and runs Python per sequence only for the rare events (a
-page filling up, a preemption). A step comes out as a `Step`: its rows as
+sequences' slots into an array (their token counts live in per-slot arrays while they run),
+decides every row with numpy, and runs Python per sequence only for the rare events (a page
+filling up, a preemption). A step comes out as a `Step`: its rows as
 arrays, decode rows first; `Step.chunks()` gives them as `Chunk`s where a caller wants those.
 
 Pacing (`pace`, for offline batches): a batch takes at least as many steps as its longest
@@ -54,8 +54,12 @@ class Sequence:
     seed: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.time)
     tokens: list[int] = None  # prompt + the outputs the host knows
-    num_pending: int = 0  # sampled on the device, not yet seen by the host
-    num_computed: int = 0  # tokens whose K/V are in (or queued into) the pages
+    # `num_pending` and `num_computed` (properties below) while it holds no slot; while it runs
+    # they live in the scheduler's per-slot arrays (`counts`: the scheduler), so that a step
+    # moves them for every row at once.
+    _pending: int = 0
+    _computed: int = 0
+    counts: object = None
     status: str = WAITING
     slot: int = -1  # row of the device-side sampler state while running
     max_output: int = 1 << 30  # tokens it may generate (max_tokens, capped by the context)
@@ -85,6 +89,32 @@ class Sequence:
             self.tokens = list(self.prompt_ids)
 
     @property
+    def num_pending(self) -> int:
+        """Tokens sampled on the device, not yet seen by the host."""
+        c = self.counts
+        return self._pending if c is None else int(c.pending[self.slot])
+
+    @num_pending.setter
+    def num_pending(self, n: int):
+        if self.counts is None:
+            self._pending = n
+        else:
+            self.counts.pending[self.slot] = n
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V are in (or queued into) the pages."""
+        c = self.counts
+        return self._computed if c is None else int(c.computed[self.slot])
+
+    @num_computed.setter
+    def num_computed(self, n: int):
+        if self.counts is None:
+            self._computed = n
+        else:
+            self.counts.computed[self.slot] = n
+
+    @property
     def total_len(self) -> int:
         return len(self.tokens) + self.num_pending
 
@@ -108,7 +138,7 @@ class Chunk(NamedTuple):
 
 
 _new_chunk = tuple.__new__
-_slot, _computed, _tokens = (attrgetter(a) for a in ("slot", "num_computed", "tokens"))
+_slot, _tokens = attrgetter("slot"), attrgetter("tokens")
 
 
 class Step:
@@ -165,10 +195,12 @@ class Scheduler:
         # max_output), and the tokens its pages hold.
         self.limit = np.zeros(max_num_seqs, np.int64)
         self.capacity = np.zeros(max_num_seqs, np.int64)
-        # Per slot: its sequence's num_computed and total_len, written wherever the scheduler
-        # changes them (taking a sampled token leaves total_len as it is), so that the decode
-        # pass reads two arrays instead of two fields of every running sequence.
+        # Per slot: its running sequence's num_computed and num_pending (where they live while
+        # it runs: `Sequence.counts`), and its total_len, written wherever the scheduler changes
+        # it (taking a sampled token leaves it as it is): the decode pass reads and moves them
+        # as arrays, not as fields of every running sequence.
         self.computed = np.zeros(max_num_seqs, np.int64)
+        self.pending = np.zeros(max_num_seqs, np.int64)
         self.total = np.zeros(max_num_seqs, np.int64)
         self.live = np.zeros(max_num_seqs, bool)  # slots held by a running sequence
         self.max_output = np.zeros(max_num_seqs, np.int64)  # per slot: its sequence's max_output
@@ -220,7 +252,8 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         self.released[seq.slot] += 1
         self.live[seq.slot] = False
-        seq.slot, seq.num_computed = -1, 0
+        seq._pending, seq._computed, seq.counts = int(self.pending[seq.slot]), 0, None
+        seq.slot = -1
 
     def _preempt(self, seq: Sequence):
         """Give back a running sequence's pages; it is recomputed later (first in line)."""
@@ -239,9 +272,8 @@ class Scheduler:
         self.admitted = []
         if self.window is not None and self.running:
             seqs = self.running
-            ints = lambda xs: np.fromiter(xs, np.int64, len(seqs))
-            kv_window.drop_dead_pages(self, seqs, ints(map(_slot, seqs)),
-                                      ints(map(_computed, seqs)))
+            slots = np.fromiter(map(_slot, seqs), np.int64, len(seqs))
+            kv_window.drop_dead_pages(self, seqs, slots, self.computed[slots])
         rows, prefilling, preempted = self._decode()
         if not isinstance(rows, Step):  # a decode pass that makes chunks (speculative.py)
             rows = Step.from_chunks(rows)
@@ -284,9 +316,9 @@ class Scheduler:
         decode rows, the running sequences with a prefill under way, and whether it preempted
         (then nothing new is admitted this step)."""
         seqs, n, before = list(self.running), len(self.running), self.num_preemptions
-        ints = lambda xs: np.fromiter(xs, np.int64, n)
-        slots, known = ints(map(_slot, seqs)), ints(map(len, map(_tokens, seqs)))
+        slots = np.fromiter(map(_slot, seqs), np.int64, n)
         start, total = self.computed[slots], self.total[slots]
+        known = total - self.pending[slots]  # the tokens its host list holds
         # A sequence whose pending token is its last ends when that token arrives.
         rows = (total - start == 1) & (total < self.limit[slots])
         prefilling = [seqs[i] for i in np.flatnonzero(total - start > 1).tolist()]
@@ -299,9 +331,8 @@ class Scheduler:
         dseqs = seqs if len(idx) == len(seqs) else [seqs[i] for i in idx.tolist()]
         if len(idx) != len(seqs):
             slots, start, known, total = (a[idx] for a in (slots, start, known, total))
-        for seq, t in zip(dseqs, total.tolist()):
-            seq.num_computed, seq.num_pending = t, seq.num_pending + 1
         self.computed[slots], self.total[slots] = total, total + 1
+        self.pending[slots] += 1  # (each sequence's num_computed and num_pending)
         step = Step(dseqs, slots, start, np.ones(len(idx), np.int64),
                     np.ones(len(idx), bool), known)
         return step, prefilling, self.num_preemptions != before
@@ -363,14 +394,16 @@ class Scheduler:
         if not seq.ever_admitted:
             seq.cached_tokens, seq.ever_admitted = hit, True
         self.prefix_hit_tokens += hit
-        seq.num_computed, seq.status, seq.slot = hit, RUNNING, self.free_slots.pop()
+        seq.status, seq.slot = RUNNING, self.free_slots.pop()
+        self.computed[seq.slot], self.pending[seq.slot] = hit, 0  # none pending: see above
+        seq.counts = self
         table = pages.table(seq.request_id)
         self.page_table[seq.slot, :len(table)] = table
         self.page_table[seq.slot, :dead] = 0  # given back: read by no kernel
         self.page_table[seq.slot, len(table):] = 0
         self.dropped[seq.slot] = dead
         self.limit[seq.slot] = len(seq.prompt_ids) + seq.max_output
-        self.computed[seq.slot], self.total[seq.slot] = hit, len(tokens)
+        self.total[seq.slot] = len(tokens)
         self.capacity[seq.slot] = len(table) * pages.page_size
         self.live[seq.slot], self.max_output[seq.slot] = True, seq.max_output
         self.running.append(seq)

@@ -99,9 +99,11 @@ def test_bulk_acceptance_matches_known_streams(overlap, launch_thread, final_onl
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
         engine.pages.check()
-        sched = engine.scheduler  # its per-slot token counts follow the sequences' own
-        assert all((sched.computed[s.slot], sched.total[s.slot]) == (s.num_computed, s.total_len)
+        sched = engine.scheduler  # running sequences' counts live in its per-slot arrays
+        assert all(s.counts is sched and sched.live[s.slot]
+                   and sched.total[s.slot] == len(s.tokens) + sched.pending[s.slot]
                    for s in sched.running)
+        assert all(s.counts is None for s in engine.seqs.values() if s.status != RUNNING)
         step += 1
         assert step < 500
     stats = engine.stats()
