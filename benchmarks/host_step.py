@@ -10,10 +10,9 @@ it (the `fill` part), streamed a step at a time, or with `--whole-text` only at 
 end, as `LLM.generate` takes it. `--final-only` asks for each request's last output only, as
 `LLM.generate` does (`Engine.add_request`): a step then makes outputs for the finished alone.
 `--device-ms` gives the stand-in device a time a step, overlapped with the host's work as on a
-GPU. `--launch-ms` gives each forward call a time
-without the GIL, as a GPU's launch spends in XLA's runtime, and `--launch-thread` makes those
-calls on the engine's launch thread (`serving/launcher.py`), beside the accepting of the step
-before.
+GPU. `--launch-ms` gives each forward call a time without the GIL, as a GPU's launch spends in
+XLA's runtime, and `--launch-thread` makes those calls on the engine's launch thread
+(`serving/launcher.py`), beside the accepting of the step before.
 
 Two cases, both by default: pure decode (`--decode`), where every sequence decodes through the
 timed steps, and `--mixed`, where outputs are short (uniform in [8, 2 * --churn_output]) and
