@@ -106,7 +106,7 @@ class EngineLoop:
             return
         _, request_id, prompt_ids, sampling, stream, final_only = command
         try:
-            self.engine.add_request(request_id, prompt_ids, sampling, final_only)
+            self.engine.add_request(request_id, prompt_ids, sampling, final_only=final_only)
         except RequestError:
             log.exception("request %s refused", request_id)
             self._deliver(RequestOutput(request_id, [], "", None, True, "abort",

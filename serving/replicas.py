@@ -46,11 +46,12 @@ class Replicas:
     def check_request(self, prompt_ids, sampling_params):
         self.replicas[0].check_request(prompt_ids, sampling_params)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling_params):
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling_params,
+                    final_only: bool = False):
         if request_id in self.owner:
             raise RequestError(f"request id {request_id!r} is already in use")
         engine = self.pick(prompt_ids)
-        engine.add_request(request_id, prompt_ids, sampling_params)
+        engine.add_request(request_id, prompt_ids, sampling_params, final_only=final_only)
         self.owner[request_id] = engine
 
     def abort(self, request_id: str):
