@@ -101,9 +101,13 @@ class QArray:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize // (2 if a.dtype in (jnp.int4, jnp.uint4)
-                                                      else 1)
-                   for a in (self.q, self.scale, self.zero) if a is not None)
+        return sum(array_nbytes(a) for a in (self.q, self.scale, self.zero) if a is not None)
+
+
+def array_nbytes(a) -> int:
+    """An array's bytes in memory: 4-bit types hold two values a byte (JAX's `nbytes` counts a
+    byte each)."""
+    return int(a.size) * a.dtype.itemsize // (2 if a.dtype in (jnp.int4, jnp.uint4) else 1)
 
 
 def is_quantized(w) -> bool:

@@ -39,6 +39,7 @@ from ..kernels import w4a16_matmul as im
 from ..kernels import w4a16_mgpu as mg
 from .errors import CheckpointError
 from .int_formats import IntLinear
+from .quant import array_nbytes
 
 # Quantize-on-load modes of float checkpoints: (bits, group size).
 MODES = {"w4a16": (4, 128), "w8a16": (8, -1)}
@@ -71,8 +72,8 @@ class PackedInt:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize // (2 if a.dtype == jnp.int4 else 1)
-                   for a in (self.words, self.scale, self.zero, self.perm) if a is not None)
+        return sum(array_nbytes(a) for a in (self.words, self.scale, self.zero, self.perm)
+                   if a is not None)
 
     def linear(self, x, in_axes: int):
         """x [..., in...] times this weight -> [..., out...] in x's dtype."""

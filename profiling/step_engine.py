@@ -250,9 +250,10 @@ def step_bytes(params, config, tokens, kv_dtype=None) -> dict:
     `kv_dtype`, by default the embedding's)."""
     import jax
     import numpy as np
-    size = lambda x: x.size * x.dtype.itemsize // (2 if x.dtype == jax.numpy.int4 else 1)
-    layers = sum(size(x) for k, v in params.items() if k.startswith("layers_")
-                 for x in jax.tree.leaves(v))  # int4 (the int4 tiles): two codes a byte
+
+    from pallasite.model.quant import array_nbytes  # int4 (the int4 tiles): two codes a byte
+    layers = sum(array_nbytes(x) for k, v in params.items() if k.startswith("layers_")
+                 for x in jax.tree.leaves(v))
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * \
         np.dtype(kv_dtype or params["embed"].dtype).itemsize * tokens

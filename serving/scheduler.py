@@ -370,7 +370,7 @@ class Scheduler:
         chunk = Chunk(seq, seq.num_computed, n, seq.num_computed + n == seq.total_len)
         seq.num_computed += n
         seq.num_pending += chunk.samples  # its sample reaches the host a step later
-        self.computed[seq.slot], self.total[seq.slot] = seq.num_computed, seq.total_len
+        self.total[seq.slot] = seq.total_len  # (num_computed is its slot's already)
         return chunk
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
