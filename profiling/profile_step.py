@@ -79,6 +79,8 @@ def parse(argv):
                     help="steps to profile, of b1, b64, b768 (768 decode rows at context 320) "
                          "and mixed (8192 tokens: 30 prefill chunks of 256 + 512 decode rows), "
                          "paced (a paced offline step: 200 decode rows + a 56-token chunk), "
+                         "tail (one of its last: a 247-token chunk at keys 400-647 + 9 decode "
+                         "rows), "
                          "b8x8k and b32x2k (8 rows at context 8192, 32 at 2048), p2k (a "
                          "2048-token prompt in one step)")
     ap.add_argument("--quantization", default=None, help="fp8, w4a16 or w8a16 weights")

@@ -23,7 +23,7 @@ def workload(tiny: bool):
         model = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
         return model, dict(b1=(1, 32), b64=(4, 64), b768=(8, 40), mixed=(2, 16, 6, 40),
-                           paced=(1, 8, 4, 40),
+                           paced=(1, 8, 4, 40), tail=(1, 24, 3, 40, 56),
                            p2k=(1, 64, 0, 0),
                            b8x8k=(2, 128), b32x2k=(4, 64), gen=16, steps=(10, 20),
                            dtype="float32")
@@ -34,9 +34,10 @@ def workload(tiny: bool):
     # step as the offline run's: 8192 tokens of prefill chunks plus 512 decode rows. b8x8k and
     # b32x2k: a few long conversations (benchmarks/serving_long.py). p2k: one 2048-token
     # prompt in one step, as `benchmarks/bench_quant.py --parts prefill` times it. paced: a
-    # step of the paced offline run (scheduler.py): 200 decode rows and a 56-token chunk.
+    # step of the paced offline run (scheduler.py): 200 decode rows and a 56-token chunk. tail:
+    # one of its last steps: a 247-token chunk of a long prompt (keys to 647) and 9 decode rows.
     return model, dict(b1=(1, 512), b64=(64, 1024), b768=(768, 320), mixed=(30, 256, 512, 320),
-                       paced=(1, 56, 200, 400),
+                       paced=(1, 56, 200, 400), tail=(1, 247, 9, 500, 647),
                        p2k=(1, 2048, 0, 0),
                        b8x8k=(8, 8192), b32x2k=(32, 2048), gen=256, steps=(30, 60),
                        dtype="bfloat16")
@@ -70,9 +71,9 @@ def cases(w, names=("b1", "b64"), min_rows=None):
     min_rows = min_rows or MIN_TOKEN_BUCKET  # the engine's, for the params (min_token_bucket)
     ps, out, first = PAGE, {}, 1
     for name in names:
-        if name in ("mixed", "p2k", "paced"):  # prefill chunks, and decode rows if any
-            n, chunk, rows, ctx = w[name]
-            seqs = [(chunk, chunk)] * n + [(1, ctx)] * rows
+        if name in ("mixed", "p2k", "paced", "tail"):  # prefill chunks, and decode rows if any
+            n, chunk, rows, ctx, *chunk_ctx = w[name]  # a chunk's keys: its own, or chunk_ctx
+            seqs = [(chunk, chunk_ctx[0] if chunk_ctx else chunk)] * n + [(1, ctx)] * rows
         else:
             batch, ctx = w[name]
             seqs = [(1, ctx)] * batch
