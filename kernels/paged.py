@@ -83,10 +83,11 @@ from .reference import NEG_INF, head_scale
 LOG2E = math.log2(math.e)
 
 
-def block_metadata(query_start, tokens_per_block, num_blocks):
+def block_metadata(query_start, tokens_per_block, num_blocks, total=None):
     """For each block: its sequence and first token. Blocks past the last real one get
     sequence S (none) and, in turn, the padding tokens from query_start[-1] on, whose rows the
-    kernel zeroes; cdiv(T, tokens_per_block) + S blocks always reach the last of T tokens."""
+    kernel zeroes; cdiv(T, tokens_per_block) + S blocks always reach the last of T tokens.
+    With `total` (T) also the count of blocks with a token below T, the real ones first."""
     S = query_start.shape[0] - 1
     q_len = query_start[1:] - query_start[:-1]
     n_blk = (q_len + tokens_per_block - 1) // tokens_per_block
@@ -99,7 +100,12 @@ def block_metadata(query_start, tokens_per_block, num_blocks):
     tok = query_start[seq] + (b - (ends[seq] - n_blk[seq])) * tokens_per_block
     valid = b < ends[-1]
     pad_tok = query_start[-1] + (b - ends[-1]) * tokens_per_block
-    return jnp.where(valid, seq, S), jnp.where(valid, tok, pad_tok).astype(jnp.int32)
+    out = jnp.where(valid, seq, S), jnp.where(valid, tok, pad_tok).astype(jnp.int32)
+    if total is None:
+        return out
+    pad = jnp.maximum(total - query_start[-1], 0)
+    return *out, jnp.minimum(ends[-1] + (pad + tokens_per_block - 1) // tokens_per_block,
+                             num_blocks)
 
 
 def _gather(*idx):
@@ -174,11 +180,18 @@ def _fma_pv(p, v, by_row=False):
 
 
 def _kernel(*refs, programs, num_kv, **kw):
-    """One (block, kv head, split) item a program; or with `programs`, that many persistent
-    programs, each taking every programs-th live item (no program for the padding blocks)."""
+    """One (block, kv head, split) item a program; a padding block with no token below T
+    returns at once (one load), as a step's page table has a row for each of its tokens and most
+    of those blocks are empty in a step of a few long chunks. With `programs`, that many
+    persistent programs walk the items instead, each taking every programs-th."""
     if programs is None:
-        _item(refs, pl.program_id(0), pl.program_id(1), pl.program_id(2), flat=False,
-              num_kv=num_kv, **kw)
+        item = functools.partial(_item, refs[kw["decode"] is False:], pl.program_id(0),
+                                 pl.program_id(1), pl.program_id(2), flat=False, num_kv=num_kv,
+                                 **kw)
+        if kw["decode"]:  # block b is sequence b: none is padding
+            item()
+        else:
+            pl.when(pl.program_id(0) < refs[0][0])(item)
         return
     live_ref, *refs = refs
     per_block = num_kv * kw["num_splits"]
@@ -388,8 +401,8 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
            block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
            num_stages=2, prefetch_pages=True, fp8_dot="q", programs=None, interpret=False):
-    """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start),
-    or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
+    """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start,
+    the count of blocks with a token below T), or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
     per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32).
     `split_tiles`: every split takes that many key tiles from a fixed boundary (the last ones
     empty), instead of an even share of its block's tiles. `programs`: that many persistent
@@ -416,11 +429,11 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
             None if k_scale is None else jnp.concatenate([head_scale(k_scale, KV),
                                                           head_scale(v_scale, KV)])]
     if meta is not None:
-        seq, tok, query_start = meta
+        seq, tok, query_start, _ = meta
         in_specs = [whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
         args = [seq, tok, query_start.astype(jnp.int32)] + args
-    if flat:  # the blocks with a token below T: real ones, then those whose padding is written
-        live = S if meta is None else jnp.sum(meta[1] < T)
+    if flat or meta is not None:  # blocks with a token below T: real ones, then padding ones
+        live = S if meta is None else meta[3]
         in_specs = [whole(1)] + in_specs
         args = [jnp.reshape(live, (1,)).astype(jnp.int32)] + args
     if num_splits == 1:
@@ -494,7 +507,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         if num_blocks is None:  # enough for any split of T tokens into S sequences
             num_blocks = pl.cdiv(T, tpb) + S
         qs = query_start.astype(jnp.int32)
-        meta = (*block_metadata(qs, tpb, num_blocks), qs)
+        seq, tok, live = block_metadata(qs, tpb, num_blocks, T)
+        meta = (seq, tok, qs, live)
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
                   sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,

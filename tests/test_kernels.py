@@ -324,6 +324,9 @@ def test_block_metadata():
     # blocks (sequence 5, none) over the tokens from 23 on, which the kernel zeroes
     assert list(np.asarray(seq)) == [0, 0, 2, 3, 3, 3, 3, 3] + [5] * 4
     assert list(np.asarray(tok)) == [0, 4, 5, 6, 10, 14, 18, 22, 23, 27, 31, 35]
+    # blocks with a token below T: the 8 real ones, then one of padding (tokens 23-26)
+    assert [int(paged.block_metadata(qs, 4, 12, T)[2]) for T in (23, 25, 27, 28, 99)] == [
+        8, 9, 9, 10, 12]
 
 
 def test_split_combine_matches_single_pass():
