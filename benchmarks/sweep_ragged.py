@@ -18,8 +18,7 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
 - tail: one of the paced run's last steps, a 247-token chunk (keys 400-647) and 9 decode rows.
 A case of decode rows only also times the decode kernel (`kernels.paged_attention`, one token a
 sequence, no block metadata; with --mosaic the Mosaic GPU one too).
-`--splits 1,2,4` also times the library's own tiles at each of those key splits;
-`--triton-programs 264` on that many persistent programs (`paged.py`'s `programs`).
+`--splits 1,2,4` also times the library's own tiles at each of those key splits.
 `--pad-seqs 256` pads each case to 256 sequences of no token and no context, as the engine's
 step of 256 tokens has them (its page table has a row for each token).
 
@@ -125,14 +124,6 @@ def run_case(name, q_lens, ctx, args):
             jobs.append((dict(kernel="decode", backend=backend), jax.jit(
                 lambda q, kp, vp, qs, c, t, b=backend: K.paged_attention(
                     q, kp, vp, c, t, backend=b, interpret=args.tiny, **sc))))
-    for p in args.triton_programs:  # the library's tiles on persistent programs
-        jobs.append((dict(kernel="library", programs=p), jax.jit(
-            lambda *a, p=p: K.ragged_paged_attention(*a, interpret=args.tiny, programs=p,
-                                                     **sc))))
-        if all(n == 1 for n in q_lens):
-            jobs.append((dict(kernel="decode", backend="triton", programs=p), jax.jit(
-                lambda q, kp, vp, qs, c, t, p=p: K.paged_attention(
-                    q, kp, vp, c, t, backend="triton", programs=p, interpret=args.tiny, **sc))))
     for n in args.splits:
         jobs.append((dict(kernel="library", num_splits=n), jax.jit(
             lambda *a, n=n: K.ragged_paged_attention(*a, interpret=args.tiny, num_splits=n,
@@ -191,7 +182,7 @@ def label(r) -> str:
         tile = "".join(f"/{r[k]}" for k in ("block_k", "num_stages", "fp8_stages") if k in r)
         return f"decode kernel ({r['backend']}{tile}{programs})"
     if r["kernel"] == "library":
-        return "library" + (f" {r['num_splits']} splits" if "num_splits" in r else "") + programs
+        return "library" + (f" {r['num_splits']} splits" if "num_splits" in r else "")
     if r["kernel"] == "mosaic":
         cv = f"/{r['converters']}cv" if "converters" in r else ""
         cv += "/r{}-{}".format(*r["registers"]) if "registers" in r else ""
@@ -214,9 +205,6 @@ def main(argv=None):
                     help="also the Mosaic GPU ragged kernel (Hopper), at its tiles and splits")
     ap.add_argument("--programs", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="with --mosaic, also its one-split tiles with this many persistent CTAs")
-    ap.add_argument("--triton-programs", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[], help="also the library's Triton tiles on this many persistent "
-                                     "programs")
     ap.add_argument("--pad-seqs", type=int, default=0,
                     help="pad each case to this many sequences (no tokens, no context), as "
                          "the engine's bucket pads a step's rows")

@@ -127,17 +127,6 @@ def _paged_params(name, k_pages):
     return "decode_fp8" if fp8 else name
 
 
-def _triton_paged_params(name, k_pages, blocks) -> dict:
-    """The Triton paged kernel's tiles: the tuning entry's, then `blocks`. Its persistent
-    `programs` come from the entry, or from `PALLASITE_PAGED_PROGRAMS` (0: a program an item)."""
-    kw = tuning.params(_paged_params(name, k_pages), k_pages.shape[2])
-    env = os.environ.get("PALLASITE_PAGED_PROGRAMS")
-    if env is not None:
-        kw.pop("programs", None)
-        kw.update({"programs": int(env)} if int(env) else {})
-    return kw | blocks
-
-
 def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
     """Key tiles a query block of `span` tokens reads at most: the page table's, or with a
     sliding window the pages that window (and the block) can reach."""
@@ -202,7 +191,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
             q, k_pages, v_pages, context_lens, page_table, sm_scale=sm_scale,
             interpret=interpret, **opts, **_mosaic_decode_params(q, k_pages, page_table, blocks))
     from . import paged
-    kw = _triton_paged_params("decode", k_pages, blocks)
+    kw = tuning.params(_paged_params("decode", k_pages), k_pages.shape[2]) | blocks
     if "num_splits" not in kw:
         tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window)
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -248,7 +237,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         return paged_mgpu.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,
                                                  page_table, sm_scale=sm_scale,
                                                  interpret=interpret, **opts, **mosaic)
-    kw = _triton_paged_params("ragged" if mixed else "decode", k_pages, blocks)
+    kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
+                       k_pages.shape[2]) | blocks
     tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
                        T if mixed else 1)
     if "num_splits" not in kw and tuning.invariant():

@@ -179,37 +179,21 @@ def _fma_pv(p, v, by_row=False):
     return o
 
 
-def _kernel(*refs, programs, num_kv, **kw):
-    """One (block, kv head, split) item a program; a padding block with no token below T
-    returns at once (one load), as a step's page table has a row for each of its tokens and most
-    of those blocks are empty in a step of a few long chunks. With `programs`, that many
-    persistent programs walk the items instead, each taking every programs-th."""
-    if programs is None:
-        item = functools.partial(_item, refs[kw["decode"] is False:], pl.program_id(0),
-                                 pl.program_id(1), pl.program_id(2), flat=False, num_kv=num_kv,
-                                 **kw)
-        if kw["decode"]:  # block b is sequence b: none is padding
-            item()
-        else:
-            pl.when(pl.program_id(0) < refs[0][0])(item)
-        return
-    live_ref, *refs = refs
-    per_block = num_kv * kw["num_splits"]
-    me = pl.program_id(0)
-
-    def body(i, carry):
-        item = me + i * programs
-        b, rest = item // per_block, item % per_block
-        _item(refs, b, rest // kw["num_splits"], rest % kw["num_splits"], flat=True,
-              num_kv=num_kv, **kw)
-        return carry
-
-    lax.fori_loop(0, pl.cdiv(live_ref[0] * per_block - me, programs), body, 0)
+def _kernel(*refs, decode, **kw):
+    """One (block, kv head, split) item a program. A padding block with no token below T
+    returns after one load: a step's page table has a row for each of its tokens, so in a step
+    of a few long chunks most blocks are such."""
+    item = functools.partial(_item, refs if decode else refs[1:], pl.program_id(0),
+                             pl.program_id(1), pl.program_id(2), decode=decode, **kw)
+    if decode:  # block b is sequence b: none is padding
+        item()
+    else:
+        pl.when(pl.program_id(0) < refs[0][0])(item)
 
 
 def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_per_block,
           pages_per_seq, num_splits, split_tiles, prefetch_pages, decode, window, softcap,
-          fp8_dot, num_kv, flat):
+          fp8_dot):
     if decode:  # block b is sequence b's one token: no metadata to read
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = b
@@ -227,13 +211,9 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
         q_hi = jnp.where(pad, q_ref.shape[0] // num_heads, qs_ref[s + 1])
         ctx = jnp.where(pad, 0, ctx_ref[s])
     D = q_ref.shape[-1]
-    page_size = k_ref.shape[-2]
+    page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     tpb = block_rows // group  # tokens per block
-    # `flat` (persistent programs): the pages of every kv head, [KV * P, page, D], and the
-    # splits' outputs one after another, [splits * T * H, D]; else this item's head and split.
-    page_base = h * (k_ref.shape[0] // num_kv) if flat else 0
-    out_base = split * q_ref.shape[0] if flat and num_splits > 1 else 0
 
     r = jnp.arange(block_rows)
     tok = t0 + r // group
@@ -252,7 +232,7 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
     q = plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0)
     scale, v_scale = sm_scale, None
     if scale_ref is not None:  # float8 pages: per-kv-head scales
-        scale, v_scale = sm_scale * scale_ref[h], scale_ref[num_kv + h]
+        scale, v_scale = sm_scale * scale_ref[h], scale_ref[pl.num_programs(1) + h]
     float8 = k_ref.dtype == jnp.float8_e4m3fn
     tile_dtype, score, pv = q.dtype, scores, None
     if float8 and fp8_dot.startswith("f16"):
@@ -293,7 +273,7 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
             pages, next_pages = pages, load_pages(j + 1)
         else:
             pages = next_pages = load_pages(j)
-        k, v = (x_ref[page_base + pages].reshape(block_k, D) for x_ref in (k_ref, v_ref))
+        k, v = (x_ref[pages].reshape(block_k, D) for x_ref in (k_ref, v_ref))
         k, v = k if score is _e4m3_scores else convert(k), convert(v)
         sc = score(q, k, scale, softcap)
         mask = None
@@ -333,12 +313,10 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
     o, m, l = finish(o, m, l, sink)
     if v_scale is not None:
         o = o * v_scale
-    if flat and num_splits > 1:
-        at_rows = _gather(out_base + rows[:, None], jnp.arange(D)[None, :])
     plgpu.store(out_refs[0].at[at_rows], o.astype(out_refs[0].dtype), mask=row_ok[:, None])
     if num_splits > 1:  # base-2 log-sum-exp of this split; empty splits weigh nothing
         lse = jnp.where(l == 0.0, NEG_INF, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
-        plgpu.store(out_refs[1].at[out_base + rows], lse, mask=row_ok)
+        plgpu.store(out_refs[1].at[rows], lse, mask=row_ok)
 
 
 def _combine(o, lse):
@@ -400,27 +378,22 @@ def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block
 def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
            block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
-           num_stages=2, prefetch_pages=True, fp8_dot="q", programs=None, interpret=False):
+           num_stages=2, prefetch_pages=True, fp8_dot="q", interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start,
-    the count of blocks with a token below T), or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits
-    per-split outputs [splits, T * H, D] and base-2 log-sum-exps [splits, T * H] (float32).
+    and the count of blocks with a token below T), or None for decode (block b = sequence b's
+    one token). Returns [T * H, D], or with splits per-split outputs [splits, T * H, D] and
+    base-2 log-sum-exps [splits, T * H] (float32).
     `split_tiles`: every split takes that many key tiles from a fixed boundary (the last ones
-    empty), instead of an even share of its block's tiles. `programs`: that many persistent
-    programs walk the live (block, kv head, split) items, instead of a program an item."""
+    empty), instead of an even share of its block's tiles."""
     T, H, D = q.shape
     KV, P, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
     G = H // KV
     block_rows = rows_per_block(block_rows, G, fp8_dot, k_pages.dtype == jnp.float8_e4m3fn)
     num_blocks = S if meta is None else meta[0].shape[0]
-    flat = programs is not None
-    grid = (programs,) if flat else (num_blocks, KV, num_splits)
-    whole = lambda *shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    if flat:  # every head's pages: a program walks items of any head
-        k_pages, v_pages = (x.reshape(KV * P, page_size, D) for x in (k_pages, v_pages))
-        per_head = whole(KV * P, page_size, D)
-    else:
-        per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0))
+    grid = (num_blocks, KV, num_splits)
+    whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, sp: (0,) * len(shape))
+    per_head = pl.BlockSpec((None, P, page_size, D), lambda b, h, sp: (h, 0, 0, 0))
     in_specs = [whole(S), whole(S * pages_per_seq), whole(T * H, D), per_head, per_head,
                 None if sinks is None else whole(H), None if k_scale is None else whole(2 * KV)]
     args = [context_lens.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1),
@@ -429,20 +402,13 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
             None if k_scale is None else jnp.concatenate([head_scale(k_scale, KV),
                                                           head_scale(v_scale, KV)])]
     if meta is not None:
-        seq, tok, query_start, _ = meta
-        in_specs = [whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
-        args = [seq, tok, query_start.astype(jnp.int32)] + args
-    if flat or meta is not None:  # blocks with a token below T: real ones, then padding ones
-        live = S if meta is None else meta[3]
-        in_specs = [whole(1)] + in_specs
-        args = [jnp.reshape(live, (1,)).astype(jnp.int32)] + args
+        seq, tok, query_start, live = meta
+        in_specs = [whole(1), whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
+        args = [jnp.reshape(live, (1,)).astype(jnp.int32), seq, tok,
+                query_start.astype(jnp.int32)] + args
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T * H, D), q.dtype)]
         out_specs = [whole(T * H, D)]
-    elif flat:
-        out_shape = [jax.ShapeDtypeStruct((num_splits * T * H, D), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits * T * H,), jnp.float32)]
-        out_specs = [whole(num_splits * T * H, D), whole(num_splits * T * H)]
     else:
         out_shape = [jax.ShapeDtypeStruct((num_splits, T * H, D), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, T * H), jnp.float32)]
@@ -452,9 +418,8 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         num_splits=num_splits, split_tiles=split_tiles, prefetch_pages=prefetch_pages,
-        decode=meta is None, window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot,
-        programs=programs, num_kv=KV)
-    outs = pl.pallas_call(
+        decode=meta is None, window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot)
+    return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
@@ -464,21 +429,18 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
         interpret=interpret,
         name="pallasite_ragged_paged_attention",
     )(*args)
-    if flat and num_splits > 1:
-        outs = [outs[0].reshape(num_splits, T * H, D), outs[1].reshape(num_splits, T * H)]
-    return outs
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits",
     "split_tiles", "num_warps", "num_stages", "num_blocks", "one_token_per_seq", "prefetch_pages",
-    "fp8_dot", "programs", "interpret"))
+    "fp8_dot", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
                            split_tiles=None, num_warps=4, num_stages=2, num_blocks=None,
                            one_token_per_seq=False, prefetch_pages=True, fp8_dot="q",
-                           programs=None, interpret=False):
+                           interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
 
     A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and
@@ -514,7 +476,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
                   num_splits=num_splits, split_tiles=split_tiles, num_warps=num_warps,
                   num_stages=num_stages, prefetch_pages=prefetch_pages, fp8_dot=fp8_dot,
-                  programs=programs, interpret=interpret)
+                  interpret=interpret)
     if num_splits > 1:
         live = T * H if one_token_per_seq else query_start[-1] * H
         o = merge_splits(*outs, live, q.dtype, interpret=interpret)
@@ -526,7 +488,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
                     sliding_window=None, logit_softcap=None, sinks=None, k_scale=None,
                     v_scale=None, block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
-                    prefetch_pages=True, fp8_dot="q", programs=None, interpret=False):
+                    prefetch_pages=True, fp8_dot="q", interpret=False):
     """Decode: q [S, H, D], one token per sequence -> [S, H, D]."""
     S = q.shape[0]
     query_start = jnp.arange(S + 1, dtype=jnp.int32)
@@ -535,4 +497,4 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
         sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
-        prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, programs=programs, interpret=interpret)
+        prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, interpret=interpret)
