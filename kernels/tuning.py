@@ -67,8 +67,12 @@ _DEFAULT = {
     # 64, on the H100). On the H100's decode grid they cost nothing measurable (0.99-1.01x the
     # heuristic's time, 2026-11-26); a long prefill chunk writes and reads a float32 partial
     # output per split.
+    # A mixed step's split takes 8 key tiles at least: a 247-token chunk over 647 keys and 9
+    # decode rows (10 tiles of 64 keys) took 0.0520 ms a layer in the 8 splits the target
+    # asked for, 0.0368 / 0.0324 / 0.0300 in 4 / 2 / 1 (H200, 2026-11-28, `sweep_ragged
+    # --cases tail --splits 1,2,4`).
     "splits": dict(target_programs=264, target_programs_mixed=1056, max_splits=16,
-                   invariant_keys=512),
+                   min_tiles_mixed=8, invariant_keys=512),
     # The step's K/V rows into their pages: "xla" (a scatter per array) or "pallas" (one launch).
     "kv_write": dict(impl="xla"),
 }
@@ -341,7 +345,8 @@ def num_splits(work_items: int, max_tiles: int, mixed: bool = False) -> int:
     p = params("splits")
     target = p["target_programs_mixed" if mixed else "target_programs"]
     want = max(1, target // max(1, work_items))
-    return int(max(1, min(want, p["max_splits"], max_tiles)))
+    most = max_tiles // p["min_tiles_mixed"] if mixed else max_tiles
+    return int(max(1, min(want, p["max_splits"], most)))
 
 
 _invariant = contextvars.ContextVar("pallasite_batch_invariant", default=False)

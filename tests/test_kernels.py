@@ -267,7 +267,7 @@ def test_paged_triton_lowers_for_gpu(splits, decode):
 
 def test_split_heuristic():
     """Split-K aims for a few programs per SM, capped by the tiles and max_splits; mixed
-    prefill + decode steps aim for twice as many (tuning.py)."""
+    prefill + decode steps aim for more, with 8 key tiles a split at least (tuning.py)."""
     from pallasite.kernels import tuning
     assert tuning.num_splits(64 * 8, 64) == 1            # batch 64: the grid is full
     assert tuning.num_splits(8 * 8, 64) == 4             # batch 8: two programs per SM
@@ -275,6 +275,8 @@ def test_split_heuristic():
     assert tuning.num_splits(1 * 8, 512) == 16           # batch 1: capped at max_splits
     assert tuning.num_splits(1 * 8, 3) == 3              # no more splits than key tiles
     assert tuning.num_splits(4096, 64, mixed=True) == 1  # a long prefill fills the grid
+    assert tuning.num_splits(16 * 8, 10, mixed=True) == 1  # a mixed split: 8 tiles at least
+    assert tuning.num_splits(16 * 8, 40, mixed=True) == 5
 
 
 def test_decode_needs_one_token_per_sequence():
