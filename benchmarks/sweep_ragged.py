@@ -71,7 +71,9 @@ CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
 TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5), "decode": ([1] * 5, [40] * 5)}
 # (block_rows, block_k, num_warps, num_stages); the first is the H100's table entry today
 VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3),
-            (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)]
+            (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+            # fewer rows a program (fewer registers, more programs an SM) for short tables
+            (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 2, 3), (32, 64, 4, 3)]
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
