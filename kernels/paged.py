@@ -87,7 +87,8 @@ def block_metadata(query_start, tokens_per_block, num_blocks, total=None):
     """For each block: its sequence and first token. Blocks past the last real one get
     sequence S (none) and, in turn, the padding tokens from query_start[-1] on, whose rows the
     kernel zeroes; cdiv(T, tokens_per_block) + S blocks always reach the last of T tokens.
-    With `total` (T) also the count of blocks with a token below T, the real ones first."""
+    With `total` (T) also [the count of blocks with a token below T (the real ones first), the
+    count of leading sequences of one token (block b is then sequence b and token b)]."""
     S = query_start.shape[0] - 1
     q_len = query_start[1:] - query_start[:-1]
     n_blk = (q_len + tokens_per_block - 1) // tokens_per_block
@@ -104,8 +105,9 @@ def block_metadata(query_start, tokens_per_block, num_blocks, total=None):
     if total is None:
         return out
     pad = jnp.maximum(total - query_start[-1], 0)
-    return *out, jnp.minimum(ends[-1] + (pad + tokens_per_block - 1) // tokens_per_block,
-                             num_blocks)
+    live = jnp.minimum(ends[-1] + (pad + tokens_per_block - 1) // tokens_per_block, num_blocks)
+    lead = jnp.argmax(jnp.append(q_len != 1, True))  # the first sequence of another length
+    return *out, jnp.stack([live, lead]).astype(jnp.int32)
 
 
 def _gather(*idx):
@@ -180,15 +182,19 @@ def _fma_pv(p, v, by_row=False):
 
 
 def _kernel(*refs, decode, **kw):
-    """One (block, kv head, split) item a program. A padding block with no token below T
-    returns after one load: a step's page table has a row for each of its tokens, so in a step
-    of a few long chunks most blocks are such."""
-    item = functools.partial(_item, refs if decode else refs[1:], pl.program_id(0),
-                             pl.program_id(1), pl.program_id(2), decode=decode, **kw)
+    """One (block, kv head, split) item a program. In a ragged call, the blocks of the leading
+    one-token sequences (a step's decode rows come first) run as decode blocks, with no
+    metadata to wait on; a padding block with no token below T returns after one load: a step's
+    page table has a row for each of its tokens, so in a step of a few long chunks most blocks
+    are such."""
+    item = functools.partial(_item, b=pl.program_id(0), h=pl.program_id(1),
+                             split=pl.program_id(2), **kw)
     if decode:  # block b is sequence b: none is padding
-        item()
-    else:
-        pl.when(pl.program_id(0) < refs[0][0])(item)
+        return item(refs, decode=True)
+    counts_ref, *refs = refs
+    b, live, lead = pl.program_id(0), counts_ref[0], counts_ref[1]
+    pl.when(b < lead)(lambda: item(refs[3:], decode=True))  # past seq, tok, query_start
+    pl.when((b >= lead) & (b < live))(lambda: item(refs, decode=False))
 
 
 def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_per_block,
@@ -380,8 +386,7 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
            block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
            num_stages=2, prefetch_pages=True, fp8_dot="q", interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start,
-    and the count of blocks with a token below T), or None for decode (block b = sequence b's
-    one token). Returns [T * H, D], or with splits per-split outputs [splits, T * H, D] and
+    counts: `block_metadata`'s), or None for decode (block b = sequence b's one token). Returns [T * H, D], or with splits per-split outputs [splits, T * H, D] and
     base-2 log-sum-exps [splits, T * H] (float32).
     `split_tiles`: every split takes that many key tiles from a fixed boundary (the last ones
     empty), instead of an even share of its block's tiles."""
@@ -402,10 +407,9 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
             None if k_scale is None else jnp.concatenate([head_scale(k_scale, KV),
                                                           head_scale(v_scale, KV)])]
     if meta is not None:
-        seq, tok, query_start, live = meta
-        in_specs = [whole(1), whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
-        args = [jnp.reshape(live, (1,)).astype(jnp.int32), seq, tok,
-                query_start.astype(jnp.int32)] + args
+        seq, tok, query_start, counts = meta
+        in_specs = [whole(2), whole(num_blocks), whole(num_blocks), whole(S + 1)] + in_specs
+        args = [counts, seq, tok, query_start.astype(jnp.int32)] + args
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T * H, D), q.dtype)]
         out_specs = [whole(T * H, D)]
@@ -469,8 +473,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         if num_blocks is None:  # enough for any split of T tokens into S sequences
             num_blocks = pl.cdiv(T, tpb) + S
         qs = query_start.astype(jnp.int32)
-        seq, tok, live = block_metadata(qs, tpb, num_blocks, T)
-        meta = (seq, tok, qs, live)
+        seq, tok, counts = block_metadata(qs, tpb, num_blocks, T)
+        meta = (seq, tok, qs, counts)
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
                   sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,

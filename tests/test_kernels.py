@@ -200,6 +200,9 @@ RAGGED_CASES = [
     ([1, 1, 1, 1], [30, 0, 63, 96], 8, 1, 32, 32, 0, 2, 16, 1),         # decode only, GQA 8
     ([31, 2], [50, 20], 4, 4, 16, 32, 5, 1, 32, 2),                     # GQA 1, page 32
     ([11, 1, 3], [0, 70, 41], 8, 1, 16, 16, 0, 4, 64, 4),               # 64 rows, 4 splits
+    # decode rows first, as a step packs them (their blocks run as decode blocks), a chunk,
+    # then a one-token row after it (a ragged block)
+    ([1, 1, 1, 9, 1, 4], [30, 70, 5, 40, 12, 0], 8, 2, 16, 16, 3, 2, 16, 1),
 ]
 
 
@@ -306,8 +309,13 @@ def test_block_metadata():
     assert list(np.asarray(seq)) == [0, 0, 2, 3, 3, 3, 3, 3] + [5] * 4
     assert list(np.asarray(tok)) == [0, 4, 5, 6, 10, 14, 18, 22, 23, 27, 31, 35]
     # blocks with a token below T: the 8 real ones, then one of padding (tokens 23-26)
-    assert [int(paged.block_metadata(qs, 4, 12, T)[2]) for T in (23, 25, 27, 28, 99)] == [
+    assert [int(paged.block_metadata(qs, 4, 12, T)[2][0]) for T in (23, 25, 27, 28, 99)] == [
         8, 9, 9, 10, 12]
+    # leading sequences of one token: none here; all of a decode step; up to the first chunk
+    lead = lambda lens: int(paged.block_metadata(
+        jnp.asarray(np.cumsum([0] + lens), jnp.int32), 4, 12, 30)[2][1])
+    assert (lead([5, 0, 1, 17, 0]), lead([1, 1, 1]), lead([1, 1, 7, 1]), lead([1, 0, 1])) == (
+        0, 3, 2, 1)
 
 
 def test_split_combine_matches_single_pass():
