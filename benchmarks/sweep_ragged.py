@@ -15,7 +15,9 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
   at 400; decode_768: 768 decode rows at 320 (a large unpaced decode step);
   paced_decode and paced_chunk: the paced step's decode rows alone and its chunk alone;
   sharegpt_decode and sharegpt_chunks: the same halves of sharegpt_mixed;
-- tail: one of the paced run's last steps, a 247-token chunk (keys 400-647) and 9 decode rows.
+- tail: one of the paced run's last steps, a 247-token chunk (keys 400-647) and 9 decode rows;
+- paced_rows_first, tail_rows_first: those two with the decode rows first, as the scheduler
+  packs a step (the kernel then runs their blocks without block metadata).
 A case of decode rows only also times the decode kernel (`kernels.paged_attention`, one token a
 sequence, no block metadata; with --mosaic the Mosaic GPU one too).
 `--splits 1,2,4` also times the library's own tiles at each of those key splits.
@@ -66,6 +68,9 @@ CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
          "paced_chunk": ([56], [256]),
          # one of the paced run's last steps: a long prompt's chunk and a few decode rows
          "tail": ([247] + [1] * 9, [647] + [500] * 9),
+         # the same two steps with their decode rows first, as the scheduler packs a step
+         "paced_rows_first": ([1] * 200 + [56], [400] * 200 + [256]),
+         "tail_rows_first": ([1] * 9 + [247], [500] * 9 + [647]),
          "sharegpt_decode": ([1] * 512, [320] * 512),
          "sharegpt_chunks": ([256] * 30, [256] * 30)}
 TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5), "decode": ([1] * 5, [40] * 5)}

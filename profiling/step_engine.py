@@ -73,7 +73,8 @@ def cases(w, names=("b1", "b64"), min_rows=None):
     for name in names:
         if name in ("mixed", "p2k", "paced", "tail"):  # prefill chunks, and decode rows if any
             n, chunk, rows, ctx, *chunk_ctx = w[name]  # a chunk's keys: its own, or chunk_ctx
-            seqs = [(chunk, chunk_ctx[0] if chunk_ctx else chunk)] * n + [(1, ctx)] * rows
+            # decode rows first, as the scheduler packs a step
+            seqs = [(1, ctx)] * rows + [(chunk, chunk_ctx[0] if chunk_ctx else chunk)] * n
         else:
             batch, ctx = w[name]
             seqs = [(1, ctx)] * batch
