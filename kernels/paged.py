@@ -182,25 +182,24 @@ def _fma_pv(p, v, by_row=False):
 
 
 def _kernel(*refs, decode, **kw):
-    """One (block, kv head, split) item a program. A padding block with no token below T
-    returns after one load: a step's page table has a row for each of its tokens, so in a step
-    of a few long chunks most blocks are such."""
+    """One (block, kv head, split) item a program. In a ragged call, the blocks of the leading
+    one-token sequences (a step's decode rows come first) run as decode blocks, with no
+    metadata to wait on; a padding block with no token below T returns after one load: a step's
+    page table has a row for each of its tokens, so in a step of a few long chunks most blocks
+    are such."""
     item = functools.partial(_item, b=pl.program_id(0), h=pl.program_id(1),
-                             split=pl.program_id(2), decode=decode, **kw)
+                             split=pl.program_id(2), **kw)
     if decode:  # block b is sequence b: none is padding
-        return item(refs)
+        return item(refs, decode=True)
     counts_ref, *refs = refs
-    pl.when(pl.program_id(0) < counts_ref[0])(lambda: item(refs, lead=counts_ref[1]))
-
-
-def _scalar(ref, i, mask):
-    """ref[i], or 0 where `mask` is off: a load masked off leaves nothing to wait for."""
-    return plgpu.load(ref.at[pl.ds(i, 1)], mask=jnp.broadcast_to(mask, (1,)), other=0)[0]
+    b, live, lead = pl.program_id(0), counts_ref[0], counts_ref[1]
+    pl.when(b < lead)(lambda: item(refs[3:], decode=True))  # past seq, tok, query_start
+    pl.when((b >= lead) & (b < live))(lambda: item(refs, decode=False))
 
 
 def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_per_block,
           pages_per_seq, num_splits, split_tiles, prefetch_pages, decode, window, softcap,
-          fp8_dot, lead=None):
+          fp8_dot):
     if decode:  # block b is sequence b's one token: no metadata to read
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = b
@@ -209,19 +208,13 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
     else:
         (seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref,
          *out_refs) = refs
-        # The blocks of the leading one-token sequences (a step packs its decode rows first):
-        # block b is sequence b and token b, so their metadata loads are masked off and the
-        # K/V reads wait on the context alone, as in a decode call.
-        meta = b >= lead
-        s = jnp.where(meta, _scalar(seq_ref, b, meta), b)
-        t0 = jnp.where(meta, _scalar(tok_ref, b, meta), b)
+        s, t0 = seq_ref[b], tok_ref[b]
         # A block of padding tokens (sequence S) is a sequence with no context whose tokens run
         # from t0 to the end: its rows get zeros.
         pad = s == ctx_ref.shape[0]
         s = jnp.where(pad, 0, s)
-        q_lo = jnp.where(pad, t0, jnp.where(meta, _scalar(qs_ref, s, meta), s))
-        q_hi = jnp.where(pad, q_ref.shape[0] // num_heads,
-                         jnp.where(meta, _scalar(qs_ref, s + 1, meta), s + 1))
+        q_lo = jnp.where(pad, t0, qs_ref[s])
+        q_hi = jnp.where(pad, q_ref.shape[0] // num_heads, qs_ref[s + 1])
         ctx = jnp.where(pad, 0, ctx_ref[s])
     D = q_ref.shape[-1]
     page_size = k_ref.shape[1]
