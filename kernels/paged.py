@@ -20,7 +20,10 @@ query_start, with a static upper bound of cdiv(T, tokens_per_block) + S blocks; 
 the real ones write zeros for the tokens past query_start[-1], so no select follows the launch.
 Decode (one token per sequence) needs no metadata: block b is sequence b, so the call is the
 kernel alone (plus the merge with splits); each XLA op around a launch costs ~2-3 us, a
-twentieth of a batch-1 32k decode.
+twentieth of a batch-1 32k decode. In a ragged call the blocks of the leading one-token
+sequences (a step packs its decode rows first) run the decode branch too, waiting on no
+metadata, and the blocks past the last token below T (the padding of a step's bucket) return
+after one load.
 
 Options: with `sliding_window` W a block's keys start at the page holding its first token's
 first visible key (position - W + 1): pages wholly outside the window are neither in a tile nor
