@@ -152,8 +152,8 @@ def _mosaic_decode_params(q, k_pages, page_table, blocks):
 def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
     """"triton" (any GPU; `paged.py`) or "mosaic" (Hopper; `paged_mgpu.py`) for a decode call.
     None picks what measured fastest on this GPU (`tuning.decode_backend`: Mosaic GPU on the
-    H200, Triton on the H100, where the two are level; Mosaic GPU for float8 pages on both)
-    wherever it takes the call;
+    H200 for tables of 8192 keys or more, Triton on the H100, where the two are level; Mosaic
+    GPU for float8 pages on both) wherever it takes the call;
     `PALLASITE_DECODE_BACKEND` overrides. Tile keywords without a backend keep the Triton
     kernel they were written for. Asking for Mosaic GPU where it cannot run raises with the
     reason."""
@@ -163,7 +163,8 @@ def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
         raise ValueError(f"decode backend {asked!r} is not one of 'mosaic', 'triton'")
     portable = blocks or not _is_hopper() or _PORTABLE[0]
     fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn
-    backend = asked or ("triton" if portable else tuning.decode_backend(fp8))
+    keys = page_table.shape[1] * k_pages.shape[2]
+    backend = asked or ("triton" if portable else tuning.decode_backend(fp8, keys))
     if backend == "mosaic":
         why = paged_mgpu.supported(q, k_pages, **_mosaic_decode_params(q, k_pages, page_table,
                                                                          blocks))

@@ -115,7 +115,11 @@ _H100 = dict(
 # (46.4 vs 53.2 us, device time), are level at batch 64 / 4k (0.266 vs 0.265 ms) and trail by 8%
 # at batch 64-256 / 1k; on the H100 the Triton kernel is level or ahead. The H200's own
 # `--sweep --sweep-parts mosaic,decode` chose the H100's flash and decode tiles again.
-_H200 = dict(_H100, decode_backend="mosaic")
+# At short tables it is the slower: 200 rows at 400 keys 0.1412 ms (0.1188 with 132 persistent
+# CTAs) against Triton's 0.1086, 768 rows at 320 keys 0.4293 (0.3390) against 0.2714 (H200,
+# 2026-11-28, `sweep_ragged --library --mosaic --programs 132,264 --cases
+# paced_decode,decode_768`), so it takes tables of 8192 keys or more.
+_H200 = dict(_H100, decode_backend="mosaic", decode_backend_min_keys=8192)
 
 TABLE = {
     "default": _DEFAULT,
@@ -332,11 +336,15 @@ def ragged_mosaic(fp8: bool = False) -> dict | None:
     return dict(entry) if entry else None
 
 
-def decode_backend(fp8: bool = False) -> str:
-    """The decode kernel that measured fastest on this GPU (for float8 pages with `fp8`):
-    "triton" or "mosaic"."""
+def decode_backend(fp8: bool = False, keys: int | None = None) -> str:
+    """The decode kernel that measured fastest on this GPU (for float8 pages with `fp8`) for a
+    page table of `keys` keys: "triton" or "mosaic"."""
     entry = TABLE[gpu_key()]
-    return entry.get("decode_backend_fp8" if fp8 else "decode_backend", "triton")
+    if fp8:
+        return entry.get("decode_backend_fp8", "triton")
+    if keys is not None and keys < entry.get("decode_backend_min_keys", 0):
+        return "triton"
+    return entry.get("decode_backend", "triton")
 
 
 def num_splits(work_items: int, max_tiles: int, mixed: bool = False) -> int:

@@ -287,7 +287,7 @@ def test_fp8_decode_persistent_choice(monkeypatch):
     own = tuning.params
     monkeypatch.setattr(tuning, "params", lambda name, *a: dict(entry) if name.startswith(
         "decode_mosaic") else own(name, *a))
-    monkeypatch.setattr(tuning, "decode_backend", lambda fp8=False: "mosaic")
+    monkeypatch.setattr(tuning, "decode_backend", lambda fp8=False, keys=None: "mosaic")
     q, kp, vp, ctx, table = decode_case(9, [30, 50, 1, 64], 8, 2, 64, 16, jnp.bfloat16)
     (k8, v8), scales = scaled_fp8(4, kp, vp)
     for tab, items, short in ((table[:, :4], slice(None), True),   # 64 keys, 8 items
@@ -378,9 +378,9 @@ def test_fp8_pages_lower_for_hopper(kw):
 
 def test_decode_backend_choice(monkeypatch):
     """kernels.paged_attention runs the decode kernel the tuning table names for this GPU
-    (Triton off Hopper and on the H100, Mosaic GPU on the H200) where it takes the call, else
-    Triton; backend= (or the environment) overrides, and an asked-for backend that cannot take
-    the call says why. Through the Mosaic path in the interpreter, the result is the
+    (Triton off Hopper and on the H100, Mosaic GPU on the H200 from 8192 keys of table) where
+    it takes the call, else Triton; backend= (or the environment) overrides, and an asked-for
+    backend that cannot take the call says why. Through the Mosaic path in the interpreter, the result is the
     reference's."""
     from pallasite import kernels
     from pallasite.kernels import tuning
@@ -388,11 +388,13 @@ def test_decode_backend_choice(monkeypatch):
     f32 = q.astype(jnp.float32), kp.astype(jnp.float32)
     assert kernels.decode_backend(q, kp, table) == "triton"  # no Hopper here
     monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
+    wide = jnp.pad(table, ((0, 0), (0, 8192 // 16 - table.shape[1])))  # a table of 8192 keys
     for gpu, want in (("H100", "triton"), ("H200", "mosaic")):
         monkeypatch.setattr(tuning, "gpu_key", lambda gpu=gpu: gpu)
-        assert kernels.decode_backend(q, kp, table) == want
+        assert kernels.decode_backend(q, kp, wide) == want
+        assert kernels.decode_backend(q, kp, table) == "triton"  # short tables: Triton
         with kernels.portable_backends():  # a program over several GPUs: Triton unless asked
-            assert kernels.decode_backend(q, kp, table) == "triton"
+            assert kernels.decode_backend(q, kp, wide) == "triton"
             assert kernels.decode_backend(q, kp, table, backend="mosaic") == "mosaic"
     assert kernels.decode_backend(*f32, table) == "triton"  # Mosaic cannot take float32
     fp8 = kp.astype(jnp.float8_e4m3fn)
