@@ -25,7 +25,8 @@ sequence, no block metadata; with --mosaic the Mosaic GPU one too).
 step of 256 tokens has them (its page table has a row for each token).
 
 "library" is `kernels.ragged_paged_attention` choosing for itself, as the engine calls it. With
---fp8 every case runs on float8 pages with per-kv-head scales (FA3 is left out).
+--fp8 every case runs on float8 pages with per-kv-head scales (FA3 is left out);
+`--fp8-dots f16,e4m3` adds a few tiles at each of those ways of meeting q (`paged.py` fp8_dot).
 
 With --mosaic, the Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`: a CTA's 64 rows are
 a block of one sequence's tokens times their query heads, K/V pages by TMA, warpgroup MMAs)
@@ -79,6 +80,9 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
             (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
             # fewer rows a program (fewer registers, more programs an SM) for short tables
             (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 2, 3), (32, 64, 4, 3)]
+# With --fp8-dots: these tiles (block_rows, block_k, num_warps, num_stages) at each float8 path
+# named (`paged.py` fp8_dot): the ragged tiles, the float8 decode tiles, and a stage less
+FP8_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)]
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
@@ -126,6 +130,14 @@ def run_case(name, q_lens, ctx, args):
         jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
                           num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
                               *a, interpret=args.tiny, **kw, **sc))))
+    for dot in args.fp8_dots if args.fp8 else []:
+        for rows, bk, warps, stages in FP8_TILES[:1] if args.tiny else FP8_TILES:
+            kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps,
+                      num_stages=stages, fp8_dot=dot)
+            jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
+                              num_stages=stages, fp8_dot=dot), jax.jit(
+                lambda *a, kw=kw: K.ragged_paged_attention(*a, interpret=args.tiny, **kw,
+                                                           **sc))))
     if all(n == 1 for n in q_lens):  # one token a sequence: the decode kernel takes it too
         for backend in ("triton", "mosaic") if args.mosaic else ("triton",):
             jobs.append((dict(kernel="decode", backend=backend), jax.jit(
@@ -194,7 +206,8 @@ def label(r) -> str:
         cv = f"/{r['converters']}cv" if "converters" in r else ""
         cv += "/r{}-{}".format(*r["registers"]) if "registers" in r else ""
         return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{cv}{programs}"
-    return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s"
+    dot = f"/{r['fp8_dot']}" if "fp8_dot" in r else ""
+    return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s{dot}"
 
 
 def main(argv=None):
@@ -217,6 +230,9 @@ def main(argv=None):
                          "the engine's bucket pads a step's rows")
     ap.add_argument("--fp8", action="store_true",
                     help="float8 pages with per-kv-head scales (the FP8 KV cache)")
+    ap.add_argument("--fp8-dots", type=lambda s: s.split(","), default=[],
+                    help="with --fp8, also FP8_TILES at each of these float8 paths "
+                         "(paged.FP8_DOTS: q, f16, f16_swap, e4m3, ...)")
     args = ap.parse_args(argv)
     info = common.run_info()
     print(json.dumps(info), flush=True)
