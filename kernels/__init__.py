@@ -122,9 +122,10 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
 
 
 def _paged_params(name, k_pages):
-    """The tuning entry of a paged call: float8 pages have their own decode tiles."""
-    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn and name == "decode"
-    return "decode_fp8" if fp8 else name
+    """The tuning entry of a paged call: float8 pages have their own tiles ("decode_fp8"
+    everywhere, "ragged_fp8" where the GPU's table has it)."""
+    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn and tuning.has(f"{name}_fp8")
+    return f"{name}_fp8" if fp8 else name
 
 
 def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):

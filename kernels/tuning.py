@@ -106,6 +106,14 @@ _H100 = dict(
     # alone 0.206 against 0.275; a 2048-token prompt 0.208 against 0.206, so the 4096-key
     # threshold stays).
     decode_backend_fp8="mosaic",  # 1.16-1.43x the Triton kernel (`decode_mosaic_fp8` above)
+    # Mixed steps over float8 pages below the Mosaic kernel's reach: the ragged tiles with the
+    # tiles made float16 in one conversion, not bf16 through float32 ("q"). H200, 2026-11-28
+    # (`sweep_ragged --fp8 --library --fp8-dots f16,f16_swap,e4m3 --pad-seqs 256`): a paced step
+    # with its decode rows first 0.1418 ms against 0.1535, a paced run's last step 0.0421
+    # against 0.0778; 16-row tiles 0.1364 / 0.0779, "e4m3" and "f16_swap" slower at 64 rows.
+    # The H100 shares the SM and its conversions; it was not measured there.
+    ragged_fp8=dict(block_rows=64, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
+                    fp8_dot="f16"),
     ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, mixed_splits=1,
                            convert_layout="WGMMA_UPCAST_2X", converters=2, min_keys=4096),
 )
@@ -119,7 +127,14 @@ _H100 = dict(
 # CTAs) against Triton's 0.1086, 768 rows at 320 keys 0.4293 (0.3390) against 0.2714 (H200,
 # 2026-11-28, `sweep_ragged --library --mosaic --programs 132,264 --cases
 # paced_decode,decode_768`), so it takes tables of 8192 keys or more.
-_H200 = dict(_H100, decode_backend="mosaic", decode_backend_min_keys=8192)
+_H200 = dict(
+    _H100, decode_backend="mosaic", decode_backend_min_keys=8192,
+    # Decode steps over float8 pages the Triton kernel takes (tables under the Mosaic reach):
+    # 64-key tiles in three stages, 200 rows at 400 keys 0.1312 ms against 0.1544 for the H100's
+    # entry, 768 rows at 320 0.3232 against 0.3877 (H200, 2026-11-28, `sweep_ragged --fp8
+    # --library --fp8-dots f16,e4m3 --cases paced_decode,decode_768`).
+    decode_fp8=dict(block_rows=16, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
+                    fp8_dot="f16"))
 
 TABLE = {
     "default": _DEFAULT,
@@ -326,6 +341,11 @@ def params(kernel: str, page_size: int | None = None) -> dict:
     if page_size is not None and "block_k" in p:
         p["pages_per_block"] = max(1, p.pop("block_k") // page_size)
     return p
+
+
+def has(kernel: str) -> bool:
+    """Whether this GPU's table has an entry for `kernel`."""
+    return kernel in TABLE[gpu_key()]
 
 
 def ragged_mosaic(fp8: bool = False) -> dict | None:

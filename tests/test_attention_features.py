@@ -193,7 +193,7 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
     assert rel_err(out, full) < 0.08  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("f16_swap", True),
+@pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("f16", False), ("f16_swap", True),
                                             ("f16_swap_qk", False), ("fma", True),
                                             ("fma_rows", True), ("fma_rows", False),
                                             ("e4m3", True), ("e4m3", False)])
@@ -239,6 +239,15 @@ def test_fp8_decode_takes_its_own_tiles(monkeypatch):
                                        **opts)
     want = tuning.params("decode_fp8", 16)["fp8_dot"]
     assert [kw.get("fp8_dot") for kw in seen] == [want, want, None, None]
+    # A mixed step (more tokens than twice the sequences) over float8 pages takes "ragged_fp8"
+    # where the GPU's table has it (the H100's and the H200's), else the 16-bit "ragged" tiles.
+    q, pages = jnp.zeros((6, 8, 16), jnp.bfloat16), jnp.zeros((2, 8, 16, 16), jnp.float8_e4m3fn)
+    for gpu, dot in (("H200", "f16"), ("default", None)):
+        monkeypatch.setattr(tuning, "gpu_key", lambda gpu=gpu: gpu)
+        seen.clear()
+        kernels.ragged_paged_attention(q, pages, pages, jnp.asarray([0, 6]), lens[:1],
+                                       table[:1], interpret=True, **scales)
+        assert seen[0].get("fp8_dot") == dot and seen[0]["block_rows"] == 64
 
 
 def test_write_kv_quantizes():
@@ -271,8 +280,9 @@ def test_options_lower_for_gpu():
     sds = jax.ShapeDtypeStruct
     q, f8 = sds((8, 32, 128), jnp.bfloat16), sds((8, 64, 16, 128), jnp.float8_e4m3fn)
     i32, f32 = (lambda *shape: sds(shape, jnp.int32)), (lambda *shape: sds(shape, jnp.float32))
-    for decode, fp8_dot in ((True, "q"), (False, "q"), (True, "f16"), (True, "fma"),
-                            (True, "fma_rows"), (False, "fma_rows"), (True, "e4m3")):
+    for decode, fp8_dot in ((True, "q"), (False, "q"), (True, "f16"), (False, "f16"),
+                            (True, "fma"), (True, "fma_rows"), (False, "fma_rows"),
+                            (True, "e4m3")):
         text = paged.ragged_paged_attention.trace(
             q, f8, f8, i32(9), i32(8), i32(8, 8), sliding_window=100, logit_softcap=30.0,
             sinks=f32(32), k_scale=f32(8), v_scale=f32(8), num_splits=2, block_rows=1,
