@@ -51,6 +51,9 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     serving_sharegpt.add_arguments(ap)
     serving_long.add_arguments(ap)
+    ap.add_argument("--tuning", action="append", default=[],
+                    help="NAME=JSON: this GPU's kernel tuning entry replaced (null: dropped), "
+                         "to time an earlier setting against the table's")
     return ap.parse_args(argv)
 
 
@@ -274,6 +277,9 @@ def main(argv=None):
         from benchmarks import bench_online
         return bench_online.main([a for a in argv if a != "--online"])
     args = parse(argv)
+    if args.tuning:
+        from .common import override_tuning
+        override_tuning(args.tuning)
     if args.sharegpt:
         return serving_sharegpt.main(args)
     if args.long_context:

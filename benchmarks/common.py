@@ -31,6 +31,21 @@ def run_info(device: bool = True) -> dict:
 
 # ---------------------------------------------------------------- timing
 
+def override_tuning(entries: list[str]):
+    """Replace entries of this GPU's tuning table for this process, each "NAME=JSON" (null drops
+    the entry): an earlier setting timed beside the table's in one call."""
+    import json
+    from pallasite.kernels import tuning
+    table = tuning.TABLE[tuning.gpu_key()] = dict(tuning.TABLE[tuning.gpu_key()])
+    for entry in entries:
+        name, _, value = entry.partition("=")
+        value = json.loads(value)
+        if value is None:
+            table.pop(name, None)
+        else:
+            table[name] = value
+
+
 def host_ms(fn, *args, reps=30):
     """Median wall-clock ms of `fn(*args)` after one warm-up call, each call waited for."""
     jax.block_until_ready(fn(*args))
