@@ -7,8 +7,9 @@ host's own work: scheduling, packing the batch, dispatch and accepting the sampl
 `--profile` prints the cProfile of the timed steps. `--tokenizer` adds the embedded default
 model's tokenizer: each step's outputs then get their text after the step as `EngineLoop` makes
 it (the `fill` part), streamed a step at a time, or with `--whole-text` only at each request's
-end, as `LLM.generate` takes it. `--final-only` asks for each request's last output only, as
-`LLM.generate` does (`Engine.add_request`): a step then makes outputs for the finished alone.
+end, as `LLM.generate` takes it. `--quiet` (or `--final-only`) asks for each request's first
+and last outputs only, as `LLM.generate` and the servers' unary calls do (`Engine.add_request`):
+a step then makes outputs for the finished and the newly started alone.
 `--device-ms` gives the stand-in device a time a step, overlapped with the host's work as on a
 GPU. `--launch-ms` gives each forward call a time without the GIL, as a GPU's launch spends in
 XLA's runtime, and `--launch-thread` makes those calls on the engine's launch thread
@@ -112,7 +113,7 @@ def stand_in_engine(tokenizer=None, device_ms: float = 0.0, launch_ms: float = 0
 def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = False,
           settle: bool = True, whole_text: bool = False, device_ms: float = 0.0,
           slots: int | None = None, launch_ms: float = 0.0, launch_thread: bool = False,
-          final_only: bool = False):
+          quiet: bool = False):
     from pallasite.serving.detokenize import TextStage
     from pallasite.serving.llm import SamplingParams
     from pallasite.serving.warmup import settle_heap
@@ -138,7 +139,7 @@ def build(seqs: int, prompt: int, output: int, tokenizer: bool, mixed: bool = Fa
         n = int(rng.integers(8, 2 * output + 1)) if mixed else output
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         name, ids = f"r{next(engine.arrivals)}", rng.integers(100, 4000, prompt).tolist()
-        engine.add_request(name, ids, sp, final_only)
+        engine.add_request(name, ids, sp, quiet)
         if engine.whole is not None:
             engine.whole[name] = (ids, [])
         elif engine.text:
@@ -254,8 +255,8 @@ def main(argv=None):
                     help="each forward call's time without the GIL (a GPU's launch)")
     ap.add_argument("--launch-thread", action="store_true",
                     help="launch each step on the engine's launch thread (as on a GPU)")
-    ap.add_argument("--final-only", action="store_true",
-                    help="each request's last output only, as LLM.generate asks")
+    ap.add_argument("--quiet", "--final-only", action="store_true", dest="quiet",
+                    help="each request's first and last outputs only, as LLM.generate asks")
     ap.add_argument("--decode", action="store_true", help="only the pure decode case")
     ap.add_argument("--mixed", action="store_true", help="only the case where requests finish "
                     "and new ones arrive")
@@ -271,8 +272,8 @@ def main(argv=None):
                        args.tokenizer, mixed, settle=not args.default_gc,
                        whole_text=args.whole_text, device_ms=args.device_ms, slots=args.slots,
                        launch_ms=args.launch_ms, launch_thread=args.launch_thread,
-                       final_only=args.final_only)
-        rec = dict(measure(engine, args.steps, args.profile, mixed), final_only=args.final_only)
+                       quiet=args.quiet)
+        rec = dict(measure(engine, args.steps, args.profile, mixed), quiet=args.quiet)
         parts = " ".join(f"{k[:-len('_cpu_ms_median')]} {v:.2f}" for k, v in rec.items()
                          if k.endswith("_cpu_ms_median"))
         print(f"{rec['mode']:>6}: host {rec['host_ms_per_step']:.2f} ms/step at "

@@ -64,7 +64,7 @@ class BatchState:
         self.arrival = np.zeros(max_num_seqs)
         self.first_token = np.zeros(max_num_seqs)  # time of its first token, once it has one
         self.cached = np.zeros(max_num_seqs, np.int64)
-        self.final_only = np.zeros(max_num_seqs, bool)  # its outputs wait for its last token
+        self.quiet = np.zeros(max_num_seqs, bool)  # outputs at its first token and end only
 
     def admit(self, seq):
         """Write a newly admitted sequence's constant rows into its slot."""
@@ -75,7 +75,7 @@ class BatchState:
         self.request_id[seq.slot], self.arrival[seq.slot] = seq.request_id, seq.arrival_time
         self.cached[seq.slot] = seq.cached_tokens
         self.first_token[seq.slot] = seq.first_token_time or 0.0
-        self.final_only[seq.slot] = seq.final_only
+        self.quiet[seq.slot] = seq.quiet
 
     def pack(self, step) -> Packed:
         """Lay a step's rows (a Step, or a list of Chunks) out on one flat token axis, padded to

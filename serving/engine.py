@@ -219,11 +219,11 @@ class Engine:
             raise RequestError(str(e)) from None
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling_params,
-                    final_only: bool = False):
-        """Queue a request. `final_only`: step() makes no output for it until it ends, and that
-        one carries all its output tokens (as `LLM.generate` wants them: a step then builds no
-        output for each running request). Asking for logprobs or stop strings (whose text comes
-        a step at a time) takes every output."""
+                    quiet: bool = False):
+        """Queue a request. `quiet`: step() makes two outputs for it, its first token and, as it
+        ends, the rest of its tokens (as `LLM.generate` and the servers' unary calls want them:
+        a step then builds no output for each running request). Asking for logprobs or stop
+        strings (whose text comes a step at a time) takes every output."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_ids, sampling_params)
@@ -235,7 +235,7 @@ class Engine:
         if not seq.stop_ids <= self._stop_set:  # candidates for the stop test of _accept
             self._stop_set |= seq.stop_ids
             self._stop_any = np.array(sorted(self._stop_set), np.int64)
-        seq.final_only = final_only and sp.logprobs is None and not sp.stop
+        seq.quiet = quiet and sp.logprobs is None and not sp.stop
         seq.penalized = (sp.repetition_penalty != 1 or sp.presence_penalty != 0
                          or sp.frequency_penalty != 0)
         seq.mode = sampling.mode_of(sp.temperature, sp.top_k, sp.top_p, sp.min_p,
@@ -259,8 +259,8 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is not None:
             self._finish(seq)
-            self._outbox.append(self._output(seq, seq.output_ids if seq.final_only else [], "",
-                                             None, "abort"))
+            held = seq.output_ids[1:] if seq.quiet else []  # its first token went out
+            self._outbox.append(self._output(seq, held, "", None, "abort"))
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs or self._outbox)
@@ -420,8 +420,8 @@ class Engine:
         """Take one sampled token per sequence: tokens and finish reasons as arrays over the
         rows (Python only for stop-token candidates, first tokens, guided rows, logprobs and
         finishes), then the new text of those with stop strings in one batched detokenization
-        (the others' is a TextStage's), then the outputs (for a `final_only` request, only its
-        last). `slots`, `n_tokens` (the token count after this one): known to the caller, or
+        (the others' is a TextStage's), then the outputs (for a `quiet` request, only its
+        first and last). `slots`, `n_tokens` (the token count after this one): known to the caller, or
         read off the sequences."""
         now, n, batch = time.time(), len(seqs), self.batch
         tokens = out[:, 0]
@@ -461,15 +461,18 @@ class Engine:
         finished = np.not_equal(reasons, None)
         for seq in compress(seqs, finished.tolist()):
             self._finish(seq)
-        quiet = None if self.spec else batch.final_only[slots]
+        quiet = None if self.spec else batch.quiet[slots]
         if quiet is None or not quiet.any():
             new_ids = [[t] for t in toks]
-        else:  # rows that want only their last output get none before it (the speculative
-            # path, which merges an output a row for each token it emits, takes them all)
-            keep = np.flatnonzero(~quiet | finished)
+        else:  # quiet rows: an output for their first token, then none until the last, which
+            # carries the rest (the speculative path, which merges an output a row for each
+            # token it emits, takes them all)
+            first = n_tokens - plen == 1
+            keep = np.flatnonzero(~quiet | finished | first)
             rows = keep.tolist()
-            new_ids = [seqs[i].output_ids if q else [toks[i]]
-                       for i, q in zip(rows, quiet[keep].tolist())]
+            new_ids = [seqs[i].output_ids[1:] if q and f and not one else [toks[i]]
+                       for i, q, f, one in zip(rows, quiet[keep].tolist(),
+                                               finished[keep].tolist(), first[keep].tolist())]
             slots, reasons, finished, plen, n_tokens = (
                 a[keep] for a in (slots, reasons, finished, plen, n_tokens))
             deltas = [deltas[i] for i in rows] if self._stopping else deltas

@@ -32,11 +32,12 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling, on_output,
-               stream: bool = True, final_only: bool = False):
+               stream: bool = True, quiet: bool = False):
         """Queue a request. Raises RequestError here, in the caller's thread, if it cannot be
         served. Without `stream` its outputs carry no text (`text_delta` None) unless the
         engine made it (stop strings): the caller decodes the whole once (`whole_text`).
-        `final_only` (with `stream` off): one output, as it ends (`Engine.add_request`)."""
+        `quiet` (with `stream` off): two outputs, its first token and the rest as it ends
+        (`Engine.add_request`)."""
         self.engine.check_request(prompt_ids, sampling)
         with self._cond:
             if self.error is not None or self._closing:
@@ -45,7 +46,7 @@ class EngineLoop:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._callbacks[request_id] = on_output
             self._commands.append(("add", request_id, list(prompt_ids), sampling, stream,
-                                   final_only and not stream))
+                                   quiet and not stream))
             self._cond.notify()
 
     def abort(self, request_id: str):
@@ -104,9 +105,9 @@ class EngineLoop:
         if command[0] == "reset":
             command[1]()
             return
-        _, request_id, prompt_ids, sampling, stream, final_only = command
+        _, request_id, prompt_ids, sampling, stream, quiet = command
         try:
-            self.engine.add_request(request_id, prompt_ids, sampling, final_only=final_only)
+            self.engine.add_request(request_id, prompt_ids, sampling, quiet=quiet)
         except RequestError:
             log.exception("request %s refused", request_id)
             self._deliver(RequestOutput(request_id, [], "", None, True, "abort",

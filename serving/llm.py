@@ -136,9 +136,9 @@ def kv_cache_dtype_of(name: str):
 
 def gather(results: list[Completion], ids, params, tokenizer, all_done):
     """`LLM.generate`'s callback `on_output(i, out)`, called on the engine's thread for each
-    output of request i (its last only, unless it asks for logprobs or stop strings): its
-    tokens, text and logprobs into results[i], the counts as it ends, and `all_done()` once
-    every request has."""
+    output of request i (its first and last only, unless it asks for logprobs or stop
+    strings): its tokens, text and logprobs into results[i], the counts as it ends, and
+    `all_done()` once every request has."""
     left, lock = [len(ids)], threading.Lock()
 
     def on_output(i, out: RequestOutput):
@@ -290,7 +290,7 @@ class LLM:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 names.append(f"generate-{next(self._ids)}")
                 self.loop.submit(names[-1], p, sp or SamplingParams(), partial(on_output, i),
-                                 stream=False, final_only=True)
+                                 stream=False, quiet=True)
             if not ids:
                 return []
             done.wait()

@@ -47,11 +47,11 @@ class Replicas:
         self.replicas[0].check_request(prompt_ids, sampling_params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling_params,
-                    final_only: bool = False):
+                    quiet: bool = False):
         if request_id in self.owner:
             raise RequestError(f"request id {request_id!r} is already in use")
         engine = self.pick(prompt_ids)
-        engine.add_request(request_id, prompt_ids, sampling_params, final_only=final_only)
+        engine.add_request(request_id, prompt_ids, sampling_params, quiet=quiet)
         self.owner[request_id] = engine
 
     def abort(self, request_id: str):

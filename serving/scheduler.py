@@ -65,9 +65,9 @@ class Sequence:
     max_output: int = 1 << 30  # tokens it may generate (max_tokens, capped by the context)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     ever_admitted: bool = False
-    # Only its last output is wanted (`LLM.generate`): the engine makes no output for it until it
-    # ends, and that one carries all its output tokens.
-    final_only: bool = False
+    # Two outputs are wanted (`LLM.generate`, the servers' unary calls): its first token, whose
+    # time the caller measures, and at its end the rest of its tokens.
+    quiet: bool = False
     first_token_time: float | None = None
     # The engine's per-request data: stop token ids, sampler row, detokenizer, text so far/sent.
     stop_ids: frozenset = frozenset()

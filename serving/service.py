@@ -62,7 +62,8 @@ class Call:
 class Request:
     """A request submitted to the engine loop: its outputs arrive on an asyncio.Queue, each with
     the time the engine thread handed it over. Without `stream` they carry no text (unless the
-    engine made it): `output_text` makes the whole once, at the end."""
+    engine made it): `output_text` makes the whole once, at the end; and there are two of them
+    (the engine's `quiet` request): the first token, for its timing, and the rest at the end."""
 
     def __init__(self, engine_loop, request_id: str, prompt_ids, sampling, stream: bool = True):
         self.engine_loop, self.request_id, self.finished = engine_loop, request_id, False
@@ -70,7 +71,7 @@ class Request:
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         engine_loop.submit(request_id, prompt_ids, sampling, lambda out: loop.call_soon_threadsafe(
-            self.queue.put_nowait, (out, time.time())), stream=stream)
+            self.queue.put_nowait, (out, time.time())), stream=stream, quiet=not stream)
 
     async def next(self) -> list:
         """The outputs that arrived since the last call (at least one), as (output, time)."""

@@ -76,7 +76,7 @@ class FakeEngine:
     def check_request(self, prompt_ids, sampling):
         pass
 
-    def add_request(self, request_id, prompt_ids, sampling, final_only=False):
+    def add_request(self, request_id, prompt_ids, sampling, quiet=False):
         self.live[request_id] = 0
 
     def abort(self, request_id):

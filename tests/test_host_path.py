@@ -68,11 +68,12 @@ def fake_engine(overlap: bool, num_pages: int, launch_thread: bool = False) -> E
     return engine
 
 
-@pytest.mark.parametrize("overlap,launch_thread,final_only", [
+@pytest.mark.parametrize("overlap,launch_thread,quiet", [
     (True, False, False), (False, False, False), (True, True, False), (True, False, True)])
-def test_bulk_acceptance_matches_known_streams(overlap, launch_thread, final_only):
-    # short of pages: some sequences are preempted. With `final_only`, every other request asks
-    # for its last output only (as LLM.generate does): those without logprobs get one output.
+def test_bulk_acceptance_matches_known_streams(overlap, launch_thread, quiet):
+    # short of pages: some sequences are preempted. With `quiet`, every other request asks for
+    # its first and last outputs only (as LLM.generate does): those without logprobs get the
+    # first token, then the rest as they end (an abort before the first token: one output).
     engine = fake_engine(overlap, num_pages=40, launch_thread=launch_thread)
     rng = np.random.default_rng(3)
     shared = rng.integers(0, V, 12).tolist()
@@ -92,7 +93,7 @@ def test_bulk_acceptance_matches_known_streams(overlap, launch_thread, final_onl
         while waiting and reqs[waiting[0]][2] <= step:
             rid = waiting.pop(0)
             engine.add_request(rid, reqs[rid][0], reqs[rid][1],
-                               final_only and int(rid[1:]) % 2 == 0)
+                               quiet and int(rid[1:]) % 2 == 0)
         for rid, at in aborts.items():
             if at == step:
                 engine.abort(rid)
@@ -116,8 +117,13 @@ def test_bulk_acceptance_matches_known_streams(overlap, launch_thread, final_onl
         toks = [t for o in got for t in o.new_token_ids]
         assert [o.finished for o in got] == [False] * (len(got) - 1) + [True], rid
         assert all(o.prompt_tokens == len(prompt) for o in got), rid
-        if final_only and int(rid[1:]) % 2 == 0 and not sp.logprobs:
-            assert len(got) == 1 and got[0].completion_tokens == len(toks), rid
+        if quiet and int(rid[1:]) % 2 == 0 and not sp.logprobs:
+            sizes = [len(o.new_token_ids) for o in got]  # its first token, the rest at the end
+            if len(toks) >= 2:
+                assert sizes == [1, len(toks) - 1], rid
+            else:  # ended at (or before) its first token; [1, 0]: aborted just after it
+                assert sizes in ([len(toks)], [1, 0]), rid
+            assert got[-1].completion_tokens == len(toks), rid
         else:
             assert [o.completion_tokens for o in got if o.new_token_ids] == list(
                 range(1, len(toks) + 1)), rid

@@ -142,6 +142,26 @@ def test_stream_equals_llm_generate_and_unary_equals_stream(llm, client):
         assert len(unary.logprobs) == len(got.logprobs)
 
 
+def test_unary_call_takes_two_outputs(llm, server, client, monkeypatch):
+    """A unary call asks the engine for its first token and the rest at its end (`quiet`): the
+    stream's answer, its time to first token measured, the admission queue emptied."""
+    seen, deliver = [], llm._loop._deliver
+
+    def spy(*outs):  # on the engine thread, every output it hands over
+        seen.extend((out.request_id, len(out.new_token_ids)) for out in outs)
+        deliver(*outs)
+    monkeypatch.setattr(llm._loop, "_deliver", spy)
+    kwargs = dict(max_tokens=12, **GREEDY)
+    unary = client.generate("The quick brown fox", **kwargs)
+    stream = join(list(client.stream("The quick brown fox", **kwargs)))
+    assert unary.token_ids == stream.token_ids and unary.text == stream.text
+    assert [n for rid, n in seen if rid == unary.request_id] == [1, 11]
+    assert [n for rid, n in seen if rid == stream.request_id] == [1] * 12
+    assert 0 < unary.timing.ttft_s < unary.timing.e2e_s
+    wait_until_idle(llm, server)
+    assert server.service.queued == 0
+
+
 def test_token_ids_and_chat_prompts(llm, client):
     ids = llm.tokenizer.encode("héllo wörld")
     want = llm.generate([ids], SamplingParams(max_tokens=6, **GREEDY))[0]
