@@ -421,8 +421,8 @@ class Engine:
         rows (Python only for stop-token candidates, first tokens, guided rows, logprobs and
         finishes), then the new text of those with stop strings in one batched detokenization
         (the others' is a TextStage's), then the outputs (for a `quiet` request, only its
-        first and last). `slots`, `n_tokens` (the token count after this one): known to the caller, or
-        read off the sequences."""
+        first and last). `slots`, `n_tokens` (the token count after this one): known to the
+        caller, or read off the sequences."""
         now, n, batch = time.time(), len(seqs), self.batch
         tokens = out[:, 0]
         toks = tokens.tolist()
