@@ -162,6 +162,28 @@ def test_unary_call_takes_two_outputs(llm, server, client, monkeypatch):
     assert server.service.queued == 0
 
 
+def test_inbox_wakes_the_loop_once_a_burst():
+    """Outputs put from the engine's thread reach their queues in order, with one wakeup of the
+    event loop for all that arrive before it runs."""
+    from pallasite.serving.service import Inbox
+
+    async def main():
+        loop, calls = asyncio.get_running_loop(), []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        inbox, queues = Inbox.of(loop), [asyncio.Queue() for _ in range(3)]
+        assert Inbox.of(loop) is inbox
+        burst = threading.Thread(target=lambda: [inbox.put(queues[i % 3], i) for i in range(30)])
+        burst.start()
+        burst.join()
+        assert [[await q.get() for _ in range(10)] for q in queues] == [
+            list(range(k, 30, 3)) for k in range(3)]
+        assert len(calls) == 1
+        inbox.put(queues[0], "later")  # the next burst wakes it again
+        assert await queues[0].get() == "later" and len(calls) == 2
+    asyncio.run(main())
+
+
 def test_token_ids_and_chat_prompts(llm, client):
     ids = llm.tokenizer.encode("héllo wörld")
     want = llm.generate([ids], SamplingParams(max_tokens=6, **GREEDY))[0]
