@@ -2,9 +2,9 @@
 
 The engine steps on its own thread (the LLM's EngineLoop). A call submits its request there and
 awaits the outputs, which the engine thread hands to the event loop through an `Inbox`, so the
-loop never waits on the device. A call that ends early for any reason (cancel,
-disconnect, deadline, shutdown) aborts its request, which frees its KV pages at once. Every call
-ends with a status code counted in the metrics; each generation writes one JSON log line.
+loop never waits on the device. A call that ends early for any reason (cancel, disconnect,
+deadline, shutdown) aborts its request, which frees its KV pages at once. Every call ends with
+a status code counted in the metrics; each generation writes one JSON log line.
 """
 
 from __future__ import annotations

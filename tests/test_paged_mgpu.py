@@ -380,8 +380,8 @@ def test_decode_backend_choice(monkeypatch):
     """kernels.paged_attention runs the decode kernel the tuning table names for this GPU
     (Triton off Hopper and on the H100, Mosaic GPU on the H200 from 8192 keys of table) where
     it takes the call, else Triton; backend= (or the environment) overrides, and an asked-for
-    backend that cannot take the call says why. Through the Mosaic path in the interpreter, the result is the
-    reference's."""
+    backend that cannot take the call says why. Through the Mosaic path in the interpreter,
+    the result is the reference's."""
     from pallasite import kernels
     from pallasite.kernels import tuning
     q, kp, vp, ctx, table = decode_case(31, [300], 4, 1, 64, 16, jnp.bfloat16)
