@@ -99,6 +99,7 @@ def fp8_decode(log, ceiling, B=64, ctx=4096):
     kq = reference.quantize_kv(kp.reshape(KV, -1, D).swapaxes(0, 1), scale, jnp.float8_e4m3fn)
     vq = reference.quantize_kv(vp.reshape(KV, -1, D).swapaxes(0, 1), scale, jnp.float8_e4m3fn)
     k8, v8 = (x.swapaxes(0, 1).reshape(kp.shape) for x in (kq, vq))
+    v8 = v8.swapaxes(2, 3)  # V keys-last, as the cache stores float8 pages
     s = dict(k_scale=scale, v_scale=scale)
     rows = {}
     variants = [("bf16", {}, (q, kp, vp, lens, table), {}),

@@ -100,13 +100,13 @@ def inputs(key, B, lo, hi):
 
 def fp8_pages(kp, vp):
     """Float8 K/V pages with per-kv-head scales (amax / 448), as the engine stores them (K /
-    k_scale), and their scales as the kernels take them."""
+    k_scale, V keys-last: `reference.keys_last`), and their scales as the kernels take them."""
     scales, pages8 = [], []
     for x in (kp, vp):
         s = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2, 3)) / 448.0
         scales.append(s)
         pages8.append((x.astype(jnp.float32) / s[:, None, None, None]).astype(jnp.float8_e4m3fn))
-    return tuple(pages8), dict(k_scale=scales[0], v_scale=scales[1])
+    return (pages8[0], jnp.swapaxes(pages8[1], 2, 3)), dict(k_scale=scales[0], v_scale=scales[1])
 
 
 def timed(fn, args, smoke):

@@ -163,9 +163,13 @@ def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
     if asked not in (None, "mosaic", "triton"):
         raise ValueError(f"decode backend {asked!r} is not one of 'mosaic', 'triton'")
     portable = blocks or not _is_hopper() or _PORTABLE[0]
-    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn
+    if k_pages.dtype == jax.numpy.float8_e4m3fn:  # V keys-last (reference.keys_last)
+        if asked == "mosaic":
+            raise ValueError("the Mosaic GPU decode kernel cannot take float8 pages, whose V "
+                             "pages are keys-last ([KV, P, D, page_size])")
+        return "triton"
     keys = page_table.shape[1] * k_pages.shape[2]
-    backend = asked or ("triton" if portable else tuning.decode_backend(fp8, keys))
+    backend = asked or ("triton" if portable else tuning.decode_backend(False, keys))
     if backend == "mosaic":
         why = paged_mgpu.supported(q, k_pages, **_mosaic_decode_params(q, k_pages, page_table,
                                                                          blocks))
@@ -268,9 +272,10 @@ def _ragged_mosaic(q, k_pages, page_table, used, mixed) -> dict | None:
     too, where its two converter warpgroups lead (`tuning.py`). `PALLASITE_RAGGED_BACKEND=triton`
     keeps Triton always."""
     from . import paged_mgpu
-    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn
-    kw = tuning.ragged_mosaic(fp8)
-    if (kw is None or not (mixed or fp8) or not used <= _KERNEL_TAKES["paged_mosaic"]
+    if k_pages.dtype == jax.numpy.float8_e4m3fn:  # V keys-last, which it does not read
+        return None
+    kw = tuning.ragged_mosaic(False)
+    if (kw is None or not mixed or not used <= _KERNEL_TAKES["paged_mosaic"]
             or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
             or tuning.invariant() or not _is_hopper() or _PORTABLE[0]):
         return None

@@ -1,6 +1,7 @@
 """Write a step's new K/V rows into their pages, in place: one launch for K and V.
 
-k/v_pages [KV, P, page_size, D], k/v [T, KV, D], slots [T] (page * page_size + offset; < 0 for
+k/v_pages [KV, P, page_size, D] (float8 V pages keys-last, [KV, P, D, page_size]:
+`reference.keys_last`), k/v [T, KV, D], slots [T] (page * page_size + offset; < 0 for
 padding tokens, which write nothing). One program per token stores its [KV, D] rows of K and V
 at its slot; the pages are aliased to the outputs, so with donated buffers nothing else moves.
 The XLA scatter (`reference.write_kv_reference`) is two launches, one per array; which one a
@@ -19,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .paged import _gather
-from .reference import head_scale
+from .reference import head_scale, keys_last
 
 
 def _quantize(x, scale, dtype):
@@ -38,13 +39,16 @@ def _kernel(slots_ref, kv_ref, scale_ref, k_in, v_in, k_out, v_out, *, page_size
     live = slot >= 0
     slot = jnp.maximum(slot, 0)  # padding: an in-bounds address, the store masked off
     KV, D = kv_ref.shape[2:]
-    at = _gather(jnp.arange(KV)[:, None], slot // page_size, slot % page_size,
-                 jnp.arange(D)[None, :])
+    heads, page, offset, dims = (jnp.arange(KV)[:, None], slot // page_size, slot % page_size,
+                                 jnp.arange(D)[None, :])
+    at = _gather(heads, page, offset, dims)
     mask = jnp.broadcast_to(live, (KV, D))
     k_scale = v_scale = None
     if scale_ref is not None:
         k_scale, v_scale = scale_ref[0], scale_ref[1]
     plgpu.store(k_out.at[at], _quantize(kv_ref[t, 0], k_scale, k_out.dtype), mask=mask)
+    if keys_last(v_out):  # the token's column of each head's [D, page_size] page
+        at = _gather(heads, page, dims, offset)
     plgpu.store(v_out.at[at], _quantize(kv_ref[t, 1], v_scale, v_out.dtype), mask=mask)
 
 
@@ -56,7 +60,7 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, inter
     divided by their head's scale (quantized when the pages are float8)."""
     T, KV, D = k.shape
     whole = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
-    pages = whole(*k_pages.shape)
+    pages, v_pages_spec = whole(*k_pages.shape), whole(*v_pages.shape)
     n = 4 if k_scale is None else 5  # flat inputs (no scales: no leaf)
     scales = None
     if k_scale is not None:
@@ -65,8 +69,8 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, inter
         functools.partial(_kernel, page_size=k_pages.shape[2]),
         grid=(T,),
         in_specs=[whole(T), whole(T, 2, KV, D), None if scales is None else whole(2, KV),
-                  pages, pages],
-        out_specs=[pages, pages],
+                  pages, v_pages_spec],
+        out_specs=[pages, v_pages_spec],
         out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={n - 2: 0, n - 1: 1},  # the pages: the last two leaves

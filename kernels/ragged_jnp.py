@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .reference import NEG_INF, head_scale, token_sequence_ids
+from .reference import NEG_INF, head_scale, rows_first, token_sequence_ids
 
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
@@ -43,7 +43,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(table, i * pages_per_block, pages_per_block, 1)
         k = k_pages[:, pages].reshape(KV, T, block, D).astype(jnp.float32)
-        v = v_pages[:, pages].reshape(KV, T, block, D).astype(jnp.float32)
+        v = rows_first(v_pages[:, pages]).reshape(KV, T, block, D).astype(jnp.float32)
         s = jnp.einsum("tkgd,ktbd->tkgb", qg, k)
         if logit_softcap is not None:
             s = logit_softcap * jnp.tanh(s / logit_softcap)

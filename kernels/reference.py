@@ -76,11 +76,28 @@ def head_scale(scale, num_kv_heads):
     return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (num_kv_heads,))
 
 
-def gather_pages(pages, page_table, scale=None):
+def keys_last(v_pages) -> bool:
+    """Whether V pages hold each page as [D, page_size], keys on the fast axis: float8 pages do
+    ([KV, P, D, page_size]), so that the paged kernel's P V takes its converted float8 tile as
+    an MMA operand straight from registers, where a [page_size, D] tile goes back through
+    shared memory first (docs/kernels_notes.md, "Float8 V pages keys-last"). K pages, and V
+    pages of 16 bits, are [KV, P, page_size, D]."""
+    return jnp.dtype(v_pages.dtype).itemsize == 1
+
+
+def rows_first(v_pages):
+    """V pages (or a gather of them, pages on the third axis from the end) as
+    [..., page_size, D]."""
+    return jnp.swapaxes(v_pages, -1, -2) if keys_last(v_pages) else v_pages
+
+
+def gather_pages(pages, page_table, scale=None, v=False):
     """[KV, P, page_size, D] x [S, pages_per_seq] -> [S, pages_per_seq * page_size, KV, D];
-    with scale [KV], float32 pages * scale (dequantized)."""
-    kv, _, page_size, d = pages.shape
+    with scale [KV], float32 pages * scale (dequantized). `v`: V pages, keys-last if float8."""
     g = pages[:, page_table]  # [KV, S, n, page_size, D]
+    if v:
+        g = rows_first(g)
+    kv, d = g.shape[0], g.shape[-1]
     g = g.reshape(kv, page_table.shape[0], -1, d)
     g = jnp.transpose(g, (1, 2, 0, 3))
     if scale is not None:
@@ -94,7 +111,7 @@ def paged_attention_reference(q, k_pages, v_pages, context_lens, page_table, *, 
     """Decode: one query token per sequence, at position context_lens - 1. q [S, H, D] ->
     [S, H, D]. A sequence with context_lens == 0 gets zeros."""
     k = gather_pages(k_pages, page_table, k_scale)
-    v = gather_pages(v_pages, page_table, v_scale)
+    v = gather_pages(v_pages, page_table, v_scale, v=True)
     k_pos = jnp.arange(k.shape[1])[None, None, :]
     q_pos = context_lens[:, None, None] - 1
     mask = (k_pos <= q_pos) & window_mask(q_pos, k_pos, sliding_window)  # [S, 1, L]
@@ -136,7 +153,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, query_start, context_l
     in_seq = (jnp.arange(T) >= query_start[seq]) & (jnp.arange(T) < query_start[seq + 1])
     pos = context_lens[seq] - q_len[seq] + (jnp.arange(T) - query_start[seq])
     k = gather_pages(k_pages, page_table, k_scale)[seq]  # [T, L, KV, D]
-    v = gather_pages(v_pages, page_table, v_scale)[seq]
+    v = gather_pages(v_pages, page_table, v_scale, v=True)[seq]
     key_pos = jnp.arange(k.shape[1])[None, :]
     mask = (key_pos <= pos[:, None]) & in_seq[:, None]  # [T, L]
     mask = mask & window_mask(pos[:, None], key_pos, sliding_window)
@@ -165,6 +182,8 @@ def write_kv_reference(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=N
     page = jnp.where(slots >= 0, slots // page_size, num_pages)
     offset = jnp.where(slots >= 0, slots % page_size, 0)
     k_pages = k_pages.at[:, page, offset].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype), mode="drop")
+    if keys_last(v_pages):  # [KV, P, D, page]: the indexed axes lead the update, [T, KV, D]
+        return k_pages, v_pages.at[:, page, :, offset].set(v.astype(v_pages.dtype), mode="drop")
     v_pages = v_pages.at[:, page, offset].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype), mode="drop")
     return k_pages, v_pages
 

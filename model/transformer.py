@@ -197,17 +197,19 @@ KV_SCALE = 1.0  # the per-KV-head scale of float8 pages (K and V are stored as x
 def kv_layer_cache(full, shape, dtype, dims=None):
     """One layer's cache: (k_pages, v_pages) each `shape` [kv_heads, pages, page, head_dim] in
     `dtype`, or with `dims` (`ModelConfig.kv_arrays`) arrays of those last dims (MLA: latent
-    and RoPE key); with a one-byte dtype (float8) also (k_scale, v_scale), float32 [kv_heads, 1,
-    1, 1] (the pages' rank, so they shard like the pages). `full(shape, value, dtype)` makes
+    and RoPE key); with a one-byte dtype (float8) V keys-last, [kv_heads, pages, head_dim,
+    page], and also (k_scale, v_scale), float32 [kv_heads, 1, 1, 1] (the pages' rank, so they
+    shard like the pages). `full(shape, value, dtype)` makes
     each."""
     dims = dims or (shape[-1], shape[-1])
-    pages = tuple(full((*shape[:-1], d), 0, dtype) for d in dims)
     if jnp.dtype(dtype).itemsize > 1:
-        return pages
+        return tuple(full((*shape[:-1], d), 0, dtype) for d in dims)
     if dims[0] != dims[1]:
         raise ValueError("a float8 KV cache is not supported for multi-head latent attention")
-    scale = (shape[0], 1, 1, 1)
-    return pages + (full(scale, KV_SCALE, jnp.float32), full(scale, KV_SCALE, jnp.float32))
+    kv, pages, page, d = shape  # float8 V pages are keys-last (`kernels.reference.keys_last`)
+    scale = (kv, 1, 1, 1)
+    return (full(shape, 0, dtype), full((kv, pages, d, page), 0, dtype),
+            full(scale, KV_SCALE, jnp.float32), full(scale, KV_SCALE, jnp.float32))
 
 
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16):

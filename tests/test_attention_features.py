@@ -162,9 +162,11 @@ def test_paged_options_skip_pages_outside_window(case):
         assert rel_err(out, ref) < 1e-5
 
 
-def quantized(pages, scale):
-    """float8 pages of `pages` [KV, P, page, D] divided by scale [KV]."""
-    return (pages / scale[:, None, None, None]).astype(jnp.float8_e4m3fn)
+def quantized(pages, scale, v=False):
+    """float8 pages of `pages` [KV, P, page, D] divided by scale [KV]; `v`: V pages, stored
+    keys-last ([KV, P, D, page])."""
+    out = (pages / scale[:, None, None, None]).astype(jnp.float8_e4m3fn)
+    return jnp.swapaxes(out, 2, 3) if v else out
 
 
 @pytest.mark.parametrize("decode,splits,window", [(True, 1, None), (True, 2, 12),
@@ -177,7 +179,7 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
     k_scale, v_scale = jnp.asarray([0.5, 0.02]), jnp.asarray([0.01, 0.2])
     kp, vp = kp * jnp.asarray([5.0, 0.2])[:, None, None, None], vp * jnp.asarray([0.1, 2.0])[
         :, None, None, None]
-    k8, v8 = quantized(kp, k_scale), quantized(vp, v_scale)
+    k8, v8 = quantized(kp, k_scale), quantized(vp, v_scale, v=True)
     q = q.astype(jnp.bfloat16)
     opts = dict(sliding_window=window, k_scale=k_scale, v_scale=v_scale)
     ref = reference.ragged_paged_attention_reference(q, k8, v8, qs, ctx, table, **opts)
@@ -206,7 +208,7 @@ def test_paged_fp8_dot_paths(fp8_dot, decode):
     q, kp, vp, qs, ctx, table, *_ = windowed_case(5, q_lens, cached, 8, 2, 16, 8, None)
     k_scale, v_scale = jnp.asarray([0.5, 0.02]), jnp.asarray([0.01, 0.2])
     k8 = quantized(kp * jnp.asarray([5.0, 0.2])[:, None, None, None], k_scale)
-    v8 = quantized(vp * jnp.asarray([0.1, 2.0])[:, None, None, None], v_scale)
+    v8 = quantized(vp * jnp.asarray([0.1, 2.0])[:, None, None, None], v_scale, v=True)
     q = q.astype(jnp.bfloat16)
     opts = dict(sliding_window=30, logit_softcap=20.0, k_scale=k_scale, v_scale=v_scale)
     ref = reference.ragged_paged_attention_reference(q, k8, v8, qs, ctx, table, **opts)
@@ -252,18 +254,19 @@ def test_fp8_decode_takes_its_own_tiles(monkeypatch):
 
 def test_write_kv_quantizes():
     """The write kernel stores K / scale as float8 like the reference (saturating, not NaN, on
-    overflow) and drops padding."""
+    overflow), V in its keys-last pages, and drops padding."""
     from pallasite.kernels import kv_write
     rng = np.random.default_rng(1)
     KV, P, page, D, T = 2, 4, 8, 16, 5
     pages = jnp.zeros((KV, P, page, D), jnp.float8_e4m3fn)
+    v_pages = jnp.zeros((KV, P, D, page), jnp.float8_e4m3fn)
     k = jnp.asarray(rng.standard_normal((T, KV, D)) * 3, jnp.bfloat16).at[0, 0, 0].set(1e4)
     v = jnp.asarray(rng.standard_normal((T, KV, D)), jnp.bfloat16)
     slots = jnp.asarray([3, 9, -1, 30, 0], jnp.int32)
     scales = jnp.asarray([0.5, 2.0]).reshape(KV, 1, 1, 1), jnp.asarray([0.01, 0.1])
-    out = kv_write.write_kv(pages, pages, k, v, slots, k_scale=scales[0], v_scale=scales[1],
+    out = kv_write.write_kv(pages, v_pages, k, v, slots, k_scale=scales[0], v_scale=scales[1],
                             interpret=True)
-    ref = reference.write_kv_reference(pages, pages, k, v, slots, k_scale=scales[0],
+    ref = reference.write_kv_reference(pages, v_pages, k, v, slots, k_scale=scales[0],
                                        v_scale=scales[1])
     for o, r in zip(out, ref):
         assert o.dtype == jnp.float8_e4m3fn
@@ -272,6 +275,9 @@ def test_write_kv_quantizes():
     assert kf[0, 0, 3, 0] == 448.0  # 1e4 / 0.5 saturates to e4m3's largest finite value
     np.testing.assert_allclose(kf[1, 1, 1] * 2.0, np.asarray(k[1, 1], np.float32), rtol=0.07)
     assert np.count_nonzero(kf) == np.count_nonzero(np.asarray(ref[0], np.float32))
+    vf = np.asarray(out[1], np.float32)  # slot 9: page 1, offset 1, a column of each head
+    np.testing.assert_allclose(vf[:, 1, :, 1] * np.asarray([[0.01], [0.1]]),
+                               np.asarray(v[1], np.float32), rtol=0.07, atol=1e-3)
 
 
 def test_options_lower_for_gpu():
@@ -279,12 +285,13 @@ def test_options_lower_for_gpu():
     from pallasite.kernels import kv_write
     sds = jax.ShapeDtypeStruct
     q, f8 = sds((8, 32, 128), jnp.bfloat16), sds((8, 64, 16, 128), jnp.float8_e4m3fn)
+    v8 = sds((8, 64, 128, 16), jnp.float8_e4m3fn)  # keys-last
     i32, f32 = (lambda *shape: sds(shape, jnp.int32)), (lambda *shape: sds(shape, jnp.float32))
     for decode, fp8_dot in ((True, "q"), (False, "q"), (True, "f16"), (False, "f16"),
                             (True, "fma"), (True, "fma_rows"), (False, "fma_rows"),
                             (True, "e4m3")):
         text = paged.ragged_paged_attention.trace(
-            q, f8, f8, i32(9), i32(8), i32(8, 8), sliding_window=100, logit_softcap=30.0,
+            q, f8, v8, i32(9), i32(8), i32(8, 8), sliding_window=100, logit_softcap=30.0,
             sinks=f32(32), k_scale=f32(8), v_scale=f32(8), num_splits=2, block_rows=1,
             fp8_dot=fp8_dot, one_token_per_seq=decode).lower(
                 lowering_platforms=("cuda",)).as_text()
@@ -294,7 +301,7 @@ def test_options_lower_for_gpu():
                                        sinks=f32(4)).lower(lowering_platforms=("cuda",))
     assert "pallasite_flash_attention" in text.as_text()
     rows = sds((5, 8, 128), jnp.bfloat16)
-    text = kv_write.write_kv.trace(f8, f8, rows, rows, i32(5), k_scale=f32(8), v_scale=f32(8))
+    text = kv_write.write_kv.trace(f8, v8, rows, rows, i32(5), k_scale=f32(8), v_scale=f32(8))
     assert "pallasite_kv_write" in text.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -310,7 +317,7 @@ def test_ragged_jnp_options(window, softcap, sinks, fp8):
                 sinks=jnp.linspace(-1.0, 2.0, 8) if sinks else None)
     if fp8:
         scale = jnp.asarray([0.02, 0.5])
-        kp, vp = quantized(kp, scale), quantized(vp, scale)
+        kp, vp = quantized(kp, scale), quantized(vp, scale, v=True)
         opts |= dict(k_scale=scale, v_scale=scale.reshape(2, 1, 1, 1))
     ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table, **opts)
     out = ragged_jnp.ragged_paged_attention(q, kp, vp, qs, ctx, table, pages_per_block=2, **opts)
