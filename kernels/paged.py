@@ -193,24 +193,45 @@ def _kernel(*refs, decode, **kw):
     sequences' blocks take the decode branch (the ragged one would first wait on their
     metadata; 0.88x the time for 200 decode rows on the H200), and a block past the last
     token below T returns (most blocks of a step of a few long chunks in a 256-row bucket)."""
-    item = functools.partial(_item, b=pl.program_id(0), h=pl.program_id(1),
-                             split=pl.program_id(2), **kw)
+    b, h = pl.program_id(0), pl.program_id(1)
+    item = functools.partial(_item, b=b, h=h, split=pl.program_id(2), **kw)
     if decode:  # block b is sequence b: none is padding
         return item(refs, decode=True)
     counts_ref, *refs = refs
-    b, live, lead = pl.program_id(0), counts_ref[0], counts_ref[1]
-    pl.when(b < lead)(lambda: item(refs[3:], decode=True))  # past seq, tok, query_start
+    pre = None
+    if kw["hoist_decode"]:  # the decode branch's first loads in flight beside the counts'
+        pre = _decode_loads(refs[3:], b, h, kw["group"], kw["num_heads"], kw["block_rows"])
+    live, lead = counts_ref[0], counts_ref[1]
+    pl.when(b < lead)(lambda: item(refs[3:], decode=True, pre=pre))  # past seq, tok, qs
     pl.when((b >= lead) & (b < live))(lambda: item(refs, decode=False))
+
+
+def _decode_rows(b, h, group, num_heads, block_rows):
+    """A decode block's q rows ([T * H, D] row numbers) and which are live: its token's G."""
+    r = jnp.arange(block_rows)
+    return (b + r // group) * num_heads + h * group + r % group, r < group
+
+
+def _decode_loads(refs, b, h, group, num_heads, block_rows):
+    """(context length, q rows) of block b as a decode block, loaded whatever the block is
+    (in bounds: b is clamped to the sequences, rows past the tokens are masked)."""
+    ctx_ref, _, q_ref = refs[:3]
+    rows, live = _decode_rows(b, h, group, num_heads, block_rows)
+    live = live & (b < q_ref.shape[0] // num_heads)
+    at = _gather(rows[:, None], jnp.arange(q_ref.shape[-1])[None, :])
+    return (ctx_ref[jnp.minimum(b, ctx_ref.shape[0] - 1)],
+            plgpu.load(q_ref.at[at], mask=live[:, None], other=0.0))
 
 
 def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_per_block,
           pages_per_seq, num_splits, split_tiles, prefetch_pages, decode, window, softcap,
-          fp8_dot):
+          fp8_dot, hoist_decode, decode_one_loop, pre=None):
+    del hoist_decode
     if decode:  # block b is sequence b's one token: no metadata to read
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = b
         q_hi = s + 1
-        ctx = ctx_ref[s]
+        ctx = ctx_ref[s] if pre is None else pre[0]
     else:
         (seq_ref, tok_ref, qs_ref, ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref,
          *out_refs) = refs
@@ -241,7 +262,8 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
     kv_len = jnp.where(n_tok > 0, jnp.minimum(first_pos + n_tok, pages_per_seq * page_size), 0)
     kv_len = jnp.maximum(kv_len, 0)
 
-    q = plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0)
+    q = (plgpu.load(q_ref.at[at_rows], mask=row_ok[:, None], other=0.0) if pre is None
+         else pre[1])
     scale, v_scale = sm_scale, None
     if scale_ref is not None:  # float8 pages: per-kv-head scales
         scale, v_scale = sm_scale * scale_ref[h], scale_ref[pl.num_programs(1) + h]
@@ -286,22 +308,31 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
             pages, next_pages = pages, load_pages(j + 1)
         else:
             pages = next_pages = load_pages(j)
+        cols = base + j * block_k + jnp.arange(block_k)
         k = k_ref[pages].reshape(block_k, D)
         if v_keys_last:  # [pages, D, page] -> [D, keys], converted, then a register transpose
-            v = plgpu.load(v_ref.at[_gather(pages[None, :, None], jnp.arange(D)[:, None, None],
-                                            jnp.arange(page_size)[None, None, :])])
+            # Stale slots past the context hold anything (0 * NaN is NaN): a masked tile loads
+            # zeros there, so no select stands between the load and the MMA operand's layout.
+            at = v_ref.at[_gather(pages[None, :, None], jnp.arange(D)[:, None, None],
+                                  jnp.arange(page_size)[None, None, :])]
+            if masked:
+                fresh = (cols < kv_len).reshape(1, pages_per_block, page_size)
+                v = plgpu.load(at, mask=jnp.broadcast_to(fresh, (D, pages_per_block, page_size)),
+                               other=0.0)
+            else:
+                v = plgpu.load(at)
             v = convert(v.reshape(D, block_k)).T
         else:
             v = convert(v_ref[pages].reshape(block_k, D))
+            if masked:
+                v = jnp.where((cols < kv_len)[:, None], v, jnp.zeros_like(v))
         k = k if score is _e4m3_scores else convert(k)
         sc = score(q, k, scale, softcap)
         mask = None
         if masked:
-            cols = base + j * block_k + jnp.arange(block_k)
             mask = cols[None, :] <= pos[:, None]
             if window is not None:
                 mask = mask & (cols[None, :] > pos[:, None] - window)
-            v = jnp.where((cols < kv_len)[:, None], v, jnp.zeros_like(v))  # stale slots
         return (next_pages, *online_softmax_step(sc, mask, v, carry, pv))
 
     # This split's share of the key tiles. Tiles [lo, edge) cross the window's edge and
@@ -315,6 +346,8 @@ def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_pe
         last_pos = first_pos + n_tok - 1
         edge = jnp.clip(pl.cdiv(last_pos - window + 1 - base, block_k), lo, hi)
     mid = jnp.clip((first_pos + 1 - base) // block_k, edge, hi)
+    if decode and decode_one_loop:  # one pipelined loop, every tile masked
+        mid = edge
     carry = (load_pages(lo),
              jnp.zeros((block_rows, D), jnp.float32),
              jnp.full((block_rows,), NEG_INF, jnp.float32),
@@ -397,7 +430,8 @@ def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block
 def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
            block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
-           num_stages=2, prefetch_pages=True, fp8_dot="q", interpret=False):
+           num_stages=2, prefetch_pages=True, fp8_dot="q", hoist_decode=False,
+           decode_one_loop=False, interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start,
     counts: `block_metadata`'s), or None for decode (block b = sequence b's one token).
     Returns [T * H, D], or with splits per-split outputs [splits, T * H, D] and base-2
@@ -437,7 +471,8 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
         block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         num_splits=num_splits, split_tiles=split_tiles, prefetch_pages=prefetch_pages,
-        decode=meta is None, window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot)
+        decode=meta is None, window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot,
+        hoist_decode=hoist_decode, decode_one_loop=decode_one_loop)
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -453,17 +488,20 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits",
     "split_tiles", "num_warps", "num_stages", "num_blocks", "one_token_per_seq", "prefetch_pages",
-    "fp8_dot", "interpret"))
+    "fp8_dot", "hoist_decode", "decode_one_loop", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
                            k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
                            split_tiles=None, num_warps=4, num_stages=2, num_blocks=None,
                            one_token_per_seq=False, prefetch_pages=True, fp8_dot="q",
-                           interpret=False):
+                           hoist_decode=False, decode_one_loop=False, interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
 
     A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and
-    writes the output in their own layout, and the split merge is one kernel too."""
+    writes the output in their own layout, and the split merge is one kernel too.
+    `hoist_decode`: a ragged call's blocks load their decode inputs (context length, q) before
+    they know whether they are decode blocks. `decode_one_loop`: decode blocks run their key
+    tiles in one masked loop (one pipeline) instead of unmasked tiles and then the last."""
     T, H, D = q.shape
     KV, P, page_size, _ = k_pages.shape
     S = page_table.shape[0]
@@ -495,7 +533,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                   k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
                   num_splits=num_splits, split_tiles=split_tiles, num_warps=num_warps,
                   num_stages=num_stages, prefetch_pages=prefetch_pages, fp8_dot=fp8_dot,
-                  interpret=interpret)
+                  hoist_decode=hoist_decode and not one_token_per_seq,
+                  decode_one_loop=decode_one_loop, interpret=interpret)
     if num_splits > 1:
         live = T * H if one_token_per_seq else query_start[-1] * H
         o = merge_splits(*outs, live, q.dtype, interpret=interpret)
@@ -507,8 +546,10 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
                     sliding_window=None, logit_softcap=None, sinks=None, k_scale=None,
                     v_scale=None, block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
-                    prefetch_pages=True, fp8_dot="q", interpret=False):
-    """Decode: q [S, H, D], one token per sequence -> [S, H, D]."""
+                    prefetch_pages=True, fp8_dot="q", hoist_decode=False,
+                    decode_one_loop=False, interpret=False):
+    """Decode: q [S, H, D], one token per sequence -> [S, H, D] (`hoist_decode`: no effect,
+    a decode call has no block metadata to wait for)."""
     S = q.shape[0]
     query_start = jnp.arange(S + 1, dtype=jnp.int32)
     return ragged_paged_attention(
@@ -516,4 +557,5 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
         sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
-        prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, interpret=interpret)
+        prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, decode_one_loop=decode_one_loop,
+        interpret=interpret)

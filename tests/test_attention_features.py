@@ -195,6 +195,43 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
     assert rel_err(out, full) < 0.08  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("hoist,one_loop", [(True, False), (False, True), (True, True)])
+def test_decode_rows_options(fp8, hoist, one_loop):
+    """Leading one-token sequences (the decode branch), a chunk and padding tokens, over pages
+    that hold NaN in every slot past each sequence's context: with the decode inputs loaded
+    before the block's kind is known (`hoist_decode`) and the decode tiles in one masked loop
+    (`decode_one_loop`), the ragged call and the decode entry match the reference on the clean
+    pages (bf16 pages, and float8 with V keys-last)."""
+    q_lens, cached, page = [1, 1, 1, 6], [37, 20, 0, 9], 8
+    q, kp, vp, qs, ctx, table, *_ = windowed_case(7, q_lens, cached, 8, 2, 16, page, None,
+                                                  pad_tokens=3)
+    bad_k, bad_v = np.asarray(kp).copy(), np.asarray(vp).copy()
+    for s, n in enumerate(np.asarray(ctx)):
+        for i, p in enumerate(np.asarray(table)[s]):  # the slots at positions >= n
+            bad_k[:, p, max(n - i * page, 0):], bad_v[:, p, max(n - i * page, 0):] = np.nan, np.nan
+    opts = {}
+    if fp8:
+        scale = jnp.asarray([0.02, 0.5])
+        kp, vp = quantized(kp, scale), quantized(vp, scale, v=True)
+        bad_k, bad_v = quantized(jnp.asarray(bad_k), scale), quantized(jnp.asarray(bad_v), scale,
+                                                                       v=True)
+        opts = dict(k_scale=scale, v_scale=scale, fp8_dot="f16")
+    q = q.astype(jnp.bfloat16)
+    kw = dict(block_rows=16, pages_per_block=2, num_splits=2, decode_one_loop=one_loop,
+              interpret=True, **opts)
+    ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table,
+                                                     **{k: v for k, v in opts.items()
+                                                        if k != "fp8_dot"})
+    out = paged.ragged_paged_attention(q, jnp.asarray(bad_k), jnp.asarray(bad_v), qs, ctx, table,
+                                       hoist_decode=hoist, **kw)
+    assert rel_err(out, ref) < 1e-2  # bf16 rounding of q, K, V and P
+    assert np.all(np.asarray(out[int(qs[-1]):], np.float32) == 0)
+    out = paged.paged_attention(q[:3], jnp.asarray(bad_k), jnp.asarray(bad_v), ctx[:3],
+                                table[:3], **kw)
+    assert rel_err(out, ref[:3]) < 1e-2
+
+
 @pytest.mark.parametrize("fp8_dot,decode", [("f16", True), ("f16", False), ("f16_swap", True),
                                             ("f16_swap_qk", False), ("fma", True),
                                             ("fma_rows", True), ("fma_rows", False),
