@@ -28,9 +28,10 @@ step of 256 tokens has them (its page table has a row for each token).
 --fp8 every case runs on float8 pages with per-kv-head scales (FA3 is left out);
 `--fp8-dots f16,e4m3` adds a few tiles at each of those ways of meeting q (`paged.py` fp8_dot).
 
-With --mosaic, the Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`: a CTA's 64 rows are
-a block of one sequence's tokens times their query heads, K/V pages by TMA, warpgroup MMAs)
-runs beside it at its own tiles and splits, and a 512-token chunk over 8k runs alone too.
+With --mosaic (16-bit pages only: not with --fp8), the Mosaic GPU kernel
+(`paged_mgpu.ragged_paged_attention`: a CTA's 64 rows are a block of one sequence's tokens
+times their query heads, K/V pages by TMA, warpgroup MMAs) runs beside it at its own tiles and
+splits, and a 512-token chunk over 8k runs alone too.
 `--programs 132,264` adds its one-split tiles with that many persistent CTAs, each walking
 every programs-th (block, kv head) through one TMA ring (and, for decode rows only, the Mosaic
 decode kernel at the library's tiles so).
@@ -86,16 +87,9 @@ FP8_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (16, 128, 4, 2), (
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
-# With --fp8: (block_k, num_stages, num_splits, fp8_stages, convert_layout, converters)
-# and the register split (consumer, producer) of two converters
-MOSAIC_FP8 = [(128, 1, 1, 3, "WGMMA_UPCAST_2X", 2), (128, 1, 2, 3, "WGMMA_UPCAST_2X", 2),
-              (128, 1, 1, 3, "WGMMA_UPCAST_2X", 1), (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2),
-              (64, 2, 1, 4, "WGMMA_UPCAST_2X", 2, (248, 128)),
-              (128, 1, 1, 3, "WGMMA_UPCAST_2X", 2, (248, 128))]
-# The Mosaic GPU decode kernel with --programs: (block_k, num_stages[, fp8_stages]), the rest
-# as the library's entry (float8: two converters and their register split)
+# The Mosaic GPU decode kernel with --programs: (block_k, num_stages), the rest as the
+# library's entry
 DECODE = [(128, 2), (64, 3), (64, 4), (128, 3)]
-DECODE_FP8 = [(128, 1, 3), (128, 1, 2), (64, 2, 4), (64, 3, 4)]
 
 
 
@@ -149,27 +143,21 @@ def run_case(name, q_lens, ctx, args):
                                                      **sc))))
     if args.mosaic:
         from pallasite.kernels import paged_mgpu
-        tiles = [dict(zip(("block_k", "num_stages", "num_splits", "fp8_stages",
-                           "convert_layout", "converters", "registers"), t))
-                 for t in (MOSAIC_FP8 if args.fp8 else MOSAIC)]
+        tiles = [dict(zip(("block_k", "num_stages", "num_splits"), t)) for t in MOSAIC]
         tiles += [dict(t, programs=p) for p in args.programs for t in tiles
                   if t["num_splits"] == 1]
         if all(n == 1 for n in q_lens):  # the decode kernel at the library's tiles and more
-            entry = tuning.params("decode_mosaic_fp8" if args.fp8 else "decode_mosaic")
-            entry.pop("short", None)
-            keys = ("block_k", "num_stages", "fp8_stages")
+            entry = tuning.params("decode_mosaic")
             for p in args.programs:
-                for t in DECODE_FP8 if args.fp8 else DECODE:
-                    tile = dict(zip(keys, t))
-                    kw = dict(entry, **tile, num_splits=1, programs=p, **sc)
+                for t in DECODE:
+                    tile = dict(zip(("block_k", "num_stages"), t))
+                    kw = dict(entry, **tile, num_splits=1, programs=p)
                     jobs.append((dict(kernel="decode", backend="mosaic", programs=p, **tile),
                                  jax.jit(lambda q, kp, vp, qs, c, t, kw=kw:
                                          paged_mgpu.paged_attention(q, kp, vp, c, t,
                                                                     interpret=args.tiny, **kw))))
         for kw in tiles[:1] if args.tiny else tiles:
-            kw = dict(kw, **sc)
-            jobs.append((dict(kernel="mosaic", **{k: v for k, v in kw.items() if k not in sc}),
-                         jax.jit(
+            jobs.append((dict(kernel="mosaic", **kw), jax.jit(
                 lambda *a, kw=kw: paged_mgpu.ragged_paged_attention(*a, interpret=args.tiny,
                                                                     **kw))))
     records, calls = [], []
@@ -198,14 +186,12 @@ def run_case(name, q_lens, ctx, args):
 def label(r) -> str:
     programs = f"/{r['programs']}p" if "programs" in r else ""
     if r["kernel"] == "decode":
-        tile = "".join(f"/{r[k]}" for k in ("block_k", "num_stages", "fp8_stages") if k in r)
+        tile = "".join(f"/{r[k]}" for k in ("block_k", "num_stages") if k in r)
         return f"decode kernel ({r['backend']}{tile}{programs})"
     if r["kernel"] == "library":
         return "library" + (f" {r['num_splits']} splits" if "num_splits" in r else "")
     if r["kernel"] == "mosaic":
-        cv = f"/{r['converters']}cv" if "converters" in r else ""
-        cv += "/r{}-{}".format(*r["registers"]) if "registers" in r else ""
-        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{cv}{programs}"
+        return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{programs}"
     dot = f"/{r['fp8_dot']}" if "fp8_dot" in r else ""
     return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s{dot}"
 
@@ -222,7 +208,8 @@ def main(argv=None):
     ap.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also the library's tiles at these key splits")
     ap.add_argument("--mosaic", action="store_true",
-                    help="also the Mosaic GPU ragged kernel (Hopper), at its tiles and splits")
+                    help="also the Mosaic GPU ragged kernel (Hopper, 16-bit pages), at its "
+                         "tiles and splits")
     ap.add_argument("--programs", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="with --mosaic, also its one-split tiles with this many persistent CTAs")
     ap.add_argument("--pad-seqs", type=int, default=0,
@@ -234,6 +221,9 @@ def main(argv=None):
                     help="with --fp8, also FP8_TILES at each of these float8 paths "
                          "(paged.FP8_DOTS: q, f16, f16_swap, e4m3, ...)")
     args = ap.parse_args(argv)
+    if args.mosaic and args.fp8:
+        ap.error("--mosaic takes 16-bit pages: float8 V pages are keys-last, which the Mosaic "
+                 "GPU kernel does not read")
     info = common.run_info()
     print(json.dumps(info), flush=True)
     cases = TINY if args.tiny else {c: CASES[c] for c in args.cases.split(",")}

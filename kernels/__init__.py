@@ -70,7 +70,7 @@ _KERNEL_TAKES = {
     "flash": {"sliding_window", "logit_softcap", "sinks"},
     "flash_mosaic": set(),
     "paged": {"sliding_window", "logit_softcap", "sinks", "k_scale", "v_scale"},
-    "paged_mosaic": {"k_scale", "v_scale"},
+    "paged_mosaic": set(),
 }
 
 
@@ -138,12 +138,7 @@ def _key_tiles(page_table, page_size, pages_per_block, sliding_window, span=1):
 
 
 def _mosaic_decode_params(q, k_pages, page_table, blocks):
-    fp8 = k_pages.dtype == jax.numpy.float8_e4m3fn  # float8 pages: their own rings and tiles
-    kw = tuning.params("decode_mosaic_fp8" if fp8 else "decode_mosaic") | blocks
-    short = kw.pop("short", None)  # short tables and enough (sequence, kv head) items
-    if (short and not blocks and page_table.shape[1] * k_pages.shape[2] < short["below_keys"]
-            and q.shape[0] * k_pages.shape[0] >= short["programs"]):
-        kw = {k: v for k, v in (kw | short).items() if k != "below_keys"}
+    kw = tuning.params("decode_mosaic") | blocks
     if "num_splits" not in kw:
         tiles = -(-page_table.shape[1] * k_pages.shape[2] // kw["block_k"])
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -153,8 +148,8 @@ def _mosaic_decode_params(q, k_pages, page_table, blocks):
 def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
     """"triton" (any GPU; `paged.py`) or "mosaic" (Hopper; `paged_mgpu.py`) for a decode call.
     None picks what measured fastest on this GPU (`tuning.decode_backend`: Mosaic GPU on the
-    H200 for tables of 8192 keys or more, Triton on the H100, where the two are level; Mosaic
-    GPU for float8 pages on both) wherever it takes the call;
+    H200 for tables of 8192 keys or more, Triton on the H100, where the two are level; float8
+    pages, V keys-last, on Triton everywhere) wherever it takes the call;
     `PALLASITE_DECODE_BACKEND` overrides. Tile keywords without a backend keep the Triton
     kernel they were written for. Asking for Mosaic GPU where it cannot run raises with the
     reason."""
@@ -169,7 +164,7 @@ def decode_backend(q, k_pages, page_table, *, backend=None, **blocks) -> str:
                              "pages are keys-last ([KV, P, D, page_size])")
         return "triton"
     keys = page_table.shape[1] * k_pages.shape[2]
-    backend = asked or ("triton" if portable else tuning.decode_backend(False, keys))
+    backend = asked or ("triton" if portable else tuning.decode_backend(keys))
     if backend == "mosaic":
         why = paged_mgpu.supported(q, k_pages, **_mosaic_decode_params(q, k_pages, page_table,
                                                                          blocks))
@@ -265,16 +260,15 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 
 
 def _ragged_mosaic(q, k_pages, page_table, used, mixed) -> dict | None:
-    """The Mosaic GPU ragged kernel's tiles for a step on a Hopper GPU whose tuning names them,
-    where the page table reaches their `min_keys` (long contexts: with short ones the Triton
-    kernel is faster) and the kernel takes the call; else None. 16-bit pages take it for mixed
-    steps only (its decode is level with Triton's on the H100); float8 pages for decode steps
-    too, where its two converter warpgroups lead (`tuning.py`). `PALLASITE_RAGGED_BACKEND=triton`
-    keeps Triton always."""
+    """The Mosaic GPU ragged kernel's tiles for a mixed step on a Hopper GPU whose tuning names
+    them, where the page table reaches their `min_keys` (long contexts: with short ones the
+    Triton kernel is faster) and the kernel takes the call; else None. Decode steps keep Triton
+    (its decode is level with Triton's on the H100), and so do float8 pages (V keys-last).
+    `PALLASITE_RAGGED_BACKEND=triton` keeps Triton always."""
     from . import paged_mgpu
     if k_pages.dtype == jax.numpy.float8_e4m3fn:  # V keys-last, which it does not read
         return None
-    kw = tuning.ragged_mosaic(False)
+    kw = tuning.ragged_mosaic()
     if (kw is None or not mixed or not used <= _KERNEL_TAKES["paged_mosaic"]
             or os.environ.get("PALLASITE_RAGGED_BACKEND", "").lower() == "triton"
             or tuning.invariant() or not _is_hopper() or _PORTABLE[0]):
@@ -282,10 +276,6 @@ def _ragged_mosaic(q, k_pages, page_table, used, mixed) -> dict | None:
     reach = page_table.shape[1] * k_pages.shape[2]  # keys the step's page table can hold
     if reach < kw.pop("min_keys"):
         return None
-    mixed_splits = kw.pop("mixed_splits", None)
-    if "num_splits" not in kw:  # decode: enough programs for the SMs, as for Triton's
-        kw["num_splits"] = mixed_splits if mixed else tuning.num_splits(
-            page_table.shape[0] * k_pages.shape[0], -(-reach // kw["block_k"]))
     return None if paged_mgpu.supported(q, k_pages, **kw) else kw
 
 

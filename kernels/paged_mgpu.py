@@ -9,7 +9,7 @@ a CTA's block is then up to 64 // G query tokens of one sequence (blocks as `pag
 cuts them), its rows token-major, each row masked at its own token's causal limit. Decode is the
 case of one token a block.
 
-One CTA per (block, kv head, split) runs two warpgroups (float8 pages: see below):
+One CTA per (block, kv head, split) runs two warpgroups:
 - a producer that streams the split's key tiles (`block_k` keys each) into a ring of
   `num_stages` shared-memory slots for K and for V: one TMA copy per page (or per `block_k`
   rows of a page larger than the tile), the page id read from the page table in global memory.
@@ -37,23 +37,10 @@ slots): table entries past the sequence's last page are never read (those copies
 page again), scores of such keys are -inf, and on the one tile that crosses context_lens[s] the
 consumer zeroes the V rows past it in shared memory before P V, so 0 * NaN cannot reach O.
 
-Float8 pages (float8_e4m3fn with float32 scales per kv head, `k_scale`/`v_scale` [KV], the
-values stored as K / k_scale as `reference.quantize_kv` writes them): the TMA copies land in a
-float8 staging ring of `fp8_stages` slots, half the bytes of a 16-bit tile, and the producer
-warpgroup converts each tile into the consumer's ring as float16 (one `cvt.rn.f16x2.e4m3x2` a
-pair; every e4m3 value is exact in float16), so the consumer runs as for 16-bit pages with q
-and P in float16. The conversion overlaps the consumer's products and softmax instead of
-sitting in its chain; with `converters=2` K and V each have their own producer warpgroup (three
-warpgroups a CTA: a third warp per scheduler to hide latencies, 1.23x at batch 64 / 4k on the
-H100). With three warpgroups the register file is split evenly unless `registers` =
-(consumer, producer) moves it to the consumer, whose scores and accumulator are the large
-part. k_scale folds into the softmax scale, v_scale into the final normalization; the output
-returns in q's dtype.
-
-Limits (`supported`): bf16/fp16 (or float8_e4m3fn pages under bf16/fp16 q), head_dim 64 or 128,
-G <= 64, block_k a multiple of 64, page_size a multiple of 8 that divides block_k or is a
-multiple of it, the rings within shared memory. Context lengths past pages_per_seq * page_size
-are clamped to it.
+Limits (`supported`): bf16/fp16 q and pages (not float8 pages, whose V is keys-last, which
+this kernel does not read), head_dim 64 or 128, G <= 64, block_k a multiple of 64, page_size a
+multiple of 8 that divides block_k or is a multiple of it, the rings within shared memory.
+Context lengths past pages_per_seq * page_size are clamped to it.
 
 In Pallas interpret mode (the CPU tests) the two matrix products run as plain dots on the shared
 memory tiles, because the interpreter has no transposed or register-operand wgmma; everything
@@ -75,38 +62,29 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_mgpu import wgmma_iota, wgmma_pv, wgmma_qk
 from .paged import block_metadata, merge_splits
-from .reference import NEG_INF, head_scale
-from .w8a8_mgpu import swizzled
+from .reference import NEG_INF
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per CTA: the wgmma M; a kv head's G query heads, zero-padded
 SMEM_BYTES = 227 * 1024  # shared memory one Hopper CTA may use
 
 
-FP8 = jnp.float8_e4m3fn
-
-
-def _smem_bytes(D, itemsize, block_k, num_stages, num_splits, fp8_stages=0, programs=None):
+def _smem_bytes(D, itemsize, block_k, num_stages, num_splits, programs=None):
     ring = 2 * num_stages * block_k * D * itemsize
-    staging = 2 * fp8_stages * block_k * D  # float8 pages: the TMA's one-byte tiles
     q = ROWS * D * itemsize * (1 if programs is None else 2)
     out = ROWS * D * 4 + ROWS * 4 if num_splits > 1 else 0
-    return ring + staging + q + out
+    return ring + q + out
 
 
-def register_pool(warpgroups):
-    """Registers a thread of each warpgroup may hold in all: the launch gives every thread the
-    file's even share (a multiple of 8), and `setmaxnreg` only moves registers within it."""
-    return (65536 // (128 * warpgroups)) // 8 * 8 * warpgroups
-
-
-def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=4,
-              converters=1, registers=None, programs=None, **_) -> str | None:
+def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, programs=None,
+              **_) -> str | None:
     """Why this kernel cannot take the call (None if it can)."""
     S, H, D = q.shape
     KV, _, page_size, Dk = k_pages.shape
-    fp8 = k_pages.dtype == FP8
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype not in (q.dtype, FP8):
+    if k_pages.dtype == jnp.float8_e4m3fn:
+        return ("float8 pages: V is keys-last ([KV, P, D, page_size]), which this kernel does "
+                "not read; the Triton kernel takes them")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         return f"dtype {q.dtype} (k/v {k_pages.dtype})"
     if D not in (64, 128) or Dk != D:
         return f"head_dim {D}"
@@ -118,18 +96,11 @@ def supported(q, k_pages, *, block_k=64, num_stages=4, num_splits=1, fp8_stages=
         return f"block_k {block_k} not a multiple of 64"
     if page_size % 8 or (block_k % page_size and page_size % block_k):
         return f"page_size {page_size} (a multiple of 8 dividing block_k or a multiple of it)"
-    if num_splits < 1 or num_stages < 1 or (fp8 and fp8_stages < 1):
-        return f"num_splits {num_splits}, num_stages {num_stages}, fp8_stages {fp8_stages}"
+    if num_splits < 1 or num_stages < 1:
+        return f"num_splits {num_splits}, num_stages {num_stages}"
     if programs is not None and programs < 1:
         return f"programs {programs}"
-    if fp8 and registers:  # asking for more than the pool would wait forever in setmaxnreg
-        consumer, producer = registers
-        if (converters < 2 or consumer + converters * producer > register_pool(1 + converters)
-                or consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256):
-            return (f"registers {registers} with {converters} converters (two converters; "
-                    f"multiples of 8 within {register_pool(1 + converters)} in all)")
-    need = _smem_bytes(D, 2, block_k, num_stages, num_splits, fp8_stages if fp8 else 0,
-                       programs)
+    need = _smem_bytes(D, 2, block_k, num_stages, num_splits, programs)
     if need > SMEM_BYTES:
         return f"{need} bytes of shared memory (block_k or num_stages too large)"
     return None
@@ -188,9 +159,8 @@ def _each(count, body):
     return lax.fori_loop(0, count, body, jnp.int32(0))
 
 
-def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, block_k, num_stages,
-            num_splits, group, ragged, fp8_stages, convert_layout, converters, registers,
-            programs, interpret):
+def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, num_stages,
+            num_splits, group, ragged, programs, interpret):
     out_refs, scratch = refs[:-1], refs[-1]
     split = lax.axis_index("split")
     item, count = _items(ctx_ref, num_kv=k_ref.shape[0], num_blocks=q_ref.shape[0],
@@ -198,37 +168,17 @@ def _kernel(ctx_ref, pt_ref, q_ref, k_ref, v_ref, scales_ref, *refs, scale, bloc
                          max_keys=pt_ref.shape[1] * k_ref.shape[2], ragged=ragged,
                          block_k=block_k, num_splits=num_splits)
     wg = lax.axis_index("wg")
-    smem, (k_full, v_full, q_full), (k_free, v_free), staging = scratch
+    smem, (k_full, v_full, q_full), (k_free, v_free) = scratch
     q_smem, k_smem, v_smem, o_smem = smem
     ring = dict(k_smem=k_smem, v_smem=v_smem, k_full=k_full, v_full=v_full, k_free=k_free,
                 v_free=v_free, block_k=block_k, num_stages=num_stages)
 
-    def regs(role, action):  # the register file split between the consumer and the producers
-        if registers and not interpret:
-            plgpu.set_max_registers(registers[role], action=action)
-
     @pl.when(wg == 0)
     def _consumer():
-        regs(0, "increase")
-        _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, item=item, count=count,
-                 split=split, group=group, ragged=ragged, scale=scale, fp8=bool(fp8_stages),
-                 interpret=interpret, **ring)
+        _consume(q_ref, out_refs, q_smem, o_smem, q_full, item=item, count=count, split=split,
+                 group=group, ragged=ragged, scale=scale, interpret=interpret, **ring)
 
-    if not fp8_stages:
-        pl.when(wg == 1)(lambda: _produce(pt_ref, k_ref, v_ref, item=item, count=count,
-                                          **ring))
-        return
-    (k8, v8), (k8_full, v8_full) = staging
-    tensors = [(k_ref, k8, k8_full, k_smem, k_full, k_free),
-               (v_ref, v8, v8_full, v_smem, v_full, v_free)]
-    produce = functools.partial(_produce_fp8, pt_ref, item=item, count=count,
-                                block_k=block_k, num_stages=num_stages, fp8_stages=fp8_stages,
-                                convert_layout=convert_layout, interpret=interpret)
-    for i, mine in enumerate([tensors] if converters == 1 else [tensors[:1], tensors[1:]]):
-        @pl.when(wg == 1 + i)
-        def _producer(mine=mine):
-            regs(1, "decrease")
-            produce(mine)
+    pl.when(wg == 1)(lambda: _produce(pt_ref, k_ref, v_ref, item=item, count=count, **ring))
 
 
 def _page_ids(pt_ref, it, *, page_size, block_k):
@@ -289,68 +239,9 @@ def _drain(frees, steps, num_stages):
                 plgpu.barrier_wait(free.at[i])
 
 
-def _tile_cursor(item, count):
-    """Walk the CTA's key tiles in order across its items: (item, tile, item's end), skipping
-    items without tiles; past the last one the item index is `count`."""
-    def skip(c):
-        def next_item(c):
-            it = item(c[0] + 1)
-            return c[0] + 1, it.lo, it.hi
-        return lax.while_loop(lambda c: (c[1] >= c[2]) & (c[0] < count), next_item, c)
-    first = skip((jnp.int32(-1), jnp.int32(0), jnp.int32(0)))
-    return first, lambda c: skip((c[0], c[1] + 1, c[2]))
-
-
-def _produce_fp8(pt_ref, tensors, *, item, count, block_k, num_stages, fp8_stages,
-                 convert_layout, interpret):
-    """Float8 pages: TMA copies fill the float8 staging ring `fp8_stages` tiles ahead, across
-    the CTA's items; each tile is converted into the consumer's float16 ring (K before V, so S
-    can start while V converts), and its staging slot refilled once it is out. `tensors` are
-    this warpgroup's (pages, staging, staging_full, ring, ring_full, ring_free): K and V, or
-    one of them when each has its own warpgroup."""
-    page_size = tensors[0][0].shape[2]
-    steps = _each(count, lambda i, g: g + item(i).hi - item(i).lo)
-    cursor, advance = _tile_cursor(item, count)
-
-    def fetch(cur, step):
-        it = item(cur[0])
-        ids = _page_ids(pt_ref, it, page_size=page_size, block_k=block_k)(cur[1])
-        for src, stage, stage_full, *_ in tensors:
-            _issue(src, stage, stage_full, ids, cur[1], lax.rem(step, fp8_stages), kv=it.kv,
-                   block_k=block_k)
-
-    for i in range(fp8_stages):
-        pl.when(i < steps)(functools.partial(fetch, cursor, i))
-        cursor = advance(cursor)
-
-    def convert(step, cursor):
-        st, slot = lax.rem(step, fp8_stages), lax.rem(step, num_stages)
-        for _, stage, stage_full, ring, ready, free in tensors:
-            plgpu.barrier_wait(stage_full.at[st])
-            pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-            _convert_tile(stage.at[st], ring.at[slot], convert_layout, interpret)
-            plgpu.barrier_arrive(ready.at[slot])
-        nxt = step + fp8_stages
-        pl.when(nxt < steps)(lambda: fetch(cursor, nxt))
-        return advance(cursor)
-
-    lax.fori_loop(0, steps, convert, cursor)
-    _drain([t[5] for t in tensors], steps, num_stages)
-
-
-def _convert_tile(src, dst, layout, interpret):
-    """A float8 tile into its float16 slot, by the whole warpgroup, 128 rows at a time (a
-    piece's float16 values are 64 registers a thread)."""
-    for r in range(0, src.shape[0], 128):
-        piece = pl.ds(r, min(128, src.shape[0] - r))
-        x = src[piece] if interpret else plgpu.load(src.at[piece], (), layout=layout)
-        dst[piece] = x.astype(dst.dtype)
-    plgpu.commit_smem()  # the warpgroup's stores, fenced for the wgmma's async reads
-
-
-def _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, *, item, count, split, group,
-             ragged, scale, fp8, k_smem, v_smem, k_full, v_full, k_free, v_free, block_k,
-             num_stages, interpret):
+def _consume(q_ref, out_refs, q_smem, o_smem, q_full, *, item, count, split, group, ragged,
+             scale, k_smem, v_smem, k_full, v_full, k_free, v_free, block_k, num_stages,
+             interpret):
     """The CTA's items in turn, each tile's ring slot counted on from the item before. With
     several items a CTA, q has two slots: the next item's q lands while this one runs."""
     D = q_ref.shape[-1]
@@ -382,8 +273,6 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, *, item, count
                 load_q(i + 1)
         plgpu.barrier_wait(q_bar(i))
         q_i = q_slot(i)
-        # float8 pages: k_scale folds into the scores' scale, v_scale into the normalization
-        sc_scale = scale * scales_ref[0, it.kv] if fp8 else scale
         slot_of = lambda j: lax.rem(g + j - it.lo, num_stages)
 
         def step(j, carry, masked):
@@ -397,12 +286,12 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, *, item, count
                 if ragged:
                     keep = keep & (diag <= valid - it.n)
                 sc = jnp.where(keep, sc, -jnp.inf)
-            m_new = jnp.maximum(m, sc.max(axis=1) * sc_scale)
+            m_new = jnp.maximum(m, sc.max(axis=1) * scale)
             # A row may see no key yet (its first tiles all past its causal limit): keep exp2
             # finite.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked and ragged else m_new
             alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(sc * sc_scale - lax.broadcast_in_dim(m_use, sc.shape, [0]))
+            p = jnp.exp2(sc * scale - lax.broadcast_in_dim(m_use, sc.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_full.at[slot])
@@ -427,8 +316,7 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, *, item, count
         whole = jnp.clip((it.ctx - it.n + 1) // block_k, it.lo, it.hi)
         carry = lax.fori_loop(it.lo, whole, functools.partial(step, masked=False), (acc, m, l))
         acc, m, l = lax.fori_loop(whole, it.hi, functools.partial(step, masked=True), carry)
-        _write(out_refs, q_i, o_smem, acc, m, l, it=it, split=split,
-               v_scale=scales_ref[1, it.kv] if fp8 else None, persistent=persistent)
+        _write(out_refs, q_i, o_smem, acc, m, l, it=it, split=split, persistent=persistent)
         return g + it.hi - it.lo
 
     load_q(0)
@@ -436,13 +324,11 @@ def _consume(q_ref, out_refs, q_smem, o_smem, q_full, scales_ref, *, item, count
     plgpu.wait_smem_to_gmem(0)
 
 
-def _write(out_refs, q_slot, o_smem, acc, m, l, *, it, split, v_scale, persistent):
+def _write(out_refs, q_slot, o_smem, acc, m, l, *, it, split, persistent):
     """An item's normalized output (one split: through its q slot, in q's dtype), or its
     float32 partial output and base-2 log-sum-exp; the copies are awaited later."""
     empty = l == 0.0  # a split without tiles (or context 0)
     norm = jnp.where(empty, 1.0, l)
-    if v_scale is not None:  # float8 pages: V was read as stored, V / v_scale
-        norm = norm / v_scale
     acc = acc / lax.broadcast_in_dim(norm, acc.shape, [0])
     live = pl.ds(0, out_refs[0].shape[-2])  # the group's rows, rounded up to a tile of 8
     if len(out_refs) == 1:  # one split: the final output, through q's buffer
@@ -488,7 +374,7 @@ def unpack(o, num_heads):
     return o[:, :, :num_heads // KV].reshape(S, num_heads, D)
 
 
-def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages, persistent):
+def _scratch(dtype, D, block_k, num_stages, num_splits, copies, persistent):
     tiled = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=(
         plgpu.TilingTransform((8, 128 // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(128)))
     out = None
@@ -497,52 +383,33 @@ def _scratch(dtype, D, block_k, num_stages, num_splits, copies, fp8_stages, pers
     q_shape = (2, ROWS, D) if persistent else (ROWS, D)
     smem = (tiled(q_shape, dtype), tiled((num_stages, block_k, D), dtype),
             tiled((num_stages, block_k, D), dtype), out)
-    # With float8 pages the 16-bit ring is filled by the producer's arrival, not the TMA's.
-    arrivals = 1 if fp8_stages else copies
-    full = (plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
+    full = (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
             plgpu.Barrier(num_barriers=2) if persistent else plgpu.Barrier())
     free = (plgpu.Barrier(num_barriers=num_stages),) * 2
-    staging = None
-    if fp8_stages:
-        one_byte = plgpu.SMEM((fp8_stages, block_k, D), FP8, transforms=swizzled(D, FP8))
-        staging = ((one_byte,) * 2,
-                   (plgpu.Barrier(num_arrivals=copies, num_barriers=fp8_stages),) * 2)
-    return [smem, full, free, staging]
+    return [smem, full, free]
 
 
-def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ragged, rows,
-            sm_scale, block_k, num_stages, num_splits, fp8_stages, convert_layout, converters,
-            registers, programs, interpret):
+def _launch(blocks, page_table, q_packed, k_pages, v_pages, *, group, ragged, rows, sm_scale,
+            block_k, num_stages, num_splits, programs, interpret):
     """The kernel over q_packed [NB, KV, 64, D]: `blocks` is context_lens [NB] for decode or,
     `ragged`, [3, NB] (sequence, keys its last token sees, tokens) for blocks of query tokens
-    of one sequence, `group` rows a token; `scales` [2, KV] are float8 pages' k/v scales.
-    `programs`: that many CTAs a split, each taking every programs-th (block, kv head) in turn
-    (None: one CTA each).
-    Returns [NB, KV, rows, D] in q's dtype (float16 for float8 pages), or with splits float32
-    partial outputs [splits, NB, KV, rows, D] and base-2 log-sum-exps [splits, NB, KV, rows]."""
+    of one sequence, `group` rows a token. `programs`: that many CTAs a split, each taking
+    every programs-th (block, kv head) in turn (None: one CTA each).
+    Returns [NB, KV, rows, D] in q's dtype, or with splits float32 partial outputs
+    [splits, NB, KV, rows, D] and base-2 log-sum-exps [splits, NB, KV, rows]."""
     NB, KV, _, D = q_packed.shape
     page_size = k_pages.shape[2]
-    fp8 = k_pages.dtype == FP8
-    if fp8:  # the MMAs run in float16, which holds every e4m3 value exactly
-        q_packed = q_packed.astype(jnp.float16)
     max_tiles = pl.cdiv(page_table.shape[1] * page_size, block_k)
-    per_split = pl.cdiv(max_tiles, num_splits)
-    num_stages = max(1, min(num_stages, per_split))
-    fp8_stages = max(1, min(fp8_stages, per_split)) if fp8 else 0
+    num_stages = max(1, min(num_stages, pl.cdiv(max_tiles, num_splits)))
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     if programs is not None and programs >= NB * KV:
         programs = None  # as many CTAs as items: one each
     scratch = _scratch(q_packed.dtype, D, block_k, num_stages, num_splits,
-                       copies=block_k // min(page_size, block_k), fp8_stages=fp8_stages,
-                       persistent=programs is not None)
-    layout = getattr(plgpu.Layout, convert_layout) if fp8 and not interpret else None
+                       copies=block_k // min(page_size, block_k), persistent=programs is not None)
     body = functools.partial(_kernel, scale=scale, block_k=block_k, num_stages=num_stages,
                              num_splits=num_splits, group=group, ragged=ragged,
-                             fp8_stages=fp8_stages, convert_layout=layout,
-                             converters=converters,
-                             registers=registers if fp8 else None, programs=programs,
-                             interpret=interpret)
+                             programs=programs, interpret=interpret)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -561,49 +428,31 @@ def _launch(blocks, page_table, q_packed, k_pages, v_pages, scales, *, group, ra
         out_type=out_type,
         grid=(num_splits, programs or NB * KV),  # the last axis runs fastest
         grid_names=("split", "item"),
-        num_threads=1 + (converters if fp8 else 1),
+        num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interp,
-    )(blocks.astype(jnp.int32), page_table.astype(jnp.int32), q_packed, k_pages, v_pages,
-      scales)
+    )(blocks.astype(jnp.int32), page_table.astype(jnp.int32), q_packed, k_pages, v_pages)
 
 
-def _scales(k_pages, k_scale, v_scale):
-    """[2, KV] float32: float8 pages' scales (which they need), ones for 16-bit pages."""
-    KV = k_pages.shape[0]
-    if k_pages.dtype != FP8:
-        return jnp.ones((2, KV), jnp.float32)
-    if k_scale is None or v_scale is None:
-        raise ValueError("float8 pages need k_scale and v_scale [num_kv_heads]")
-    return jnp.stack([head_scale(x, KV) for x in (k_scale, v_scale)])
-
-
-STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "fp8_stages", "convert_layout",
-          "converters", "registers", "programs", "interpret")
+STATIC = ("sm_scale", "block_k", "num_stages", "num_splits", "programs", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, k_scale=None,
-                    v_scale=None, sm_scale=None, block_k=64, num_stages=4, num_splits=1,
-                    fp8_stages=4, convert_layout="WGMMA", converters=1, registers=None,
-                    programs=None, interpret=False):
-    """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D] (with
-    float8 pages their k/v_scale [KV]), context_lens [S] int32, page_table [S, pages_per_seq]
-    int32 -> [S, H, D]."""
+def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
+                    block_k=64, num_stages=4, num_splits=1, programs=None, interpret=False):
+    """Decode: q [S, H, D] (one token per sequence), k/v_pages [KV, P, page_size, D],
+    context_lens [S] int32, page_table [S, pages_per_seq] int32 -> [S, H, D]."""
     why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                    fp8_stages=fp8_stages, converters=converters, registers=registers,
                     programs=programs)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
     S, H, D = q.shape
     KV = k_pages.shape[0]
     rows = out_rows(H // KV)
-    out = _launch(context_lens, page_table, pack(q, KV), k_pages, v_pages,
-                  _scales(k_pages, k_scale, v_scale), group=H // KV, ragged=False, rows=rows,
-                  sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
-                  num_splits=num_splits, fp8_stages=fp8_stages, convert_layout=convert_layout,
-                  converters=converters, registers=registers, programs=programs,
+    out = _launch(context_lens, page_table, pack(q, KV), k_pages, v_pages, group=H // KV,
+                  ragged=False, rows=rows, sm_scale=sm_scale, block_k=block_k,
+                  num_stages=num_stages, num_splits=num_splits, programs=programs,
                   interpret=interpret)
     if num_splits == 1:
         return unpack(out, H).astype(q.dtype)
@@ -640,14 +489,12 @@ def token_places(query_start, T, tokens):
 
 @functools.partial(jax.jit, static_argnames=STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
-                           k_scale=None, v_scale=None, sm_scale=None, block_k=64, num_stages=2,
-                           num_splits=1, fp8_stages=4, convert_layout="WGMMA", converters=1,
-                           registers=None, programs=None, interpret=False):
+                           sm_scale=None, block_k=64, num_stages=2, num_splits=1, programs=None,
+                           interpret=False):
     """Prefill chunks and decode tokens on one flat token axis, q [T, H, D] -> [T, H, D], as
     `paged.ragged_paged_attention` (tokens past query_start[-1] get zeros). A CTA's 64 rows are
     up to 64 // G tokens of one sequence times their G query heads, causal among themselves."""
     why = supported(q, k_pages, block_k=block_k, num_stages=num_stages, num_splits=num_splits,
-                    fp8_stages=fp8_stages, converters=converters, registers=registers,
                     programs=programs)
     if why:
         raise ValueError(f"paged_mgpu cannot take this call: {why}")
@@ -663,11 +510,9 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     qp = q[idx].reshape(nb, tpb, KV, G, D).transpose(0, 2, 1, 3, 4).reshape(nb, KV, tpb * G, D)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - tpb * G), (0, 0)))
     rows = out_rows(tpb * G)
-    out = _launch(blocks, page_table, qp, k_pages, v_pages, _scales(k_pages, k_scale, v_scale),
-                  group=G, ragged=True, rows=rows, sm_scale=sm_scale, block_k=block_k,
-                  num_stages=num_stages, num_splits=num_splits, fp8_stages=fp8_stages,
-                  convert_layout=convert_layout, converters=converters, registers=registers,
-                  programs=programs, interpret=interpret)
+    out = _launch(blocks, page_table, qp, k_pages, v_pages, group=G, ragged=True, rows=rows,
+                  sm_scale=sm_scale, block_k=block_k, num_stages=num_stages,
+                  num_splits=num_splits, programs=programs, interpret=interpret)
     if num_splits > 1:
         o, lse = out
         out = merge_splits(o.reshape(num_splits, -1, D), lse.reshape(num_splits, -1),

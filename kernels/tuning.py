@@ -37,24 +37,6 @@ _DEFAULT = {
     # sweeps of 2026-11-23 (benchmarks/sweep_decode.py), batch 1 at 32k: 128-key tiles, 2 stages,
     # 16 splits best on both (69.6 / 53.8 us); 64-key tiles 70.6-78.7 / 56.8-75.1 us.
     "decode_mosaic": dict(block_k=128, num_stages=2),
-    # Float8 pages: a float8 staging ring the TMA fills, converted into a float16 ring of
-    # `num_stages` by two producer warpgroups, one for K and one for V. H100, 2026-11-27
-    # (`benchmarks/sweep_fp8kv.py`): batch 64 at 4k 0.2209 ms, 82% of the copy, against the
-    # Triton kernel's 0.3155 (one converter: 0.2718; 64-key tiles 0.269-0.350); batch 8 at 8k
-    # 0.0637 against 0.0866 (one converter 0.0749). With 248 of the 504 registers a thread of
-    # the three warpgroups may hold given to the consumer: 0.2193 / 0.0633 against 0.2230 /
-    # 0.0640 in the same run (2026-11-27, `sweep_fp8kv --only regs`; 232 gave 0.2215 / 0.0636).
-    "decode_mosaic_fp8": dict(block_k=128, num_stages=1, fp8_stages=3,
-                              convert_layout="WGMMA_UPCAST_2X", converters=2,
-                              registers=(248, 128),
-                              # Tables under 4096 keys with 132+ (sequence, kv head) items:
-                              # 132 persistent CTAs walk them through one ring each, 64-key
-                              # tiles (H100, 2026-11-28, `benchmarks/sweep_ragged.py --mosaic
-                              # --fp8 --programs 132`: 200 rows at 400 keys 0.1221 ms against
-                              # 0.1559 one CTA an item and Triton's 0.1405; 768 at 320 0.3281
-                              # against 0.4882 and 0.3828). The H200 inherits it unmeasured.
-                              short=dict(block_k=64, num_stages=2, fp8_stages=4, num_splits=1,
-                                         programs=132, below_keys=4096)),
     # H100 sweep (B=1, ctx 32k): 16 splits of 3-4 stage pipelines beat 64 short ones (71 vs
     # 83 us): a program needs enough key tiles to fill its pipeline. Two programs per SM: at
     # batch 8-32 (ctx 256-32k, `sweep_decode.py --short`) 264 beat the 528 it replaced, e.g.
@@ -99,14 +81,7 @@ _H100 = dict(
     # of 256) 0.633 against 0.408: short contexts leave each CTA too little to do. The H200
     # inherits this entry unmeasured.
     ragged_mosaic=dict(block_k=128, num_stages=2, num_splits=1, min_keys=4096),
-    # Float8 pages take it for decode steps too (`decode_mosaic_fp8` above: 1.16-1.43x the
-    # Triton kernel), and their mixed steps keep one split (H100, 2026-11-27,
-    # `benchmarks/sweep_ragged.py --mosaic --fp8`, two converters: the 512-token chunk over 8k
-    # + 63 decodes at 4k 0.412 ms against Triton's best 0.679, 0.467 in two splits; the chunk
-    # alone 0.206 against 0.275; a 2048-token prompt 0.208 against 0.206, so the 4096-key
-    # threshold stays).
-    decode_backend_fp8="mosaic",  # 1.16-1.43x the Triton kernel (`decode_mosaic_fp8` above)
-    # Mixed steps over float8 pages below the Mosaic kernel's reach: the ragged tiles with the
+    # Mixed steps over float8 pages (the Triton kernel at every reach): the ragged tiles with the
     # tiles made float16 in one conversion, not bf16 through float32 ("q"). H200, 2026-11-28
     # (`sweep_ragged --fp8 --library --fp8-dots f16,f16_swap,e4m3 --pad-seqs 256`): a paced step
     # with its decode rows first 0.1418 ms against 0.1535, a paced run's last step 0.0421
@@ -114,8 +89,6 @@ _H100 = dict(
     # The H100 shares the SM and its conversions; it was not measured there.
     ragged_fp8=dict(block_rows=64, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
                     fp8_dot="f16"),
-    ragged_mosaic_fp8=dict(block_k=128, num_stages=1, fp8_stages=3, mixed_splits=1,
-                           convert_layout="WGMMA_UPCAST_2X", converters=2, min_keys=4096),
 )
 
 # H200, JAX 0.11.2, `benchmarks/sweep_decode.py` and `bench_kernels.py` (2026-11-23,
@@ -129,10 +102,10 @@ _H100 = dict(
 # paced_decode,decode_768`), so it takes tables of 8192 keys or more.
 _H200 = dict(
     _H100, decode_backend="mosaic", decode_backend_min_keys=8192,
-    # Decode steps over float8 pages the Triton kernel takes (tables under the Mosaic reach):
-    # 64-key tiles in three stages, 200 rows at 400 keys 0.1312 ms against 0.1544 for the H100's
-    # entry, 768 rows at 320 0.3232 against 0.3877 (H200, 2026-11-28, `sweep_ragged --fp8
-    # --library --fp8-dots f16,e4m3 --cases paced_decode,decode_768`).
+    # Decode steps over float8 pages (the Triton kernel's at every reach): 64-key tiles in three
+    # stages, 200 rows at 400 keys 0.1312 ms against 0.1544 for the H100's entry, 768 rows at
+    # 320 0.3232 against 0.3877 (H200, 2026-11-28, `sweep_ragged --fp8 --library --fp8-dots
+    # f16,e4m3 --cases paced_decode,decode_768`).
     decode_fp8=dict(block_rows=16, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
                     fp8_dot="f16"))
 
@@ -348,20 +321,17 @@ def has(kernel: str) -> bool:
     return kernel in TABLE[gpu_key()]
 
 
-def ragged_mosaic(fp8: bool = False) -> dict | None:
-    """The Mosaic GPU ragged kernel's tiles (for float8 pages with `fp8`) and the page-table
-    reach from which it runs mixed steps on this GPU (float8 pages: decode steps too), or None
-    (the Triton kernel always)."""
-    entry = TABLE[gpu_key()].get("ragged_mosaic_fp8" if fp8 else "ragged_mosaic")
+def ragged_mosaic() -> dict | None:
+    """The Mosaic GPU ragged kernel's tiles (16-bit pages) and the page-table reach from which
+    it runs mixed steps on this GPU, or None (the Triton kernel always)."""
+    entry = TABLE[gpu_key()].get("ragged_mosaic")
     return dict(entry) if entry else None
 
 
-def decode_backend(fp8: bool = False, keys: int | None = None) -> str:
-    """The decode kernel that measured fastest on this GPU (for float8 pages with `fp8`) for a
-    page table of `keys` keys: "triton" or "mosaic"."""
+def decode_backend(keys: int | None = None) -> str:
+    """The decode kernel that measured fastest on this GPU (16-bit pages; float8 pages take
+    Triton) for a page table of `keys` keys: "triton" or "mosaic"."""
     entry = TABLE[gpu_key()]
-    if fp8:
-        return entry.get("decode_backend_fp8", "triton")
     if keys is not None and keys < entry.get("decode_backend_min_keys", 0):
         return "triton"
     return entry.get("decode_backend", "triton")

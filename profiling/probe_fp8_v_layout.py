@@ -1,6 +1,5 @@
 """Float8 decode with V pages keys-last ([KV, P, D, page_size], `reference.keys_last`), the
-Triton kernel at a few tiles, against bf16 pages and the Mosaic GPU kernel on float8 pages
-stored the earlier way ([KV, P, page_size, D], its own layout).
+Triton kernel at a few tiles, against bf16 pages.
 
     python -m profiling.probe_fp8_v_layout --out DIR     # GPU, about two minutes
     python -m profiling.probe_fp8_v_layout --tiny        # CPU, interpret mode (does it run)
@@ -37,14 +36,6 @@ TILES = [(16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 4, 3), (16, 64, 4, 4), (32, 
          (16, 256, 4, 2)]
 
 
-def mosaic_rows_first(q, k8, v8, ctx, table, sc):
-    """The Mosaic GPU decode kernel as the library ran it on float8 pages before (V rows
-    first), at the library's tiles for the call."""
-    from pallasite.kernels import paged_mgpu
-    kw = K._mosaic_decode_params(q, k8, table, {})
-    return paged_mgpu.paged_attention(q, k8, reference.rows_first(v8), ctx, table, **sc, **kw)
-
-
 def run_case(name, seqs, ctx, args):
     rng = np.random.default_rng(seqs)
     h, kv, d = (H, KV, D) if not args.tiny else (4, 2, 64)
@@ -59,9 +50,6 @@ def run_case(name, seqs, ctx, args):
              lambda *a: K.paged_attention(*a, **pal)),
             (dict(kernel="fp8 library"), (q, k8, v8, ctx_a, table), ref8,
              lambda *a: K.paged_attention(*a, **sc, **pal))]
-    if not args.tiny:
-        jobs.append((dict(kernel="fp8 mosaic, V rows first"), (q, k8, v8, ctx_a, table), ref8,
-                     lambda *a: mosaic_rows_first(*a, sc)))
     for rows, bk, warps, stages in TILES[:1] if args.tiny else TILES:
         tiles = -(-table.shape[1] // (bk // PAGE))
         kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps,

@@ -20,7 +20,6 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from pallasite.kernels import paged_mgpu, reference
-from test_attention_features import quantized
 from test_kernels import paged_case, rel_err
 
 
@@ -129,14 +128,15 @@ def spy_on_ragged_mosaic(monkeypatch, entry):
     monkeypatch.setattr(paged_mgpu, "ragged_paged_attention",
                         lambda *a, **kw: called.append(kw) or real(*a, **kw))
     monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
-    monkeypatch.setattr(tuning, "ragged_mosaic", lambda fp8=False: dict(entry))
+    monkeypatch.setattr(tuning, "ragged_mosaic", lambda: dict(entry))
     return called
 
 
 def test_ragged_backend_choice(monkeypatch):
     """kernels.ragged_paged_attention runs a mixed step through the Mosaic GPU kernel on a
     Hopper GPU whose tuning names it, where the page table reaches its `min_keys`; narrower
-    tables, decode-only steps, options the kernel lacks and batch-invariant mode keep Triton."""
+    tables, decode-only steps, options the kernel lacks, batch-invariant mode and float8 pages
+    keep Triton."""
     from pallasite import kernels
     from pallasite.kernels import tuning
     called = spy_on_ragged_mosaic(monkeypatch, dict(block_k=64, num_stages=2, num_splits=1,
@@ -157,81 +157,17 @@ def test_ragged_backend_choice(monkeypatch):
     monkeypatch.setenv("PALLASITE_RAGGED_BACKEND", "triton")
     kernels.ragged_paged_attention(q, kp, vp, qs, ctx, table, interpret=True)
     assert len(called) == 1
-
-
-def scaled_fp8(seed, kp, vp):
-    """Float8 pages as the engine stores them (K / k_scale) from kv heads of unequal size, and
-    their per-kv-head scales."""
-    KV = kp.shape[0]
-    size = jnp.linspace(0.2, 5.0, KV)[:, None, None, None]
-    scales = [jnp.max(jnp.abs(x * w), axis=(1, 2, 3)) / 300.0 for x, w in
-              ((kp, size), (vp, size[::-1]))]
-    pages = [quantized(x * w, sc) for x, w, sc in ((kp, size, scales[0]),
-                                                    (vp, size[::-1], scales[1]))]
-    return pages, dict(k_scale=scales[0], v_scale=scales[1])
-
-
-FP8_CASES = [
-    # ctx, H, KV, page_size, splits, block_k, stages, fp8_stages
-    ([1, 0, 130], 8, 2, 16, 1, 64, 2, 3),        # more tiles than float8 slots, context 0 and 1
-    ([150, 64], 4, 1, 32, 2, 64, 1, 1),          # split-K through one slot of each ring
-    ([300, 40], 4, 1, 16, 1, 256, 1, 1),         # two converters, tiles converted in pieces
-]
-
-
-@pytest.mark.parametrize("case", FP8_CASES)
-def test_paged_mgpu_fp8_pages(case):
-    """Float8 pages: the producer converts each tile to float16 for the consumer; the scales
-    fold into the softmax and the normalization. Against the reference on the same pages (the
-    same math up to float16 rounding of q and P), with NaN in every stale pool slot."""
-    ctx, H, KV, page_size, splits, bk, stages, f8 = case
-    q, kp, vp, ctx, table = decode_case(sum(ctx), ctx, H, KV, 64, page_size, jnp.bfloat16)
-    (k8, v8), scales = scaled_fp8(1, kp, vp)
-    ref = reference.paged_attention_reference(q, k8, v8, ctx, table, **scales)
-    t = np.asarray(table)
-    k8, v8 = poison_stale_slots(k8, ctx, t), poison_stale_slots(v8, ctx, t)
-    two = dict(converters=2, registers=(232, 136)) if bk > 128 else {}
-    out = paged_mgpu.paged_attention(q, k8, v8, ctx, table, num_splits=splits, block_k=bk,
-                                     num_stages=stages, fp8_stages=f8, interpret=True, **two,
-                                     **scales)
-    assert out.dtype == jnp.bfloat16
-    assert rel_err(out, ref) < 2e-3
-    with pytest.raises(ValueError, match="k_scale"):
-        paged_mgpu.paged_attention(q, k8, v8, ctx, table, interpret=True)
-
-
-def test_ragged_fp8_backend_choice(monkeypatch):
-    """Float8 pages take the Mosaic GPU kernel (two converter warpgroups) for mixed steps and
-    decode steps where the table reaches `min_keys`, their scales (in the cache's
-    [KV, 1, 1, 1] form) passed on; mixed steps at the entry's own splits, decode steps at the
-    library's; 16-bit decode steps keep Triton."""
-    from pallasite import kernels
-    called = spy_on_ragged_mosaic(monkeypatch, dict(
-        block_k=64, num_stages=1, fp8_stages=2, converters=2, mixed_splits=3, min_keys=64))
-    # a chunk over cached keys beside a decode token; then a decode token alone (every
-    # interpreted CTA costs seconds)
-    for q_lens, cached in (([9, 1], [40, 3]), ([1], [70])):
-        q, kp, vp, qs, ctx, table = paged_case(5, q_lens, cached, 4, 1, 64, 16)
-        q = q.astype(jnp.bfloat16)
-        (k8, v8), scales = scaled_fp8(2, kp, vp)
-        scales = {k: x.reshape(-1, 1, 1, 1) for k, x in scales.items()}
-        ref = reference.ragged_paged_attention_reference(q, k8, v8, qs, ctx, table, **scales)
-        out = kernels.ragged_paged_attention(q, k8, v8, qs, ctx, table, interpret=True,
-                                             **scales)
-        assert rel_err(out, ref) < 2e-3
-        assert called[-1]["k_scale"] is scales["k_scale"] and called[-1]["converters"] == 2
-    assert len(called) == 2 and called[0]["num_splits"] == 3 and called[1]["num_splits"] != 3
-    kernels.ragged_paged_attention(q, kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16), qs,
-                                   ctx, table, interpret=True)  # 16-bit decode: Triton
-    assert len(called) == 2
+    monkeypatch.delenv("PALLASITE_RAGGED_BACKEND")
+    fp8 = kp.astype(jnp.float8_e4m3fn)  # V keys-last, which the Mosaic GPU kernel does not read
+    assert kernels._ragged_mosaic(q, fp8, table, set(), True) is None
+    assert kernels._ragged_mosaic(q, kp, table, set(), True) is not None
 
 
 PERSISTENT_CASES = [
-    # ctx, KV, splits, fp8, programs: fewer CTAs than (sequence, kv head) items, each walking
-    # every programs-th item through one ring (contexts 0 and 1 among them)
-    ([45, 1, 83, 0, 200], 1, 2, False, 2),   # split-K: the partial tiles reused item to item
-    ([130, 0, 37, 64], 2, 1, False, 3),      # kv heads of one sequence on different CTAs
-    ([1, 0, 130, 70], 2, 1, True, 3),        # float8: the staging ring runs across items
+    # ctx, KV, splits, programs: fewer CTAs than (sequence, kv head) items, each walking every
+    # programs-th item through one ring (contexts 0 and 1 among them)
+    ([45, 1, 83, 0, 200], 1, 2, 2),   # split-K: the partial tiles reused item to item
+    ([130, 0, 37, 64], 2, 1, 3),      # kv heads of one sequence on different CTAs
 ]
 
 
@@ -239,18 +175,15 @@ PERSISTENT_CASES = [
 def test_paged_mgpu_persistent(case):
     """Persistent CTAs (`programs`): each item's output as the reference's, with NaN in every
     stale pool slot; the result equals the one-CTA-an-item kernel's."""
-    ctx, KV, splits, fp8, programs = case
+    ctx, KV, splits, programs = case
     q, kp, vp, ctx, table = decode_case(sum(ctx) + KV, ctx, 4 * KV, KV, 64, 16, jnp.bfloat16)
-    kw, scales = dict(num_splits=splits, block_k=64, num_stages=2), {}
-    if fp8:
-        (kp, vp), scales = scaled_fp8(3, kp, vp)
-        kw = dict(kw, num_stages=1, fp8_stages=3, converters=2, registers=(232, 136))
-    ref = reference.paged_attention_reference(q, kp, vp, ctx, table, **scales)
+    ref = reference.paged_attention_reference(q, kp, vp, ctx, table)
     t = np.asarray(table)
     kp, vp = poison_stale_slots(kp, ctx, t), poison_stale_slots(vp, ctx, t)
-    outs = [paged_mgpu.paged_attention(q, kp, vp, ctx, table, programs=p, interpret=True,
-                                       **kw, **scales) for p in (programs, None)]
-    assert rel_err(outs[0], ref) < (2e-3 if fp8 else 1e-2)
+    outs = [paged_mgpu.paged_attention(q, kp, vp, ctx, table, num_splits=splits, block_k=64,
+                                       num_stages=2, programs=p, interpret=True)
+            for p in (programs, None)]
+    assert rel_err(outs[0], ref) < 1e-2
     np.testing.assert_array_equal(np.asarray(outs[0], np.float32),
                                   np.asarray(outs[1], np.float32))
 
@@ -271,42 +204,6 @@ def test_ragged_mgpu_persistent():
     assert np.all(np.asarray(out[live:], np.float32) == 0)
 
 
-def test_fp8_decode_persistent_choice(monkeypatch):
-    """kernels.paged_attention on float8 pages takes the entry's `short` tiles (persistent CTAs)
-    where the table is under `below_keys` and the items fill `programs`; else its own. The
-    persistent call runs (interpret mode) against the reference; the other two only record
-    their tiles (the kernel at those is `test_paged_mgpu_fp8_pages`'s)."""
-    from pallasite import kernels
-    from pallasite.kernels import tuning
-    called = []
-    real = paged_mgpu.paged_attention
-
-    def recorded(q, *a, **kw):
-        called.append(kw)
-        return real(q, *a, **kw) if kw.get("programs") else jnp.full(q.shape, jnp.nan, q.dtype)
-    monkeypatch.setattr(paged_mgpu, "paged_attention", recorded)
-    monkeypatch.setattr(kernels, "_is_hopper", lambda: True)
-    entry = dict(block_k=64, num_stages=1, fp8_stages=2, converters=2, registers=(232, 136),
-                 short=dict(block_k=64, num_stages=1, fp8_stages=3, num_splits=1, programs=4,
-                            below_keys=128))
-    own = tuning.params
-    monkeypatch.setattr(tuning, "params", lambda name, *a: dict(entry) if name.startswith(
-        "decode_mosaic") else own(name, *a))
-    monkeypatch.setattr(tuning, "decode_backend", lambda fp8=False, keys=None: "mosaic")
-    q, kp, vp, ctx, table = decode_case(9, [30, 50, 1, 64], 8, 2, 64, 16, jnp.bfloat16)
-    (k8, v8), scales = scaled_fp8(4, kp, vp)
-    for tab, items, short in ((table[:, :4], slice(None), True),   # 64 keys, 8 items
-                              (table[:, :4], slice(0, 1), False),  # 2 items: under programs
-                              (jnp.pad(table, ((0, 0), (0, 8))), slice(None), False)):
-        c = jnp.minimum(ctx, tab.shape[1] * 16)[items]
-        out = kernels.paged_attention(q[items], k8, v8, c, tab[items], interpret=True, **scales)
-        if short:
-            ref = reference.paged_attention_reference(q[items], k8, v8, c, tab[items], **scales)
-            assert rel_err(out, ref) < 2e-3
-        assert (called[-1].get("programs") == 4) == short
-        assert "below_keys" not in called[-1] and "short" not in called[-1]
-
-
 def test_paged_mgpu_supported():
     q = jnp.zeros((2, 8, 128), jnp.bfloat16)
     kp = jnp.zeros((2, 10, 16, 128), jnp.bfloat16)
@@ -323,12 +220,6 @@ def test_paged_mgpu_supported():
     assert "block_k" in why(q, kp, block_k=32)
     assert "programs" in why(q, kp, programs=0)
     assert "shared memory" in why(q, kp, block_k=128, num_stages=4)
-    k8 = kp.astype(jnp.float8_e4m3fn)
-    assert paged_mgpu.register_pool(3) == 504  # 168 a thread at launch
-    assert paged_mgpu.supported(q, k8, converters=2, registers=(232, 136), fp8_stages=1) is None
-    for bad in [dict(converters=2, registers=(240, 136)),  # past the pool: setmaxnreg would hang
-                dict(converters=1, registers=(232, 136)), dict(converters=2, registers=(230, 136))]:
-        assert "registers" in why(q, k8, fp8_stages=1, **bad)
     with pytest.raises(ValueError, match="cannot take this call: head_dim"):
         paged_mgpu.paged_attention(q[..., :32], kp[..., :32], kp[..., :32],
                                    jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32))
@@ -341,6 +232,17 @@ def test_paged_mgpu_no_races():
                                      interpret=InterpretGPUParams(detect_races=True))
     assert not gpu_callbacks.get_races().races_found
     assert rel_err(out, reference.paged_attention_reference(q, kp, vp, ctx, table)) < 1e-2
+
+
+def test_paged_mgpu_refuses_fp8_pages():
+    """Float8 V pages are keys-last ([KV, P, D, page_size]); this kernel reads [page_size, D]."""
+    q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+    k8 = jnp.zeros((2, 10, 16, 128), jnp.float8_e4m3fn)
+    v8 = jnp.zeros((2, 10, 128, 16), jnp.float8_e4m3fn)
+    assert "float8 pages: V is keys-last" in paged_mgpu.supported(q, k8)
+    with pytest.raises(ValueError, match="cannot take this call: float8 pages"):
+        paged_mgpu.paged_attention(q, k8, v8, jnp.ones((2,), jnp.int32),
+                                   jnp.zeros((2, 1), jnp.int32))
 
 
 @pytest.mark.parametrize("S,H,KV,D,page_size,kw", [
@@ -360,34 +262,12 @@ def test_paged_mgpu_lowers_for_hopper(S, H, KV, D, page_size, kw):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("kw", [dict(block_k=128, num_stages=1, fp8_stages=3, num_splits=4),
-                                dict(block_k=64, num_stages=2, fp8_stages=4,
-                                     convert_layout="WGMMA_UPCAST_2X"),
-                                dict(block_k=256, num_stages=1, fp8_stages=1, converters=2,
-                                     registers=(232, 136), convert_layout="WGMMA_UPCAST_2X")])
-def test_fp8_pages_lower_for_hopper(kw):
-    """Float8 pages: the staging ring, the producer's conversion and its layouts, decode and
-    mixed steps."""
-    S, KV, pps = 8, 8, 64
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    kp = jax.ShapeDtypeStruct((KV, S * pps + 3, 16, 128), jnp.float8_e4m3fn)
-    scales = dict(k_scale=jax.ShapeDtypeStruct((KV,), jnp.float32),
-                  v_scale=jax.ShapeDtypeStruct((KV,), jnp.float32))
-    for fn, q, lens in ((paged_mgpu.paged_attention, (S, 32, 128), (ints(S),)),
-                        (paged_mgpu.ragged_paged_attention, (100, 32, 128),
-                         (ints(S + 1), ints(S)))):
-        q = jax.ShapeDtypeStruct(q, jnp.bfloat16)
-        lowered = fn.trace(q, kp, kp, *lens, ints(S, pps), **scales, **kw).lower(
-            lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
-
-
 def test_decode_backend_choice(monkeypatch):
     """kernels.paged_attention runs the decode kernel the tuning table names for this GPU
     (Triton off Hopper and on the H100, Mosaic GPU on the H200 from 8192 keys of table) where
-    it takes the call, else Triton; backend= (or the environment) overrides, and an asked-for
-    backend that cannot take the call says why. Through the Mosaic path in the interpreter,
-    the result is the reference's."""
+    it takes the call, else Triton (float8 pages always); backend= (or the environment)
+    overrides, and an asked-for backend that cannot take the call says why. Through the Mosaic
+    path in the interpreter, the result is the reference's."""
     from pallasite import kernels
     from pallasite.kernels import tuning
     q, kp, vp, ctx, table = decode_case(31, [300], 4, 1, 64, 16, jnp.bfloat16)
@@ -403,9 +283,10 @@ def test_decode_backend_choice(monkeypatch):
             assert kernels.decode_backend(q, kp, wide) == "triton"
             assert kernels.decode_backend(q, kp, table, backend="mosaic") == "mosaic"
     assert kernels.decode_backend(*f32, table) == "triton"  # Mosaic cannot take float32
-    fp8 = kp.astype(jnp.float8_e4m3fn)
-    monkeypatch.setattr(tuning, "gpu_key", lambda: "H100")
-    assert kernels.decode_backend(q, fp8, table) == "mosaic"  # float8 pages: on the H100 too
+    fp8 = kp.astype(jnp.float8_e4m3fn)  # V keys-last: Triton's on every GPU, at any table
+    assert kernels.decode_backend(q, fp8, wide) == "triton"
+    with pytest.raises(ValueError, match="cannot take float8 pages"):
+        kernels.decode_backend(q, fp8, table, backend="mosaic")
     assert kernels.decode_backend(q, kp, table, pages_per_block=2) == "triton"  # Triton's tiles
     assert kernels.decode_backend(q, kp, table, backend="triton") == "triton"
     monkeypatch.setattr(tuning, "gpu_key", lambda: "H100")
