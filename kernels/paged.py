@@ -494,7 +494,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                            k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
                            split_tiles=None, num_warps=4, num_stages=2, num_blocks=None,
                            one_token_per_seq=False, prefetch_pages=True, fp8_dot="q",
-                           hoist_decode=False, decode_one_loop=False, interpret=False):
+                           hoist_decode=True, decode_one_loop=False, interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
 
     A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and

@@ -32,8 +32,7 @@ H, KV, D, PAGE = 32, 8, 128, 16
 CASES = {"paced_decode": (200, 400), "decode_768": (768, 320), "b64_4k": (64, 4096),
          "b8_8k": (8, 8192), "b1_32k": (1, 32768)}
 # (block_rows, block_k, num_warps, num_stages) on keys-last V pages
-TILES = [(16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 3),
-         (16, 256, 4, 2)]
+TILES = [(16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4)]
 
 
 def run_case(name, seqs, ctx, args):
