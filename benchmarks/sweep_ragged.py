@@ -21,8 +21,7 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
 A case of decode rows only also times the decode kernel (`kernels.paged_attention`, one token a
 sequence, no block metadata; with --mosaic the Mosaic GPU one too).
 `--splits 1,2,4` also times the library's own tiles at each of those key splits;
-`--decode-options` times them with the kernel's decode options (`hoist_decode`,
-`decode_one_loop`; for decode rows only, the decode kernel in one loop too).
+`--decode-options` times them with `hoist_decode` on and off (`paged.py`).
 `--pad-seqs 256` pads each case to 256 sequences of no token and no context, as the engine's
 step of 256 tokens has them (its page table has a row for each token).
 
@@ -86,9 +85,6 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
 # With --fp8-dots: these tiles (block_rows, block_k, num_warps, num_stages) at each float8 path
 # named (`paged.py` fp8_dot): the ragged tiles, the float8 decode tiles, and a stage less
 FP8_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)]
-# With --decode-options: `paged.py`'s options for a ragged call's decode blocks
-DECODE_OPTIONS = [dict(hoist_decode=False), dict(decode_one_loop=True),
-                  dict(hoist_decode=False, decode_one_loop=True)]
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
@@ -146,14 +142,10 @@ def run_case(name, q_lens, ctx, args):
         jobs.append((dict(kernel="library", num_splits=n), jax.jit(
             lambda *a, n=n: K.ragged_paged_attention(*a, interpret=args.tiny, num_splits=n,
                                                      **sc))))
-    for opts in DECODE_OPTIONS if args.decode_options else []:  # the library's tiles, and these
-        jobs.append((dict(kernel="library", **opts), jax.jit(
-            lambda *a, o=opts: K.ragged_paged_attention(*a, interpret=args.tiny, **o, **sc))))
-        if all(n == 1 for n in q_lens) and opts == dict(decode_one_loop=True):
-            jobs.append((dict(kernel="decode", backend="triton", **opts), jax.jit(
-                lambda q, kp, vp, qs, c, t: K.paged_attention(
-                    q, kp, vp, c, t, backend="triton", decode_one_loop=True,
-                    interpret=args.tiny, **sc))))
+    for hoist in (True, False) if args.decode_options else ():  # the library's tiles so
+        jobs.append((dict(kernel="library", hoist_decode=hoist), jax.jit(
+            lambda *a, h=hoist: K.ragged_paged_attention(*a, interpret=args.tiny,
+                                                         hoist_decode=h, **sc))))
     if args.mosaic:
         from pallasite.kernels import paged_mgpu
         tiles = [dict(zip(("block_k", "num_stages", "num_splits"), t)) for t in MOSAIC]
@@ -198,8 +190,7 @@ def run_case(name, q_lens, ctx, args):
 
 def label(r) -> str:
     programs = f"/{r['programs']}p" if "programs" in r else ""
-    opts = (" -hoist_decode" if r.get("hoist_decode") is False else "") + (
-        " +decode_one_loop" if r.get("decode_one_loop") else "")
+    opts = {True: " +hoist_decode", False: " -hoist_decode"}.get(r.get("hoist_decode"), "")
     if r["kernel"] == "decode":
         tile = "".join(f"/{r[k]}" for k in ("block_k", "num_stages") if k in r)
         return f"decode kernel ({r['backend']}{tile}{programs}){opts}"
@@ -224,8 +215,7 @@ def main(argv=None):
     ap.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also the library's tiles at these key splits")
     ap.add_argument("--decode-options", action="store_true",
-                    help="also the library's tiles with the paged kernel's decode options "
-                         "(DECODE_OPTIONS: hoist_decode off, decode_one_loop, both)")
+                    help="also the library's tiles with the kernel's hoist_decode on and off")
     ap.add_argument("--mosaic", action="store_true",
                     help="also the Mosaic GPU ragged kernel (Hopper, 16-bit pages), at its "
                          "tiles and splits")

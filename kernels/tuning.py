@@ -105,9 +105,13 @@ _H200 = dict(
     # Decode steps over float8 pages (the Triton kernel's at every reach): 64-key tiles in three
     # stages, 200 rows at 400 keys 0.1312 ms against 0.1544 for the H100's entry, 768 rows at
     # 320 0.3232 against 0.3877 (H200, 2026-11-28, `sweep_ragged --fp8 --library --fp8-dots
-    # f16,e4m3 --cases paced_decode,decode_768`).
+    # f16,e4m3 --cases paced_decode,decode_768`). With V pages keys-last (`paged.py`) these
+    # tiles run 200 rows at 400 keys in 0.0814 ms and 768 at 320 in 0.1945, against bf16
+    # pages' 0.1111 / 0.2739 (`profiling/probe_fp8_v_layout.py`); a ragged call's decode rows
+    # load their inputs before the block counts (`hoist_decode`): a paced step 0.0969 ms a
+    # layer against 0.1014 (`sweep_ragged --fp8 --library --decode-options --pad-seqs 256`).
     decode_fp8=dict(block_rows=16, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
-                    fp8_dot="f16"))
+                    fp8_dot="f16", hoist_decode=True))
 
 TABLE = {
     "default": _DEFAULT,

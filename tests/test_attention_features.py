@@ -196,13 +196,13 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("hoist,one_loop", [(True, False), (False, True), (True, True)])
-def test_decode_rows_options(fp8, hoist, one_loop):
+@pytest.mark.parametrize("hoist", [False, True])
+def test_decode_rows_and_stale_slots(fp8, hoist):
     """Leading one-token sequences (the decode branch), a chunk and padding tokens, over pages
     that hold NaN in every slot past each sequence's context: with the decode inputs loaded
-    before the block's kind is known (`hoist_decode`) and the decode tiles in one masked loop
-    (`decode_one_loop`), the ragged call and the decode entry match the reference on the clean
-    pages (bf16 pages, and float8 with V keys-last)."""
+    before or after the block's kind is known (`hoist_decode`), the ragged call and the decode
+    entry match the reference on the clean pages (bf16 pages, and float8 with V keys-last,
+    whose last tile loads zeros past the context)."""
     q_lens, cached, page = [1, 1, 1, 6], [37, 20, 0, 9], 8
     q, kp, vp, qs, ctx, table, *_ = windowed_case(7, q_lens, cached, 8, 2, 16, page, None,
                                                   pad_tokens=3)
@@ -218,8 +218,7 @@ def test_decode_rows_options(fp8, hoist, one_loop):
                                                                        v=True)
         opts = dict(k_scale=scale, v_scale=scale, fp8_dot="f16")
     q = q.astype(jnp.bfloat16)
-    kw = dict(block_rows=16, pages_per_block=2, num_splits=2, decode_one_loop=one_loop,
-              interpret=True, **opts)
+    kw = dict(block_rows=16, pages_per_block=2, num_splits=2, interpret=True, **opts)
     ref = reference.ragged_paged_attention_reference(q, kp, vp, qs, ctx, table,
                                                      **{k: v for k, v in opts.items()
                                                         if k != "fp8_dot"})
