@@ -193,31 +193,27 @@ def _kernel(*refs, decode, **kw):
     sequences' blocks take the decode branch (the ragged one would first wait on their
     metadata; 0.88x the time for 200 decode rows on the H200), and a block past the last
     token below T returns (most blocks of a step of a few long chunks in a 256-row bucket)."""
-    b, h = pl.program_id(0), pl.program_id(1)
+    b, h, hoist = pl.program_id(0), pl.program_id(1), kw.pop("hoist_decode")
     item = functools.partial(_item, b=b, h=h, split=pl.program_id(2), **kw)
     if decode:  # block b is sequence b: none is padding
         return item(refs, decode=True)
     counts_ref, *refs = refs
     pre = None
-    if kw["hoist_decode"]:  # the decode branch's first loads in flight beside the counts'
+    if hoist:  # the decode branch's first loads in flight beside the counts'
         pre = _decode_loads(refs[3:], b, h, kw["group"], kw["num_heads"], kw["block_rows"])
     live, lead = counts_ref[0], counts_ref[1]
     pl.when(b < lead)(lambda: item(refs[3:], decode=True, pre=pre))  # past seq, tok, qs
     pl.when((b >= lead) & (b < live))(lambda: item(refs, decode=False))
 
 
-def _decode_rows(b, h, group, num_heads, block_rows):
-    """A decode block's q rows ([T * H, D] row numbers) and which are live: its token's G."""
-    r = jnp.arange(block_rows)
-    return (b + r // group) * num_heads + h * group + r % group, r < group
-
-
 def _decode_loads(refs, b, h, group, num_heads, block_rows):
-    """(context length, q rows) of block b as a decode block, loaded whatever the block is
-    (in bounds: b is clamped to the sequences, rows past the tokens are masked)."""
+    """(context length, q rows) of block b as a decode block (its token's G rows, as `_item`
+    reads them), loaded whatever the block is: b is clamped to the sequences, rows past the
+    tokens are masked."""
     ctx_ref, _, q_ref = refs[:3]
-    rows, live = _decode_rows(b, h, group, num_heads, block_rows)
-    live = live & (b < q_ref.shape[0] // num_heads)
+    r = jnp.arange(block_rows)
+    rows = (b + r // group) * num_heads + h * group + r % group
+    live = (r < group) & (b < q_ref.shape[0] // num_heads)
     at = _gather(rows[:, None], jnp.arange(q_ref.shape[-1])[None, :])
     return (ctx_ref[jnp.minimum(b, ctx_ref.shape[0] - 1)],
             plgpu.load(q_ref.at[at], mask=live[:, None], other=0.0))
@@ -225,8 +221,7 @@ def _decode_loads(refs, b, h, group, num_heads, block_rows):
 
 def _item(refs, b, h, split, *, sm_scale, group, num_heads, block_rows, pages_per_block,
           pages_per_seq, num_splits, split_tiles, prefetch_pages, decode, window, softcap,
-          fp8_dot, hoist_decode, pre=None):
-    del hoist_decode
+          fp8_dot, pre=None):
     if decode:  # block b is sequence b's one token: no metadata to read
         ctx_ref, pt_ref, q_ref, k_ref, v_ref, sinks_ref, scale_ref, *out_refs = refs
         s = t0 = q_lo = b
