@@ -110,8 +110,12 @@ _H200 = dict(
     # pages' 0.1111 / 0.2739 (`profiling/probe_fp8_v_layout.py`); a ragged call's decode rows
     # load their inputs before the block counts (`hoist_decode`): a paced step 0.0969 ms a
     # layer against 0.1014 (`sweep_ragged --fp8 --library --decode-options --pad-seqs 256`).
+    # From 8192 keys of table, 128-key tiles in two stages: 8 rows at 8192 0.0611 against 0.0637
+    # ms, 1 at 32768 0.0432 against 0.0473 (0.0622 / 0.0460 against 0.0646 / 0.0487 in the call
+    # before); at 4096 keys they lose, 0.2557 against 0.1858 (`probe_fp8_v_layout.py`).
     decode_fp8=dict(block_rows=16, block_k=64, num_warps=4, num_stages=3, prefetch_pages=True,
-                    fp8_dot="f16", hoist_decode=True))
+                    fp8_dot="f16", hoist_decode=True,
+                    long=dict(min_keys=8192, block_k=128, num_stages=2)))
 
 TABLE = {
     "default": _DEFAULT,
@@ -313,8 +317,13 @@ def gpu_key() -> str:
     return next((k for k in TABLE if k != "default" and k in kind), "default")
 
 
-def params(kernel: str, page_size: int | None = None) -> dict:
+def params(kernel: str, page_size: int | None = None, keys: int | None = None) -> dict:
+    """`kernel`'s entry for this GPU; with `page_size`, block_k as pages_per_block. An entry's
+    `long` tiles replace its own for page tables of at least long["min_keys"] `keys`."""
     p = dict(TABLE[gpu_key()][kernel])
+    long = p.pop("long", None)
+    if long and keys is not None and keys >= long["min_keys"]:
+        p |= {k: v for k, v in long.items() if k != "min_keys"}
     if page_size is not None and "block_k" in p:
         p["pages_per_block"] = max(1, p.pop("block_k") // page_size)
     return p

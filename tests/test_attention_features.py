@@ -288,6 +288,28 @@ def test_fp8_decode_takes_its_own_tiles(monkeypatch):
         assert seen[0].get("fp8_dot") == dot and seen[0]["block_rows"] == 64
 
 
+def test_fp8_decode_long_tables_take_their_tiles(monkeypatch):
+    """On the H200, float8 decode over page tables of 8192 keys or more takes the entry's
+    `long` tiles (128 keys, two stages), the ragged entry's decode steps too; shorter tables
+    keep 64 keys in three stages."""
+    from pallasite.kernels import tuning
+    monkeypatch.setattr(tuning, "gpu_key", lambda: "H200")
+    seen = []
+    monkeypatch.setattr(paged, "paged_attention", lambda *a, **kw: seen.append(kw))
+    monkeypatch.setattr(paged, "ragged_paged_attention", lambda *a, **kw: seen.append(kw))
+    scales = dict(k_scale=jnp.ones(2), v_scale=jnp.ones(2))
+    q, k8 = jnp.zeros((2, 8, 16), jnp.bfloat16), jnp.zeros((2, 8, 16, 16), jnp.float8_e4m3fn)
+    v8, lens = jnp.zeros((2, 8, 16, 16), jnp.float8_e4m3fn), jnp.full((2,), 40, jnp.int32)
+    for pages in (256, 512):  # 4096 and 8192 keys of table
+        table = jnp.zeros((2, pages), jnp.int32)
+        kernels.paged_attention(q, k8, v8, lens, table, interpret=True, **scales)
+        kernels.ragged_paged_attention(q, k8, v8, jnp.arange(3), lens, table, interpret=True,
+                                       **scales)
+    tiles = [(kw["pages_per_block"], kw["num_stages"]) for kw in seen]
+    assert tiles == [(4, 3)] * 2 + [(8, 2)] * 2
+    assert "long" not in seen[-1] and seen[-1]["hoist_decode"]
+
+
 def test_write_kv_quantizes():
     """The write kernel stores K / scale as float8 like the reference (saturating, not NaN, on
     overflow), V in its keys-last pages, and drops padding."""
