@@ -197,10 +197,9 @@ KV_SCALE = 1.0  # the per-KV-head scale of float8 pages (K and V are stored as x
 def kv_layer_cache(full, shape, dtype, dims=None):
     """One layer's cache: (k_pages, v_pages) each `shape` [kv_heads, pages, page, head_dim] in
     `dtype`, or with `dims` (`ModelConfig.kv_arrays`) arrays of those last dims (MLA: latent
-    and RoPE key); with a one-byte dtype (float8) V keys-last, [kv_heads, pages, head_dim,
-    page], and also (k_scale, v_scale), float32 [kv_heads, 1, 1, 1] (the pages' rank, so they
-    shard like the pages). `full(shape, value, dtype)` makes
-    each."""
+    and RoPE key). With a one-byte dtype (float8) V is keys-last, [kv_heads, pages, head_dim,
+    page], and (k_scale, v_scale) follow, float32 [kv_heads, 1, 1, 1] (the pages' rank, so they
+    shard like the pages). `full(shape, value, dtype)` makes each."""
     dims = dims or (shape[-1], shape[-1])
     if jnp.dtype(dtype).itemsize > 1:
         return tuple(full((*shape[:-1], d), 0, dtype) for d in dims)
