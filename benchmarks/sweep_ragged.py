@@ -21,9 +21,7 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
 A case of decode rows only also times the decode kernel (`kernels.paged_attention`, one token a
 sequence, no block metadata; with --mosaic the Mosaic GPU one too).
 `--splits 1,2,4` also times the library's own tiles at each of those key splits;
-`--decode-options` times them with `hoist_decode` on and off (`paged.py`);
-`--chunk-tiles` times tiles whose prefill chunks take more rows a program than the decode
-tokens (`paged.py` chunk_rows).
+`--decode-options` times them with `hoist_decode` on and off (`paged.py`).
 `--pad-seqs 256` pads each case to 256 sequences of no token and no context, as the engine's
 step of 256 tokens has them (its page table has a row for each token).
 
@@ -87,13 +85,6 @@ VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (1
 # With --fp8-dots: these tiles (block_rows, block_k, num_warps, num_stages) at each float8 path
 # named (`paged.py` fp8_dot): the ragged tiles, the float8 decode tiles, and a stage less
 FP8_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)]
-# With --chunk-tiles: prefill chunks' programs at more rows than the decode tokens' (`paged.py`
-# chunk_rows): (block_rows, chunk_rows, block_k, num_warps, num_stages); with --fp8 the float8
-# tiles ("f16", decode rows hoisted)
-CHUNK_TILES = [(64, 64, 32, 4, 3), (64, 128, 64, 8, 3), (64, 128, 32, 8, 3), (64, 128, 32, 4, 3),
-               (64, 256, 32, 8, 2), (64, 128, 64, 8, 2)]
-FP8_CHUNK_TILES = [(16, 64, 64, 4, 3), (16, 128, 64, 8, 3), (16, 128, 32, 8, 3),
-                   (64, 128, 64, 8, 3)]
 # The Mosaic GPU kernel (`paged_mgpu.ragged_paged_attention`, Hopper): (block_k, num_stages,
 # num_splits)
 MOSAIC = [(64, 2, 1), (64, 2, 2), (64, 2, 4), (64, 3, 2), (128, 2, 1), (128, 2, 2), (128, 2, 4)]
@@ -142,14 +133,6 @@ def run_case(name, q_lens, ctx, args):
                               num_stages=stages, fp8_dot=dot), jax.jit(
                 lambda *a, kw=kw: K.ragged_paged_attention(*a, interpret=args.tiny, **kw,
                                                            **sc))))
-    fp8_kw = dict(fp8_dot="f16", hoist_decode=True) if args.fp8 else {}
-    for rows, chunk, bk, warps, stages in ((FP8_CHUNK_TILES if args.fp8 else CHUNK_TILES)
-                                           if args.chunk_tiles else ()):
-        kw = dict(block_rows=rows, chunk_rows=chunk, pages_per_block=bk // PAGE,
-                  num_warps=warps, num_stages=stages, **fp8_kw)
-        jobs.append((dict(kernel="triton", block_rows=rows, chunk_rows=chunk, block_k=bk,
-                          num_warps=warps, num_stages=stages, **fp8_kw), jax.jit(
-            lambda *a, kw=kw: K.ragged_paged_attention(*a, interpret=args.tiny, **kw, **sc))))
     if all(n == 1 for n in q_lens):  # one token a sequence: the decode kernel takes it too
         for backend in ("triton", "mosaic") if args.mosaic else ("triton",):
             jobs.append((dict(kernel="decode", backend=backend), jax.jit(
@@ -217,8 +200,7 @@ def label(r) -> str:
     if r["kernel"] == "mosaic":
         return f"mosaic {r['block_k']}/{r['num_stages']}s/{r['num_splits']}sp{programs}"
     dot = f"/{r['fp8_dot']}" if "fp8_dot" in r else ""
-    chunk = f"+{r['chunk_rows']}" if "chunk_rows" in r else ""
-    return f"{r['block_rows']}{chunk}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s{dot}"
+    return f"{r['block_rows']}/{r['block_k']}/{r['num_warps']}w/{r['num_stages']}s{dot}"
 
 
 def main(argv=None):
@@ -234,9 +216,6 @@ def main(argv=None):
                     help="also the library's tiles at these key splits")
     ap.add_argument("--decode-options", action="store_true",
                     help="also the library's tiles with the kernel's hoist_decode on and off")
-    ap.add_argument("--chunk-tiles", action="store_true",
-                    help="also CHUNK_TILES (FP8_CHUNK_TILES with --fp8): chunks' programs at "
-                         "more rows than the decode tokens'")
     ap.add_argument("--mosaic", action="store_true",
                     help="also the Mosaic GPU ragged kernel (Hopper, 16-bit pages), at its "
                          "tiles and splits")

@@ -251,9 +251,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         kw["split_tiles"] = share
     elif "num_splits" not in kw:
         group = q.shape[1] // k_pages.shape[0]
-        float8 = k_pages.dtype == jax.numpy.float8_e4m3fn
-        rows = paged.rows_per_block(kw.get("chunk_rows") or kw["block_rows"], group,
-                                    kw.get("fp8_dot", "q"), float8)
+        rows = paged.rows_per_block(kw["block_rows"], group, kw.get("fp8_dot", "q"),
+                                    k_pages.dtype == jax.numpy.float8_e4m3fn)
         blocks_needed = max(-(-T * group // rows), S)
         kw["num_splits"] = tuning.num_splits(blocks_needed * k_pages.shape[0], tiles, mixed)
     return paged.ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens,

@@ -194,7 +194,6 @@ def _kernel(*refs, decode, **kw):
     metadata; 0.88x the time for 200 decode rows on the H200), and a block past the last
     token below T returns (most blocks of a step of a few long chunks in a 256-row bucket)."""
     b, h, hoist = pl.program_id(0), pl.program_id(1), kw.pop("hoist_decode")
-    chunk_rows = kw.pop("chunk_rows")
     item = functools.partial(_item, b=b, h=h, split=pl.program_id(2), **kw)
     if decode:  # block b is sequence b: none is padding
         return item(refs, decode=True)
@@ -204,7 +203,7 @@ def _kernel(*refs, decode, **kw):
         pre = _decode_loads(refs[3:], b, h, kw["group"], kw["num_heads"], kw["block_rows"])
     live, lead = counts_ref[0], counts_ref[1]
     pl.when(b < lead)(lambda: item(refs[3:], decode=True, pre=pre))  # past seq, tok, qs
-    pl.when((b >= lead) & (b < live))(lambda: item(refs, decode=False, block_rows=chunk_rows))
+    pl.when((b >= lead) & (b < live))(lambda: item(refs, decode=False))
 
 
 def _decode_loads(refs, b, h, group, num_heads, block_rows):
@@ -423,23 +422,20 @@ def merge_splits(o, lse, live_rows, out_dtype, *, group=None, stride=None, block
 
 def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None,
            sliding_window=None, logit_softcap=None, sinks=None, k_scale=None, v_scale=None,
-           block_rows=64, chunk_rows=None, pages_per_block=4, num_splits=1, split_tiles=None,
-           num_warps=4, num_stages=2, prefetch_pages=True, fp8_dot="q", hoist_decode=False,
+           block_rows=64, pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
+           num_stages=2, prefetch_pages=True, fp8_dot="q", hoist_decode=False,
            interpret=False):
     """The kernel launch alone, on q [T, H, D] and per-block metadata (seq, tok, query_start,
     counts: `block_metadata`'s), or None for decode (block b = sequence b's one token).
     Returns [T * H, D], or with splits per-split outputs [splits, T * H, D] and base-2
     log-sum-exps [splits, T * H] (float32).
     `split_tiles`: every split takes that many key tiles from a fixed boundary (the last ones
-    empty), instead of an even share of its block's tiles. `chunk_rows`: the query rows of the
-    blocks that take block metadata (block_rows by default; decode blocks take block_rows)."""
+    empty), instead of an even share of its block's tiles."""
     T, H, D = q.shape
     KV, P, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
     G = H // KV
-    float8 = k_pages.dtype == jnp.float8_e4m3fn
-    chunk_rows = rows_per_block(chunk_rows or block_rows, G, fp8_dot, float8)
-    block_rows = rows_per_block(block_rows, G, fp8_dot, float8)
+    block_rows = rows_per_block(block_rows, G, fp8_dot, k_pages.dtype == jnp.float8_e4m3fn)
     num_blocks = S if meta is None else meta[0].shape[0]
     grid = (num_blocks, KV, num_splits)
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, h, sp: (0,) * len(shape))
@@ -466,10 +462,10 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
                      pl.BlockSpec((None, T * H), lambda b, h, sp: (sp, 0))]
     kernel = functools.partial(
         _kernel, sm_scale=D ** -0.5 if sm_scale is None else sm_scale, group=G, num_heads=H,
-        block_rows=block_rows, chunk_rows=chunk_rows, pages_per_block=pages_per_block,
-        pages_per_seq=pages_per_seq, num_splits=num_splits, split_tiles=split_tiles,
-        prefetch_pages=prefetch_pages, decode=meta is None, window=sliding_window,
-        softcap=logit_softcap, fp8_dot=fp8_dot, hoist_decode=hoist_decode)
+        block_rows=block_rows, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
+        num_splits=num_splits, split_tiles=split_tiles, prefetch_pages=prefetch_pages,
+        decode=meta is None, window=sliding_window, softcap=logit_softcap, fp8_dot=fp8_dot,
+        hoist_decode=hoist_decode)
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -483,23 +479,19 @@ def attend(q, k_pages, v_pages, meta, context_lens, page_table, *, sm_scale=None
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "logit_softcap", "block_rows", "chunk_rows", "pages_per_block",
-    "num_splits",
+    "sm_scale", "sliding_window", "logit_softcap", "block_rows", "pages_per_block", "num_splits",
     "split_tiles", "num_warps", "num_stages", "num_blocks", "one_token_per_seq", "prefetch_pages",
     "fp8_dot", "hoist_decode", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_table, *,
                            sm_scale=None, sliding_window=None, logit_softcap=None, sinks=None,
-                           k_scale=None, v_scale=None, block_rows=64, chunk_rows=None,
-                           pages_per_block=4, num_splits=1, split_tiles=None, num_warps=4,
-                           num_stages=2, num_blocks=None, one_token_per_seq=False,
-                           prefetch_pages=True, fp8_dot="q", hoist_decode=False,
-                           interpret=False):
+                           k_scale=None, v_scale=None, block_rows=64, pages_per_block=4, num_splits=1,
+                           split_tiles=None, num_warps=4, num_stages=2, num_blocks=None,
+                           one_token_per_seq=False, prefetch_pages=True, fp8_dot="q",
+                           hoist_decode=False, interpret=False):
     """q [T, H, D] -> [T, H, D]; see reference.ragged_paged_attention_reference.
 
     A decode call (`one_token_per_seq`) is one launch, two with splits: the kernel reads q and
     writes the output in their own layout, and the split merge is one kernel too.
-    `chunk_rows`: the query rows of a program of prefill chunks (block_rows by default), while
-    the leading decode tokens' programs take `block_rows` (a decode token fills G of them).
     `hoist_decode`: a ragged call's blocks load their decode inputs (context length, q) before
     they know whether they are decode blocks (float8 pages on the H200: a paced step's attention
     0.0969 against 0.1014 ms a layer; bf16 pages: 0.1240 against 0.1226, so not there)."""
@@ -509,7 +501,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     if H % KV:
         raise ValueError(f"{H=} query heads is not a multiple of {KV=} kv heads")
     for name, x in (("head_dim", D), ("page_size", page_size), ("block_rows", block_rows),
-                    ("chunk_rows", chunk_rows or block_rows), ("pages_per_block", pages_per_block)):
+                    ("pages_per_block", pages_per_block)):
         if x & (x - 1):
             raise ValueError(f"{name} {x} must be a power of two")
     if sliding_window is not None and sliding_window < 1:
@@ -521,8 +513,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
     if one_token_per_seq and T != S:
         raise ValueError(f"decode takes one token per sequence: {T=} tokens, {S=} sequences")
     G = H // KV
-    tpb = rows_per_block(chunk_rows or block_rows, G, fp8_dot,
-                         k_pages.dtype == jnp.float8_e4m3fn) // G
+    tpb = rows_per_block(block_rows, G, fp8_dot, k_pages.dtype == jnp.float8_e4m3fn) // G
     meta = None
     if not one_token_per_seq:
         if num_blocks is None:  # enough for any split of T tokens into S sequences
@@ -532,8 +523,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
         meta = (seq, tok, qs, counts)
     outs = attend(q, k_pages, v_pages, meta, context_lens, page_table, sm_scale=sm_scale,
                   sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
-                  k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, chunk_rows=chunk_rows,
-                  pages_per_block=pages_per_block,
+                  k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
                   num_splits=num_splits, split_tiles=split_tiles, num_warps=num_warps,
                   num_stages=num_stages, prefetch_pages=prefetch_pages, fp8_dot=fp8_dot,
                   hoist_decode=hoist_decode and not one_token_per_seq, interpret=interpret)
@@ -547,16 +537,15 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
 
 def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=None,
                     sliding_window=None, logit_softcap=None, sinks=None, k_scale=None,
-                    v_scale=None, block_rows=16, pages_per_block=8, num_splits=1, num_warps=4,
-                    num_stages=2, prefetch_pages=True, fp8_dot="q", hoist_decode=False,
-                    chunk_rows=None, interpret=False):
-    """Decode: q [S, H, D], one token per sequence -> [S, H, D] (`hoist_decode`, `chunk_rows`:
-    no effect, a decode call has no block metadata to wait for and no chunks)."""
+                    v_scale=None, block_rows=16, pages_per_block=8, num_splits=1, num_warps=4, num_stages=2,
+                    prefetch_pages=True, fp8_dot="q", hoist_decode=False, interpret=False):
+    """Decode: q [S, H, D], one token per sequence -> [S, H, D] (`hoist_decode`: no effect,
+    a decode call has no block metadata to wait for)."""
     S = q.shape[0]
     query_start = jnp.arange(S + 1, dtype=jnp.int32)
     return ragged_paged_attention(
         q, k_pages, v_pages, query_start, context_lens, page_table, sm_scale=sm_scale,
         sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
+        k_scale=k_scale, v_scale=v_scale, block_rows=block_rows, pages_per_block=pages_per_block, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, one_token_per_seq=True,
         prefetch_pages=prefetch_pages, fp8_dot=fp8_dot, interpret=interpret)

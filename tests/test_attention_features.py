@@ -196,14 +196,13 @@ def test_paged_fp8_pages_dequantize_on_load(decode, splits, window):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("hoist,chunk_rows", [(False, None), (True, None), (True, 32)])
-def test_decode_rows_and_stale_slots(fp8, hoist, chunk_rows):
+@pytest.mark.parametrize("hoist", [False, True])
+def test_decode_rows_and_stale_slots(fp8, hoist):
     """Leading one-token sequences (the decode branch), a chunk and padding tokens, over pages
     that hold NaN in every slot past each sequence's context: with the decode inputs loaded
-    before or after the block's kind is known (`hoist_decode`), and the chunk's programs at the
-    decode rows' size or twice it (`chunk_rows`), the ragged call and the decode entry match
-    the reference on the clean pages (bf16 pages, and float8 with V keys-last, whose last tile
-    loads zeros past the context)."""
+    before or after the block's kind is known (`hoist_decode`), the ragged call and the decode
+    entry match the reference on the clean pages (bf16 pages, and float8 with V keys-last,
+    whose last tile loads zeros past the context)."""
     q_lens, cached, page = [1, 1, 1, 6], [37, 20, 0, 9], 8
     q, kp, vp, qs, ctx, table, *_ = windowed_case(7, q_lens, cached, 8, 2, 16, page, None,
                                                   pad_tokens=3)
@@ -224,7 +223,7 @@ def test_decode_rows_and_stale_slots(fp8, hoist, chunk_rows):
                                                      **{k: v for k, v in opts.items()
                                                         if k != "fp8_dot"})
     out = paged.ragged_paged_attention(q, jnp.asarray(bad_k), jnp.asarray(bad_v), qs, ctx, table,
-                                       hoist_decode=hoist, chunk_rows=chunk_rows, **kw)
+                                       hoist_decode=hoist, **kw)
     assert rel_err(out, ref) < 1e-2  # bf16 rounding of q, K, V and P
     assert np.all(np.asarray(out[int(qs[-1]):], np.float32) == 0)
     out = paged.paged_attention(q[:3], jnp.asarray(bad_k), jnp.asarray(bad_v), ctx[:3],
