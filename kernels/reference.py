@@ -188,6 +188,30 @@ def write_kv_reference(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=N
     return k_pages, v_pages
 
 
+def rope_projection(y, cos, sin):
+    """A fused projection y [T, KV, G + 2, D] (per kv head its G queries, key and value) ->
+    q [T, KV * G, D] and k [T, KV, D] turned by the RoPE tables cos/sin [T, D / 2] (the two
+    halves of D, HF convention), and v [T, KV, D]."""
+    T, KV, G2, D = y.shape
+
+    def rotate(x):  # [T, n, D]
+        c, s = cos[:, None, :], sin[:, None, :]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+    return (rotate(y[:, :, :G2 - 2].reshape(T, KV * (G2 - 2), D)), rotate(y[:, :, G2 - 2]),
+            y[:, :, G2 - 1])
+
+
+def rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, *, k_scale=None,
+                            v_scale=None):
+    """A fused projection's epilogue (`rope_kv.py`): `rope_projection`'s q, and the pages with
+    its keys and values written at slots."""
+    q, k, v = rope_projection(y, cos, sin)
+    return q, *write_kv_reference(k_pages, v_pages, k, v, slots, k_scale=k_scale,
+                                  v_scale=v_scale)
+
+
 def silu_glu(gate, up):
     return jax.nn.silu(gate) * up
 

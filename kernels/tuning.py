@@ -57,6 +57,9 @@ _DEFAULT = {
                    min_tiles_mixed=8, invariant_keys=512),
     # The step's K/V rows into their pages: "xla" (a scatter per array) or "pallas" (one launch).
     "kv_write": dict(impl="xla"),
+    # A fused projection's RoPE and page write (`rope_kv.py`, where kv_write takes "pallas"):
+    # tokens a program.
+    "rope_kv": dict(tokens=1, num_warps=4),
 }
 
 # H100 80GB HBM3, JAX 0.11.2, `benchmarks/bench_kernels.py --sweep`: the best flash tiles at B=4,

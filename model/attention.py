@@ -17,7 +17,8 @@ from .. import kernels
 from . import quant
 from .config import ModelConfig
 from .fuse import QKV
-from .layers import RMSNorm, apply_rope, device_hooks, fused_param, param, rope_frequencies
+from .layers import (RMSNorm, device_hooks, fused_param, param, rope_frequencies, rope_tables,
+                     rotate)
 
 
 class Batch(NamedTuple):
@@ -80,26 +81,43 @@ class Attention(nn.Module):
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rope(positions, batch)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def rope(self, positions, batch: Batch | None = None):
+        """This layer's RoPE tables (cos, sin) [..., T, rot/2] at `positions`."""
+        c = self.config
         theta, scaling = c.rope(self.layer)
         seq_lens = sequence_lengths(positions, batch) if scaling.kind == "longrope" else None
         inv_freq = rope_frequencies(c.rotary_dim or c.head_dim, theta, scaling, seq_lens)
-        rope = lambda x: apply_rope(x, positions, inv_freq, scaling.attention_factor)
-        return rope(q), rope(k), v
+        return rope_tables(positions, inv_freq, scaling.attention_factor)
+
+    def plain_projection(self) -> bool:
+        """Whether q, k and v are the fused product as it is, RoPE over whole heads: then a
+        paged step's RoPE and page write are one call (`attend_projection`)."""
+        c = self.config
+        return (self.wqkv is not None and not c.qkv_bias and not c.qk_norm
+                and (c.rotary_dim or c.head_dim) == c.head_dim)
 
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None,
                  unscaled=False):
         """`unscaled`: an 8-bit output product may come back before its scales (`Product`)."""
-        q, k, v = self.qkv(x, positions, batch)
         c = self.config
-        attend_layer = functools.partial(attend, **attention_options(c, self.layer))
+        options = attention_options(c, self.layer)
         # Sinks are per query head: on a mesh they are split with the heads.
         sinks = dict(sinks=self.sinks) if c.sinks else {}
         hooks = device_hooks()
-        if hooks is None:
-            o, layer_cache = attend_layer(q, k, v, segment_ids, layer_cache, batch, **sinks)
+        if layer_cache is not None and hooks is None and self.plain_projection():
+            y = quant.linear(x, self.wqkv)
+            o, layer_cache = attend_projection(y, *self.rope(positions, batch), layer_cache,
+                                               batch, **options, **sinks)
+        elif hooks is None:
+            q, k, v = self.qkv(x, positions, batch)
+            o, layer_cache = attend(q, k, v, segment_ids, layer_cache, batch, **options, **sinks)
         else:  # on a mesh: the kernels run once per shard of heads
-            o, layer_cache = hooks.attention(attend_layer, q, k, v, segment_ids, layer_cache, batch,
-                                             **sinks)
+            q, k, v = self.qkv(x, positions, batch)
+            o, layer_cache = hooks.attention(functools.partial(attend, **options), q, k, v,
+                                             segment_ids, layer_cache, batch, **sinks)
         out = quant.linear(o, self.wo, in_axes=2, unscaled=unscaled and not c.o_bias)
         return (out + self.bo if c.o_bias else out), layer_cache
 
@@ -143,3 +161,18 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
                                        **scale_kw)
     return o, (k_pages, v_pages, *scales)
 
+
+def attend_projection(y, cos, sin, layer_cache, batch: Batch, **options):
+    """The paged way in from a fused projection y [T, KV, G + 2, D] (G queries, the key and the
+    value of each kv head, as they come): RoPE by the tables cos/sin [T, D / 2] and the page
+    write in one call (`kernels.rope_write_kv`), then `attend`'s attention call."""
+    k_pages, v_pages, *scales = layer_cache
+    scale_kw = dict(zip(("k_scale", "v_scale"), scales))
+    T, D = y.shape[-4], y.shape[-1]
+    q, k_pages, v_pages = kernels.rope_write_kv(
+        y.reshape(T, *y.shape[-3:]), k_pages, v_pages, batch.slots, cos.reshape(T, D // 2),
+        sin.reshape(T, D // 2), **scale_kw)
+    o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
+                                       batch.context_lens, batch.page_table, **options,
+                                       **scale_kw)
+    return o, (k_pages, v_pages, *scales)

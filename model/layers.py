@@ -161,17 +161,26 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling, seq_lens=None
     return inv
 
 
-def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
-    """x [..., T, heads, D], positions [..., T]; rotates the two halves of the leading
-    2 * len(inv_freq) dims of D (HF convention), the rest pass through. cos and sin are scaled
-    by `attention_factor` (YaRN, LongRoPE)."""
-    rot = 2 * inv_freq.shape[-1]
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, rot/2]
-    cos = jnp.cos(angles)[..., None, :] * attention_factor
-    sin = jnp.sin(angles)[..., None, :] * attention_factor
+def rope_tables(positions, inv_freq, attention_factor: float = 1.0):
+    """cos and sin [..., T, rot/2] float32 at positions [..., T], scaled by `attention_factor`
+    (YaRN, LongRoPE)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def rotate(x, cos, sin):
+    """x [..., T, heads, D] by the tables [..., T, rot/2]: the two halves of the leading rot
+    dims of D turn (HF convention), the rest pass through."""
+    rot = 2 * cos.shape[-1]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):
+    """x [..., T, heads, D], positions [..., T]: RoPE over the leading 2 * len(inv_freq) dims."""
+    return rotate(x, *rope_tables(positions, inv_freq, attention_factor))
 
 
 def activation(name: str):

@@ -1,0 +1,110 @@
+"""The fused projection's epilogue (`kernels/rope_kv.py`): RoPE on queries and key plus the page
+write in one launch, against the jnp reference and against RoPE as the model applies it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallasite import kernels
+from pallasite.kernels import reference, rope_kv
+from pallasite.model.config import RopeScaling
+from pallasite.model.layers import apply_rope, rope_frequencies, rope_tables
+
+
+def _case(T, KV, G, D, page_size, pages, pad, seed, page_dtype=jnp.bfloat16, keys_last=False):
+    rng = np.random.default_rng(seed)
+    y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 4000, T), jnp.int32)
+    cos, sin = rope_tables(positions, rope_frequencies(D, 500000.0, RopeScaling()))
+    v_shape = (KV, pages, D, page_size) if keys_last else (KV, pages, page_size, D)
+    kp = jnp.asarray(rng.standard_normal((KV, pages, page_size, D)), jnp.float32).astype(page_dtype)
+    vp = jnp.asarray(rng.standard_normal(v_shape), jnp.float32).astype(page_dtype)
+    slots = np.asarray(rng.permutation(pages * page_size)[:T], np.int32)
+    slots[pad] = -1
+    return y, kp, vp, jnp.asarray(slots), cos, sin, positions
+
+
+@pytest.mark.parametrize("T,KV,G,tokens,pad", [(1, 2, 4, 1, []), (13, 2, 3, 4, [0, 12]),
+                                               (6, 3, 1, 2, [2])])
+def test_rope_write_kv_matches_reference(T, KV, G, tokens, pad):
+    """Interpret mode against the reference, bit for bit: kv heads and groups that are not
+    powers of two (padded and masked), several tokens a program with the last one partial,
+    padding tokens writing nothing."""
+    y, kp, vp, slots, cos, sin, _ = _case(T, KV, G, 32, 8, 5, pad, seed=T + G)
+    out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=tokens)
+    ref = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin)
+    assert out[0].shape == (T, KV * G, 32)
+    for o, r in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
+    written = np.asarray(out[0 + 1] != kp).any(axis=(0, 3)).sum()
+    assert written == T - len(pad)
+
+
+def test_reference_is_the_models_rope():
+    """The epilogue's queries and keys are RoPE as the model applies it (`apply_rope`), bit for
+    bit, so the serving path keeps its logits."""
+    T, KV, G, D = 7, 2, 4, 64
+    y, kp, vp, slots, cos, sin, positions = _case(T, KV, G, D, 8, 4, [], seed=5)
+    inv_freq = rope_frequencies(D, 500000.0, RopeScaling())
+    q, k_pages, _ = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin)
+    q_model = apply_rope(y[:, :, :G].reshape(T, KV * G, D), positions, inv_freq)
+    k_model = apply_rope(y[:, :, G], positions, inv_freq)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(q_model, np.float32))
+    s = np.asarray(slots)
+    got = np.asarray(k_pages, np.float32)[:, s // 8, s % 8]  # [KV, T, D]
+    np.testing.assert_array_equal(got, np.asarray(jnp.swapaxes(k_model, 0, 1), np.float32))
+
+
+def test_rope_write_kv_float8_pages():
+    """Float8 pages: K and V divided by their head's scale and saturated, V keys-last, as the
+    reference stores them."""
+    y, kp, vp, slots, cos, sin, _ = _case(9, 2, 4, 32, 8, 4, [3], seed=2,
+                                          page_dtype=jnp.float8_e4m3fn, keys_last=True)
+    y = y.at[0, 1, 4, 0].set(3e4)  # the key of token 0, head 1: saturates
+    scales = dict(k_scale=jnp.asarray([0.5, 2.0]), v_scale=jnp.asarray([0.01, 0.1]))
+    out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=2, **scales)
+    ref = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin, **scales)
+    for o, r in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
+    assert np.abs(np.asarray(out[1], np.float32)).max() == 448.0
+
+
+def test_rope_write_kv_lowers_for_gpu():
+    """The Triton lowering, pages aliased to the outputs, without a GPU: bf16 and float8."""
+    sds = jax.ShapeDtypeStruct
+    y, cs = sds((5, 8, 6, 128), jnp.bfloat16), sds((5, 64), jnp.float32)
+    for dtype, v_shape in ((jnp.bfloat16, (8, 64, 16, 128)), (jnp.float8_e4m3fn, (8, 64, 128, 16))):
+        pages = sds((8, 64, 16, 128), dtype)
+        scale = {} if dtype == jnp.bfloat16 else dict(k_scale=sds((8,), jnp.float32),
+                                                      v_scale=sds((8,), jnp.float32))
+        text = rope_kv.rope_write_kv.trace(y, pages, sds(v_shape, dtype), sds((5,), jnp.int32),
+                                           cs, cs, tokens=4, **scale).lower(
+                                               lowering_platforms=("cuda",)).as_text()
+        assert "pallasite_rope_write_kv" in text
+
+
+def test_paged_steps_take_the_epilogue(tmp_path, monkeypatch):
+    """A model with its q/k/v fused (as serving holds it) runs a paged step's RoPE and page
+    write through `kernels.rope_write_kv`, here the kernel in interpret mode, and gives the
+    logits of the unfused model's dense forward: a chunked prefill, then decode steps."""
+    import hf_models
+    from test_model import dense_logits, paged_step, rel_err
+
+    from pallasite.model import init_kv_cache, load_hf
+    from pallasite.model.fuse import fuse_params
+    hf_models.save("llama", tmp_path)
+    config, params = load_hf(tmp_path, dtype=jnp.float32)
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, config.vocab_size, 14)
+    dense = np.asarray(dense_logits(params, config, seq[None]))[0]
+    calls, real = [], kernels.rope_write_kv
+    monkeypatch.setattr(kernels, "rope_write_kv",
+                        lambda *a, **k: calls.append(1) or real(*a, interpret=True, **k))
+    fused = fuse_params(jax.tree.map(lambda a: a, params))
+    page_size, table = 4, [rng.permutation(16)]
+    kv = init_kv_cache(config, 16, page_size, jnp.float32)
+    for a, b in ((0, 9), (9, 12), (12, 13), (13, 14)):
+        logits, kv = paged_step(fused, config, kv, [(0, seq[a:b], a)], table, page_size)
+        assert rel_err(np.asarray(logits)[0], dense[b - 1]) <= 1e-4, (a, b)
+    assert len(calls) == 4 * config.num_layers
