@@ -17,9 +17,13 @@ Cases (32 heads / 8 KV heads, head dim 128, bf16, pages of 16):
   sharegpt_decode and sharegpt_chunks: the same halves of sharegpt_mixed;
 - tail: one of the paced run's last steps, a 247-token chunk (keys 400-647) and 9 decode rows;
 - paced_rows_first, tail_rows_first: those two with the decode rows first, as the scheduler
-  packs a step (the kernel then runs their blocks without block metadata).
+  packs a step (the kernel then runs their blocks without block metadata);
+- decode_2k, mixed_2k: 64 decode rows at 2000 keys, and a 512-token chunk over 2000 beside 63
+  decode rows at 1800 (a 2048-token model's page table, full).
 A case of decode rows only also times the decode kernel (`kernels.paged_attention`, one token a
 sequence, no block metadata; with --mosaic the Mosaic GPU one too).
+`--variants 64/64/4/3,64/32/4/3` names the tiles to time instead of VARIANTS, and
+`--decode-variants` times the decode kernel at them too in cases of decode rows only.
 `--splits 1,2,4` also times the library's own tiles at each of those key splits;
 `--decode-options` times them with `hoist_decode` on and off (`paged.py`).
 `--pad-seqs 256` pads each case to 256 sequences of no token and no context, as the engine's
@@ -75,7 +79,10 @@ CASES = {"fa3_mixed": ([512] + [1] * 63, [8192] + [4096] * 63),
          "paced_rows_first": ([1] * 200 + [56], [400] * 200 + [256]),
          "tail_rows_first": ([1] * 9 + [247], [500] * 9 + [647]),
          "sharegpt_decode": ([1] * 512, [320] * 512),
-         "sharegpt_chunks": ([256] * 30, [256] * 30)}
+         "sharegpt_chunks": ([256] * 30, [256] * 30),
+         # contexts toward a 2048-token model's end: 64 decode rows, and a chunk beside them
+         "decode_2k": ([1] * 64, [2000] * 64),
+         "mixed_2k": ([512] + [1] * 63, [2000] + [1800] * 63)}
 TINY = {"mixed": ([32] + [1] * 5, [96] + [40] * 5), "decode": ([1] * 5, [40] * 5)}
 # (block_rows, block_k, num_warps, num_stages); the first is the H100's table entry today
 VARIANTS = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3),
@@ -119,8 +126,9 @@ def run_case(name, q_lens, ctx, args):
         q, kp, vp, qs, ctx_a, table)
     jobs = [(dict(kernel="library"), jax.jit(lambda *a: K.ragged_paged_attention(
         *a, interpret=args.tiny, **sc)))]
-    for rows, bk, warps, stages in ([] if args.library else VARIANTS[:2] if args.tiny
-                                    else VARIANTS):
+    variants = args.variants or ([] if args.library else VARIANTS[:2] if args.tiny
+                                 else VARIANTS)
+    for rows, bk, warps, stages in variants:
         kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps, num_stages=stages)
         jobs.append((dict(kernel="triton", block_rows=rows, block_k=bk, num_warps=warps,
                           num_stages=stages), jax.jit(lambda *a, kw=kw: K.ragged_paged_attention(
@@ -138,6 +146,13 @@ def run_case(name, q_lens, ctx, args):
             jobs.append((dict(kernel="decode", backend=backend), jax.jit(
                 lambda q, kp, vp, qs, c, t, b=backend: K.paged_attention(
                     q, kp, vp, c, t, backend=b, interpret=args.tiny, **sc))))
+        for rows, bk, warps, stages in variants if args.decode_variants else ():
+            kw = dict(block_rows=rows, pages_per_block=bk // PAGE, num_warps=warps,
+                      num_stages=stages)
+            jobs.append((dict(kernel="decode", backend="triton", block_rows=rows, block_k=bk,
+                              num_warps=warps, num_stages=stages), jax.jit(
+                lambda q, kp, vp, qs, c, t, kw=kw: K.paged_attention(
+                    q, kp, vp, c, t, backend="triton", interpret=args.tiny, **kw, **sc))))
     for n in args.splits:
         jobs.append((dict(kernel="library", num_splits=n), jax.jit(
             lambda *a, n=n: K.ragged_paged_attention(*a, interpret=args.tiny, num_splits=n,
@@ -191,6 +206,9 @@ def run_case(name, q_lens, ctx, args):
 def label(r) -> str:
     programs = f"/{r['programs']}p" if "programs" in r else ""
     opts = {True: " +hoist_decode", False: " -hoist_decode"}.get(r.get("hoist_decode"), "")
+    if r["kernel"] == "decode" and "num_warps" in r:
+        return (f"decode kernel ({r['backend']} {r['block_rows']}/{r['block_k']}/"
+                f"{r['num_warps']}w/{r['num_stages']}s)")
     if r["kernel"] == "decode":
         tile = "".join(f"/{r[k]}" for k in ("block_k", "num_stages") if k in r)
         return f"decode kernel ({r['backend']}{tile}{programs}){opts}"
@@ -212,6 +230,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--library", action="store_true",
                     help="only the library's own tiles (and the decode kernel), no sweep")
+    ap.add_argument("--variants", type=lambda s: [tuple(int(x) for x in v.split("/"))
+                                                  for v in s.split(",")], default=None,
+                    help="these tiles block_rows/block_k/num_warps/num_stages instead of "
+                         "VARIANTS, e.g. 64/64/4/3,64/32/4/3")
+    ap.add_argument("--decode-variants", action="store_true",
+                    help="cases of decode rows only: also the decode kernel at the variants")
     ap.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also the library's tiles at these key splits")
     ap.add_argument("--decode-options", action="store_true",
