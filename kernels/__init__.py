@@ -341,11 +341,11 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=
                              interpret=interpret)
 
 
-def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, k_scale=None, v_scale=None,
-                  impl=None, interpret=False, **blocks):
+def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=None,
+                  v_scale=None, impl=None, interpret=False, **blocks):
     """A fused q/k/v projection's epilogue: y [T, KV, G + 2, D] (per kv head its G queries, key
-    and value), cos/sin [T, D / 2] float32 -> (q [T, KV * G, D] with RoPE, the pages with the
-    rotated keys and the values at slots). Where `write_kv` takes its kernel, one launch
+    and value; `bias` [KV, G + 2, D] added first), cos/sin [T, D / 2] float32 -> (q
+    [T, KV * G, D] with RoPE, the pages with the rotated keys and the values at slots). Where `write_kv` takes its kernel, one launch
     (`rope_kv.py`); else RoPE in jnp and `write_kv`'s scatter. PALLASITE_ROPE_KV=0 keeps XLA's
     RoPE passes before the KV write kernel (what the one launch replaced, for timing it)."""
     if (k_scale is None) != (v_scale is None):
@@ -354,15 +354,15 @@ def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, k_scale=None, v_scale
         _use_pallas(impl, interpret) and tuning.params("kv_write")["impl"] == "pallas")
     if not pallas:
         return reference.rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin,
-                                                 k_scale=k_scale, v_scale=v_scale)
+                                                 bias=bias, k_scale=k_scale, v_scale=v_scale)
     if os.environ.get("PALLASITE_ROPE_KV", "1") == "0":
-        q, k, v = reference.rope_projection(y, cos, sin)
+        q, k, v = reference.rope_projection(y, cos, sin, bias)
         return q, *write_kv(k_pages, v_pages, k, v, slots, k_scale=k_scale, v_scale=v_scale,
                             impl="pallas", interpret=interpret)
     from . import rope_kv
     kw = tuning.params("rope_kv") | blocks
-    return rope_kv.rope_write_kv(y, k_pages, v_pages, slots, cos, sin, k_scale=k_scale,
-                                 v_scale=v_scale, interpret=interpret, **kw)
+    return rope_kv.rope_write_kv(y, k_pages, v_pages, slots, cos, sin, bias=bias,
+                                 k_scale=k_scale, v_scale=v_scale, interpret=interpret, **kw)
 
 
 GROUPED_MIN_ROWS_PER_EXPERT = 16  # below this many rows per expert, XLA's ragged_dot is used

@@ -188,11 +188,13 @@ def write_kv_reference(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=N
     return k_pages, v_pages
 
 
-def rope_projection(y, cos, sin):
-    """A fused projection y [T, KV, G + 2, D] (per kv head its G queries, key and value) ->
-    q [T, KV * G, D] and k [T, KV, D] turned by the RoPE tables cos/sin [T, D / 2] (the two
-    halves of D, HF convention), and v [T, KV, D]."""
+def rope_projection(y, cos, sin, bias=None):
+    """A fused projection y [T, KV, G + 2, D] (per kv head its G queries, key and value), plus
+    `bias` [KV, G + 2, D] in y's dtype -> q [T, KV * G, D] and k [T, KV, D] turned by the RoPE
+    tables cos/sin [T, D / 2] (the two halves of D, HF convention), and v [T, KV, D]."""
     T, KV, G2, D = y.shape
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
 
     def rotate(x):  # [T, n, D]
         c, s = cos[:, None, :], sin[:, None, :]
@@ -203,11 +205,11 @@ def rope_projection(y, cos, sin):
             y[:, :, G2 - 1])
 
 
-def rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, *, k_scale=None,
+def rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=None,
                             v_scale=None):
     """A fused projection's epilogue (`rope_kv.py`): `rope_projection`'s q, and the pages with
     its keys and values written at slots."""
-    q, k, v = rope_projection(y, cos, sin)
+    q, k, v = rope_projection(y, cos, sin, bias)
     return q, *write_kv_reference(k_pages, v_pages, k, v, slots, k_scale=k_scale,
                                   v_scale=v_scale)
 

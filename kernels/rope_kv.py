@@ -36,8 +36,8 @@ def _scaled(x, scale, dtype):
     return jnp.clip(x / scale[None, :, None], -big, big).astype(dtype)
 
 
-def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, y_ref, k_in, v_in, q_out, k_out, v_out, *,
-            heads, group, tokens):
+def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, bias_ref, y_ref, k_in, v_in, q_out, k_out,
+            v_out, *, heads, group, tokens):
     del k_in, v_in  # the same buffers as k_out, v_out
     T, KV, G, D = slots_ref.shape[0], heads, group, y_ref.shape[-1]
     half = D // 2
@@ -53,18 +53,26 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, y_ref, k_in, v_in, q_out, k_
     cos, sin = (plgpu.load(r.at[cs], mask=jnp.broadcast_to(live_t[:, None], cs[0].shape),
                            other=0.0) for r in (cos_ref, sin_ref))  # [n, half]
 
-    def rotate(row, mask, c, sn):  # y's rows -> the two rotated halves, float32
-        at = [_gather(row[..., None], cols) for cols in (lo, hi)]
-        mask = jnp.broadcast_to(mask[..., None], at[0][0].shape)
-        x1, x2 = (plgpu.load(y_ref.at[a], mask=mask, other=0.0).astype(jnp.float32)
-                  for a in at)
+    def rows(i, mask, cols):  # y's rows (t, head, i) [n, kvp, ...] and their bias, float32
+        at = _gather((base.reshape(base.shape + (1,) * (i.ndim - 2)) + i)[..., None], cols)
+        x = plgpu.load(y_ref.at[at], mask=jnp.broadcast_to(mask[..., None], at[0].shape),
+                       other=0.0)
+        if bias_ref is not None:  # added in y's dtype, as XLA adds it; indices kept in bounds
+            head = jnp.minimum(j, KV - 1).reshape((1, -1) + (1,) * (i.ndim - 2))
+            b = plgpu.load(bias_ref.at[_gather((head * (G + 2) + jnp.minimum(i, G + 1))[..., None],
+                                               cols)])
+            x = (x.astype(jnp.float32) + b.astype(jnp.float32)).astype(y_ref.dtype)
+        return x.astype(jnp.float32)
+
+    def rotate(i, mask, c, sn):  # -> the two rotated halves, float32
+        x1, x2 = rows(i, mask, lo), rows(i, mask, hi)
         return x1 * c - x2 * sn, x2 * c + x1 * sn
 
     # y as rows [T * KV * (G + 2), D]: (token, head, i) is row (t * KV + head) * (G + 2) + i,
-    # queries at i < G, the key at G, the value at G + 1.
+    # queries at i < G, the key at G, the value at G + 1; the bias as rows head * (G + 2) + i.
     base = (t[:, None] * KV + j[None, :]) * (G + 2)  # [n, kvp]
     q_ok = live_t[:, None, None] & head_ok[None, :, None] & (s < G)[None, None, :]
-    q1, q2 = rotate(base[..., None] + s, q_ok, cos[:, None, None, :], sin[:, None, None, :])
+    q1, q2 = rotate(s[None, None, :], q_ok, cos[:, None, None, :], sin[:, None, None, :])
     q_row = (t[:, None, None] * KV + j[None, :, None]) * G + s[None, None, :]
     q_row = jnp.where(q_ok, q_row, q_out.shape[0])
     q_mask = jnp.broadcast_to(q_ok[..., None], q1.shape)
@@ -81,7 +89,7 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, y_ref, k_in, v_in, q_out, k_
     if scale_ref is not None:
         k_scale, v_scale = (plgpu.load(scale_ref.at[_gather(jnp.full_like(j, i), j)],
                                        mask=head_ok, other=1.0) for i in (0, 1))
-    k1, k2 = rotate(base + G, kv_ok, cos[:, None, :], sin[:, None, :])
+    k1, k2 = rotate(jnp.full((1, 1), G), kv_ok, cos[:, None, :], sin[:, None, :])
     heads = j[None, :, None]
     k_mask = jnp.broadcast_to(kv_ok[..., None], k1.shape)
     for cols, part in ((lo, k1), (hi, k2)):  # rounded to y's dtype first, as XLA's RoPE is
@@ -90,41 +98,45 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, y_ref, k_in, v_in, q_out, k_
                     _scaled(part, k_scale, k_out.dtype), mask=k_mask)
     dims = jnp.arange(D)[None, None, :]
     v_mask = jnp.broadcast_to(kv_ok[..., None], kv_ok.shape + (D,))
-    v = plgpu.load(y_ref.at[_gather((base + G + 1)[..., None], dims)], mask=v_mask, other=0.0)
+    v = rows(jnp.full((1, 1), G + 1), kv_ok, jnp.arange(D))
     at = (_gather(heads, page, dims, offset) if keys_last(v_out)  # [D, page] pages: a column
           else _gather(heads, page, offset, dims))
-    plgpu.store(v_out.at[at], _scaled(v.astype(jnp.float32), v_scale, v_out.dtype),
-                mask=v_mask)
+    plgpu.store(v_out.at[at], _scaled(v, v_scale, v_out.dtype), mask=v_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("tokens", "num_warps", "interpret"))
-def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, k_scale=None, v_scale=None,
-                  tokens=1, num_warps=4, interpret=False):
-    """y [T, KV, G + 2, D], cos/sin [T, D / 2] -> (q [T, KV * G, D], k_pages, v_pages)."""
+def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=None,
+                  v_scale=None, tokens=1, num_warps=4, interpret=False):
+    """y [T, KV, G + 2, D], cos/sin [T, D / 2] -> (q [T, KV * G, D], k_pages, v_pages).
+    `bias` [KV, G + 2, D] (y's layout) is added to y's rows first, in y's dtype."""
     T, KV, G2, D = y.shape
     G = G2 - 2
     if cos.shape != (T, D // 2) or sin.shape != cos.shape:
         raise ValueError(f"cos/sin {cos.shape} / {sin.shape} for {T} tokens of head dim {D}: "
                          f"take [T, D / 2]")
+    if bias is not None and bias.shape != (KV, G2, D):
+        raise ValueError(f"bias {bias.shape}: take y's layout of a token, {(KV, G2, D)}")
     whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     scales = None
     if k_scale is not None:
         scales = jnp.stack([head_scale(x, KV) for x in (k_scale, v_scale)])
-    n = 6 if scales is not None else 5  # flat inputs before the pages (no scales: no leaf)
+    pages_at = 4 + (scales is not None) + (bias is not None)  # flat inputs (None: no leaf)
     q, k_pages, v_pages = pl.pallas_call(
         functools.partial(_kernel, heads=KV, group=G, tokens=tokens),
         grid=(pl.cdiv(T, tokens),),
         in_specs=[whole(T), whole(T, D // 2), whole(T, D // 2),
-                  None if scales is None else whole(2, KV), whole(T * KV * G2, D),
+                  None if scales is None else whole(2, KV),
+                  None if bias is None else whole(KV * G2, D), whole(T * KV * G2, D),
                   whole(*k_pages.shape), whole(*v_pages.shape)],
         out_specs=[whole(T * KV * G, D), whole(*k_pages.shape), whole(*v_pages.shape)],
         out_shape=[jax.ShapeDtypeStruct((T * KV * G, D), y.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={n - 1: 1, n: 2},  # the pages
+        input_output_aliases={pages_at: 1, pages_at + 1: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="pallasite_rope_write_kv",
     )(slots.astype(jnp.int32), cos.astype(jnp.float32), sin.astype(jnp.float32), scales,
+      None if bias is None else bias.astype(y.dtype).reshape(KV * G2, D),
       y.reshape(T * KV * G2, D), k_pages, v_pages)
     return q.reshape(T, KV * G, D), k_pages, v_pages

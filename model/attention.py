@@ -93,11 +93,20 @@ class Attention(nn.Module):
         return rope_tables(positions, inv_freq, scaling.attention_factor)
 
     def plain_projection(self) -> bool:
-        """Whether q, k and v are the fused product as it is, RoPE over whole heads: then a
-        paged step's RoPE and page write are one call (`attend_projection`)."""
+        """Whether q, k and v are the fused product (plus its bias), no q/k norms, RoPE over
+        whole heads: then a paged step's RoPE and page write are one call
+        (`attend_projection`)."""
         c = self.config
-        return (self.wqkv is not None and not c.qkv_bias and not c.qk_norm
+        return (self.wqkv is not None and not c.qk_norm
                 and (c.rotary_dim or c.head_dim) == c.head_dim)
+
+    def projection_bias(self):
+        """The q/k/v biases in the fused product's layout [KV, G + 2, D], or None."""
+        if not self.config.qkv_bias:
+            return None
+        kv, hd = self.bk.shape
+        return jnp.concatenate([self.bq.reshape(kv, -1, hd), self.bk[:, None], self.bv[:, None]],
+                               axis=1)
 
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None,
                  unscaled=False):
@@ -110,7 +119,8 @@ class Attention(nn.Module):
         if layer_cache is not None and hooks is None and self.plain_projection():
             y = quant.linear(x, self.wqkv)
             o, layer_cache = attend_projection(y, *self.rope(positions, batch), layer_cache,
-                                               batch, **options, **sinks)
+                                               batch, bias=self.projection_bias(), **options,
+                                               **sinks)
         elif hooks is None:
             q, k, v = self.qkv(x, positions, batch)
             o, layer_cache = attend(q, k, v, segment_ids, layer_cache, batch, **options, **sinks)
@@ -162,16 +172,17 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
     return o, (k_pages, v_pages, *scales)
 
 
-def attend_projection(y, cos, sin, layer_cache, batch: Batch, **options):
+def attend_projection(y, cos, sin, layer_cache, batch: Batch, bias=None, **options):
     """The paged way in from a fused projection y [T, KV, G + 2, D] (G queries, the key and the
-    value of each kv head, as they come): RoPE by the tables cos/sin [T, D / 2] and the page
-    write in one call (`kernels.rope_write_kv`), then `attend`'s attention call."""
+    value of each kv head, as they come; `bias` in that layout): RoPE by the tables cos/sin
+    [T, D / 2] and the page write in one call (`kernels.rope_write_kv`), then `attend`'s
+    attention call."""
     k_pages, v_pages, *scales = layer_cache
     scale_kw = dict(zip(("k_scale", "v_scale"), scales))
     T, D = y.shape[-4], y.shape[-1]
     q, k_pages, v_pages = kernels.rope_write_kv(
         y.reshape(T, *y.shape[-3:]), k_pages, v_pages, batch.slots, cos.reshape(T, D // 2),
-        sin.reshape(T, D // 2), **scale_kw)
+        sin.reshape(T, D // 2), bias=bias, **scale_kw)
     o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
                                        batch.context_lens, batch.page_table, **options,
                                        **scale_kw)

@@ -25,15 +25,20 @@ def _case(T, KV, G, D, page_size, pages, pad, seed, page_dtype=jnp.bfloat16, key
     return y, kp, vp, jnp.asarray(slots), cos, sin, positions
 
 
-@pytest.mark.parametrize("T,KV,G,tokens,pad", [(1, 2, 4, 1, []), (13, 2, 3, 4, [0, 12]),
-                                               (6, 3, 1, 2, [2])])
-def test_rope_write_kv_matches_reference(T, KV, G, tokens, pad):
+@pytest.mark.parametrize("T,KV,G,tokens,pad,bias", [
+    (1, 2, 4, 1, [], False), (13, 2, 3, 4, [0, 12], False), (6, 3, 1, 2, [2], False),
+    (7, 3, 5, 4, [1], True)])
+def test_rope_write_kv_matches_reference(T, KV, G, tokens, pad, bias):
     """Interpret mode against the reference, bit for bit: kv heads and groups that are not
     powers of two (padded and masked), several tokens a program with the last one partial,
-    padding tokens writing nothing."""
+    padding tokens writing nothing, and a q/k/v bias (Qwen2, GPT-OSS) added first."""
     y, kp, vp, slots, cos, sin, _ = _case(T, KV, G, 32, 8, 5, pad, seed=T + G)
-    out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=tokens)
-    ref = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin)
+    kw = {}
+    if bias:
+        kw["bias"] = jnp.asarray(np.random.default_rng(0).standard_normal((KV, G + 2, 32)),
+                                 jnp.bfloat16)
+    out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=tokens, **kw)
+    ref = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin, **kw)
     assert out[0].shape == (T, KV * G, 32)
     for o, r in zip(out, ref):
         np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
@@ -71,30 +76,35 @@ def test_rope_write_kv_float8_pages():
 
 
 def test_rope_write_kv_lowers_for_gpu():
-    """The Triton lowering, pages aliased to the outputs, without a GPU: bf16 and float8."""
+    """The Triton lowering, pages aliased to the outputs, without a GPU: bf16 and float8
+    pages, with and without a bias."""
     sds = jax.ShapeDtypeStruct
     y, cs = sds((5, 8, 6, 128), jnp.bfloat16), sds((5, 64), jnp.float32)
     for dtype, v_shape in ((jnp.bfloat16, (8, 64, 16, 128)), (jnp.float8_e4m3fn, (8, 64, 128, 16))):
         pages = sds((8, 64, 16, 128), dtype)
         scale = {} if dtype == jnp.bfloat16 else dict(k_scale=sds((8,), jnp.float32),
                                                       v_scale=sds((8,), jnp.float32))
-        text = rope_kv.rope_write_kv.trace(y, pages, sds(v_shape, dtype), sds((5,), jnp.int32),
-                                           cs, cs, tokens=4, **scale).lower(
-                                               lowering_platforms=("cuda",)).as_text()
-        assert "pallasite_rope_write_kv" in text
+        for bias in ({}, dict(bias=sds((8, 6, 128), jnp.bfloat16))):
+            text = rope_kv.rope_write_kv.trace(
+                y, pages, sds(v_shape, dtype), sds((5,), jnp.int32), cs, cs, tokens=4, **scale,
+                **bias).lower(lowering_platforms=("cuda",)).as_text()
+            assert "pallasite_rope_write_kv" in text
 
 
-def test_paged_steps_take_the_epilogue(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     """A model with its q/k/v fused (as serving holds it) runs a paged step's RoPE and page
     write through `kernels.rope_write_kv`, here the kernel in interpret mode, and gives the
-    logits of the unfused model's dense forward: a chunked prefill, then decode steps."""
+    logits of the unfused model's dense forward: a chunked prefill, then decode steps (Qwen2:
+    with its q/k/v bias)."""
     import hf_models
     from test_model import dense_logits, paged_step, rel_err
 
     from pallasite.model import init_kv_cache, load_hf
     from pallasite.model.fuse import fuse_params
-    hf_models.save("llama", tmp_path)
+    hf_models.save(family, tmp_path)
     config, params = load_hf(tmp_path, dtype=jnp.float32)
+    assert config.qkv_bias == (family == "qwen2")
     rng = np.random.default_rng(1)
     seq = rng.integers(0, config.vocab_size, 14)
     dense = np.asarray(dense_logits(params, config, seq[None]))[0]
