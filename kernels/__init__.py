@@ -345,9 +345,10 @@ def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=No
                   v_scale=None, impl=None, interpret=False, **blocks):
     """A fused q/k/v projection's epilogue: y [T, KV, G + 2, D] (per kv head its G queries, key
     and value; `bias` [KV, G + 2, D] added first), cos/sin [T, D / 2] float32 -> (q
-    [T, KV * G, D] with RoPE, the pages with the rotated keys and the values at slots). Where `write_kv` takes its kernel, one launch
-    (`rope_kv.py`); else RoPE in jnp and `write_kv`'s scatter. PALLASITE_ROPE_KV=0 keeps XLA's
-    RoPE passes before the KV write kernel (what the one launch replaced, for timing it)."""
+    [T, KV * G, D] with RoPE, the pages with the rotated keys and the values at slots). Where
+    `write_kv` takes its kernel, one launch (`rope_kv.py`); else RoPE in jnp and `write_kv`'s
+    scatter. PALLASITE_ROPE_KV=0 keeps XLA's RoPE passes before the KV write kernel (what the
+    one launch replaced, for timing it)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("rope_write_kv takes both k_scale and v_scale or neither")
     pallas = interpret or impl == "pallas" or (

@@ -4,9 +4,10 @@ queries out, and the key and value into their pages, in place.
 y [T, KV, G + 2, D] is the fused projection's output: for each kv head its G queries, its key
 and its value (`model/fuse.py`'s order). cos/sin [T, D / 2] float32 are the rotary tables at
 each token's position (scaled by the attention factor); they rotate the two halves of D (HF
-convention, every head dim). Returns q [T, KV * G, D] rotated, and the pages with token t's
-rotated key and its value at slots[t] (< 0: padding, nothing written). Float8 pages take them
-divided by their head's scale and saturated, V keys-last (`reference.keys_last`).
+convention, every head dim). A q/k/v bias, where a model has one (Qwen2, GPT-OSS), comes in
+y's layout of a token and is added first. Returns q [T, KV * G, D] rotated, and the pages with
+token t's rotated key and its value at slots[t] (< 0: padding, nothing written). Float8 pages
+take them divided by their head's scale and saturated, V keys-last (`reference.keys_last`).
 
 In XLA the same work is three passes a layer: the queries' rotation, the key's rotation
 stacked with the value (`kv_write.py` takes them stacked), and the page write. At batch 1 each

@@ -2,7 +2,8 @@
 
 Two ways in: dense (`forward_logits`, training) through `kernels.flash_attention`, and paged
 (`forward`, serving) where this step's K/V are written into the layer's pages and the whole
-ragged batch attends through `kernels.ragged_paged_attention`.
+ragged batch attends through `kernels.ragged_paged_attention`. A fused projection on that way
+gets its RoPE and page write in one call (`kernels.rope_write_kv`).
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ class Attention(nn.Module):
         inv_freq = rope_frequencies(c.rotary_dim or c.head_dim, theta, scaling, seq_lens)
         return rope_tables(positions, inv_freq, scaling.attention_factor)
 
-    def plain_projection(self) -> bool:
-        """Whether q, k and v are the fused product (plus its bias), no q/k norms, RoPE over
-        whole heads: then a paged step's RoPE and page write are one call
-        (`attend_projection`)."""
+    def fused_epilogue(self) -> bool:
+        """Whether a paged step's RoPE and page write can be one call (`attend_projection`):
+        q, k and v are one fused product (plus its bias), with no q/k norms and RoPE over whole
+        heads."""
         c = self.config
         return (self.wqkv is not None and not c.qk_norm
                 and (c.rotary_dim or c.head_dim) == c.head_dim)
@@ -116,7 +117,7 @@ class Attention(nn.Module):
         # Sinks are per query head: on a mesh they are split with the heads.
         sinks = dict(sinks=self.sinks) if c.sinks else {}
         hooks = device_hooks()
-        if layer_cache is not None and hooks is None and self.plain_projection():
+        if layer_cache is not None and hooks is None and self.fused_epilogue():
             y = quant.linear(x, self.wqkv)
             o, layer_cache = attend_projection(y, *self.rope(positions, batch), layer_cache,
                                                batch, bias=self.projection_bias(), **options,
