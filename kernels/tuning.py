@@ -60,7 +60,8 @@ _DEFAULT = {
     # A fused projection's RoPE and page write (`rope_kv.py`, where kv_write takes "pallas"):
     # tokens a program. H200, 2026-11-29 (`benchmarks/bench_rope_kv.py`, Llama-3-8B heads): one
     # token in four warps was the fastest of four at 1-8192 tokens, 2.8-48.8 us against XLA's
-    # passes' 4.1-92.0 on bf16 pages (8192 tokens: 200 MB moved at 4.1 TB/s).
+    # passes' 4.1-92.0 on bf16 pages (8192 tokens: 200 MB moved at 4.1 TB/s). The H100, whose
+    # KV write is "pallas" too, takes it unmeasured.
     "rope_kv": dict(tokens=1, num_warps=4),
 }
 
