@@ -1,9 +1,10 @@
 """A fused q/k/v projection's epilogue: RoPE on queries and key and the page write in one launch
 (`kernels/rope_kv.py`) against XLA's passes that it replaces (the queries' RoPE, the key's RoPE
 stacked with the value, then the KV write kernel: `PALLASITE_ROPE_KV=0`), Llama-3-8B heads
-(32 queries, 8 kv heads, head dim 128), pages of 16, at 1-8192 tokens of a step.
+(32 queries, 8 kv heads, head dim 128) or `--heads`, pages of 16, at 1-8192 tokens of a step.
 
     python -m benchmarks.bench_rope_kv --out DIR              # GPU
+    python -m benchmarks.bench_rope_kv --out DIR --heads 4,7 --bias   # Qwen2.5-7B's, with bias
     python -m benchmarks.bench_rope_kv --out DIR --tiny       # CPU, interpret mode (does it run)
 
 Each variant first runs on fresh random inputs with freed device memory poisoned and must give
@@ -26,10 +27,10 @@ import numpy as np
 from benchmarks import common
 from pallasite.kernels import reference, rope_kv, write_kv
 
-KV, G, D, PAGE = 8, 4, 128, 16
+D, PAGE = 128, 16
 
 
-def inputs(rng, T, fp8):
+def inputs(rng, T, fp8, KV, G, bias):
     P = T // PAGE + 64
     y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
     angles = rng.integers(0, 2048, T)[:, None] * 500000.0 ** (-np.arange(0, D, 2) / D)
@@ -40,21 +41,24 @@ def inputs(rng, T, fp8):
     kp = jnp.asarray(rng.standard_normal((KV, P, PAGE, D)), jnp.float32).astype(dtype)
     vp = jnp.asarray(rng.standard_normal((KV, P, D, PAGE) if fp8 else (KV, P, PAGE, D)),
                      jnp.float32).astype(dtype)
-    scales = dict(k_scale=jnp.full((KV,), 0.05), v_scale=jnp.full((KV,), 0.02)) if fp8 else {}
-    return y, kp, vp, jnp.asarray(slots), cos, sin, scales
+    extra = dict(k_scale=jnp.full((KV,), 0.05), v_scale=jnp.full((KV,), 0.02)) if fp8 else {}
+    if bias:
+        extra["bias"] = jnp.asarray(rng.standard_normal((KV, G + 2, D)), jnp.bfloat16)
+    return y, kp, vp, jnp.asarray(slots), cos, sin, extra
 
 
-def variants(tiny, scales):
+def variants(tiny, extra):
     """name -> fn((q, k_pages, v_pages), y, slots, cos, sin) -> (q, k_pages, v_pages): the
     first argument's q is only a buffer to donate, so each call's outputs feed the next."""
     def xla(state, y, slots, cos, sin):
-        q, k, v = reference.rope_projection(y, cos, sin)
-        return (q, *write_kv(*state[1:], k, v, slots, impl="pallas", interpret=tiny, **scales))
+        q, k, v = reference.rope_projection(y, cos, sin, extra.get("bias"))
+        kw = {k: v for k, v in extra.items() if k != "bias"}
+        return (q, *write_kv(*state[1:], k, v, slots, impl="pallas", interpret=tiny, **kw))
 
     def fused(tokens, warps):
         return lambda state, y, slots, cos, sin: rope_kv.rope_write_kv(
             y, *state[1:], slots, cos, sin, tokens=tokens, num_warps=warps, interpret=tiny,
-            **scales)
+            **extra)
     # tokens a program, warps (4 tokens spill at 4 warps, offline sm_90a compile)
     tiles = ((1, 4), (2, 4), (4, 8), (8, 8))
     return {"xla": xla, **{f"fused_t{n}w{w}": fused(n, w) for n, w in tiles}}
@@ -62,19 +66,21 @@ def variants(tiny, scales):
 
 def run(T, fp8, args):
     rng = np.random.default_rng(T)
-    y, kp, vp, slots, cos, sin, scales = inputs(rng, T, fp8)
+    KV, G = args.heads
+    y, kp, vp, slots, cos, sin, extra = inputs(rng, T, fp8, KV, G, args.bias)
     q0 = jnp.zeros((T, KV * G, D), jnp.bfloat16)
-    ref = jax.jit(lambda *a: reference.rope_write_kv_reference(*a, **scales))(
+    ref = jax.jit(lambda *a: reference.rope_write_kv_reference(*a, **extra))(
         y, kp, vp, slots, cos, sin)
     out = []
-    for name, fn in variants(args.tiny, scales).items():
+    for name, fn in variants(args.tiny, extra).items():
         if not args.tiny:
             common.poison()
         got = jax.jit(fn)((q0, kp, vp), y, slots, cos, sin)
         err = max(common.rel_err(a, b) for a, b in zip(got, ref))  # NaN: an element unwritten
         del got
         rec = dict(common.run_info(device=not args.tiny), kernel="rope_write_kv", variant=name,
-                   tokens=T, pages="float8_e4m3fn" if fp8 else "bfloat16", rel_err=err)
+                   tokens=T, pages="float8_e4m3fn" if fp8 else "bfloat16", kv_heads=KV,
+                   group=G, bias=args.bias, rel_err=err)
         if err <= 1e-2:  # RoPE's float32 products may round apart by a bf16 / e4m3 step
             state = tuple(jnp.copy(a) for a in (q0, kp, vp))
             if args.tiny:  # no GPU trace: host time of the interpreted call
@@ -99,6 +105,9 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU, interpret mode, small steps")
     ap.add_argument("--tokens", default="1,64,256,2048,8192")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8, 4),
+                    help="KV,G: kv heads and queries a kv head (Llama-3-8B: 8,4)")
+    ap.add_argument("--bias", action="store_true", help="a q/k/v bias (Qwen2, GPT-OSS)")
     args = ap.parse_args(argv)
     print(json.dumps(common.run_info(device=not args.tiny)), flush=True)
     records = []
