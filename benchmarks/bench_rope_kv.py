@@ -36,7 +36,8 @@ def inputs(rng, T, fp8, KV, G, bias):
     angles = rng.integers(0, 2048, T)[:, None] * 500000.0 ** (-np.arange(0, D, 2) / D)
     cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
     slots = rng.permutation(P * PAGE)[:T].astype(np.int32)
-    slots[T // 2] = -1 if T > 1 else slots[0]  # a padding token
+    if T > 1:
+        slots[T // 2] = -1  # a padding token
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
     kp = jnp.asarray(rng.standard_normal((KV, P, PAGE, D)), jnp.float32).astype(dtype)
     vp = jnp.asarray(rng.standard_normal((KV, P, D, PAGE) if fp8 else (KV, P, PAGE, D)),
@@ -52,8 +53,8 @@ def variants(tiny, extra):
     first argument's q is only a buffer to donate, so each call's outputs feed the next."""
     def xla(state, y, slots, cos, sin):
         q, k, v = reference.rope_projection(y, cos, sin, extra.get("bias"))
-        kw = {k: v for k, v in extra.items() if k != "bias"}
-        return (q, *write_kv(*state[1:], k, v, slots, impl="pallas", interpret=tiny, **kw))
+        scales = {name: x for name, x in extra.items() if name != "bias"}
+        return (q, *write_kv(*state[1:], k, v, slots, impl="pallas", interpret=tiny, **scales))
 
     def fused(tokens, warps):
         return lambda state, y, slots, cos, sin: rope_kv.rope_write_kv(
