@@ -91,12 +91,19 @@ def test_rope_write_kv_lowers_for_gpu():
             assert "pallasite_rope_write_kv" in text
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+# family: whether its fused paged step takes the epilogue (Qwen3's q/k norms and the partial
+# rotary of this Phi-3 keep XLA's passes)
+EPILOGUE = {"llama": True, "qwen2": True, "gpt_oss": True, "llama_yarn": True, "qwen3": False,
+            "phi3_longrope": False}
+
+
+@pytest.mark.parametrize("family", EPILOGUE)
 def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     """A model with its q/k/v fused (as serving holds it) runs a paged step's RoPE and page
     write through `kernels.rope_write_kv`, here the kernel in interpret mode, and gives the
-    logits of the unfused model's dense forward: a chunked prefill, then decode steps (Qwen2:
-    with its q/k/v bias)."""
+    logits of the unfused model's dense forward: a chunked prefill, then decode steps. Qwen2
+    and GPT-OSS add their q/k/v bias in it, YaRN's tables carry its attention factor; Qwen3
+    (q/k norms) and a partial rotary Phi-3 keep XLA's passes."""
     import hf_models
     from test_model import dense_logits, paged_step, rel_err
 
@@ -104,7 +111,7 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     from pallasite.model.fuse import fuse_params
     hf_models.save(family, tmp_path)
     config, params = load_hf(tmp_path, dtype=jnp.float32)
-    assert config.qkv_bias == (family == "qwen2")
+    assert config.qkv_bias == (family in ("qwen2", "gpt_oss"))
     rng = np.random.default_rng(1)
     seq = rng.integers(0, config.vocab_size, 14)
     dense = np.asarray(dense_logits(params, config, seq[None]))[0]
@@ -117,4 +124,4 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     for a, b in ((0, 9), (9, 12), (12, 13), (13, 14)):
         logits, kv = paged_step(fused, config, kv, [(0, seq[a:b], a)], table, page_size)
         assert rel_err(np.asarray(logits)[0], dense[b - 1]) <= 1e-4, (a, b)
-    assert len(calls) == 4 * config.num_layers
+    assert len(calls) == (4 * config.num_layers if EPILOGUE[family] else 0)
