@@ -44,7 +44,8 @@ def inputs(rng, T, fp8, KV, G, bias):
                      jnp.float32).astype(dtype)
     extra = dict(k_scale=jnp.full((KV,), 0.05), v_scale=jnp.full((KV,), 0.02)) if fp8 else {}
     if bias:
-        extra["bias"] = jnp.asarray(rng.standard_normal((KV, G + 2, D)), jnp.bfloat16)
+        extra["bias"] = tuple(jnp.asarray(rng.standard_normal((n, D)), jnp.bfloat16)
+                              for n in (KV * G, KV, KV))  # bq, bk, bv
     return y, kp, vp, jnp.asarray(slots), cos, sin, extra
 
 

@@ -321,6 +321,13 @@ def pl_next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _kv_write_kernel(impl, interpret) -> bool:
+    """Whether K/V rows go into their pages by a Pallas kernel: asked for, or where
+    `tuning.params("kv_write")` names it for the GPU."""
+    return interpret or impl == "pallas" or (
+        _use_pallas(impl, interpret) and tuning.params("kv_write")["impl"] == "pallas")
+
+
 def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=None,
              interpret=False):
     """Scatter this step's K/V [T, KV, D] into the pages at flat slots (-1 = padding), in place
@@ -331,9 +338,7 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=
     pages' dtype (float8: `reference.quantize_kv`)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("write_kv takes both k_scale and v_scale or neither")
-    pallas = interpret or impl == "pallas" or (
-        _use_pallas(impl, interpret) and tuning.params("kv_write")["impl"] == "pallas")
-    if not pallas:
+    if not _kv_write_kernel(impl, interpret):
         return reference.write_kv_reference(k_pages, v_pages, k, v, slots, k_scale=k_scale,
                                             v_scale=v_scale)
     from . import kv_write
@@ -344,16 +349,15 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=
 def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=None,
                   v_scale=None, impl=None, interpret=False, **blocks):
     """A fused q/k/v projection's epilogue: y [T, KV, G + 2, D] (per kv head its G queries, key
-    and value; `bias` [KV, G + 2, D] added first), cos/sin [T, D / 2] float32 -> (q
+    and value; `bias` (bq [KV * G, D], bk [KV, D], bv [KV, D]) added first), cos/sin
+    [T, D / 2] float32 -> (q
     [T, KV * G, D] with RoPE, the pages with the rotated keys and the values at slots). Where
     `write_kv` takes its kernel, one launch (`rope_kv.py`); else RoPE in jnp and `write_kv`'s
     scatter. PALLASITE_ROPE_KV=0 keeps XLA's RoPE passes before the KV write kernel (what the
     one launch replaced, for timing it)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("rope_write_kv takes both k_scale and v_scale or neither")
-    pallas = interpret or impl == "pallas" or (
-        _use_pallas(impl, interpret) and tuning.params("kv_write")["impl"] == "pallas")
-    if not pallas:
+    if not _kv_write_kernel(impl, interpret):
         return reference.rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin,
                                                  bias=bias, k_scale=k_scale, v_scale=v_scale)
     if os.environ.get("PALLASITE_ROPE_KV", "1") == "0":

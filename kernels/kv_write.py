@@ -24,7 +24,7 @@ from .reference import head_scale, keys_last
 
 
 def _quantize(x, scale, dtype):
-    """x [KV, D] / scale [KV] in `dtype`, saturated to its finite range (as
+    """x [..., KV, D] / scale [KV] in `dtype`, saturated to its finite range (as
     `reference.quantize_kv`)."""
     if scale is None:
         return x.astype(dtype)

@@ -190,11 +190,13 @@ def write_kv_reference(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=N
 
 def rope_projection(y, cos, sin, bias=None):
     """A fused projection y [T, KV, G + 2, D] (per kv head its G queries, key and value), plus
-    `bias` [KV, G + 2, D] in y's dtype -> q [T, KV * G, D] and k [T, KV, D] turned by the RoPE
-    tables cos/sin [T, D / 2] (the two halves of D, HF convention), and v [T, KV, D]."""
+    `bias` (bq [KV * G, D], bk [KV, D], bv [KV, D]) in y's dtype -> q [T, KV * G, D] and
+    k [T, KV, D] turned by the RoPE tables cos/sin [T, D / 2] (the two halves of D, HF
+    convention), and v [T, KV, D]."""
     T, KV, G2, D = y.shape
     if bias is not None:
-        y = y + bias.astype(y.dtype)
+        bq, bk, bv = (b.astype(y.dtype) for b in bias)
+        y = y + jnp.concatenate([bq.reshape(KV, G2 - 2, D), bk[:, None], bv[:, None]], axis=1)
 
     def rotate(x):  # [T, n, D]
         c, s = cos[:, None, :], sin[:, None, :]

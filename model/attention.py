@@ -102,12 +102,8 @@ class Attention(nn.Module):
                 and (c.rotary_dim or c.head_dim) == c.head_dim)
 
     def projection_bias(self):
-        """The q/k/v biases in the fused product's layout [KV, G + 2, D], or None."""
-        if not self.config.qkv_bias:
-            return None
-        kv, hd = self.bk.shape
-        return jnp.concatenate([self.bq.reshape(kv, -1, hd), self.bk[:, None], self.bv[:, None]],
-                               axis=1)
+        """The q/k/v biases (bq [H, D], bk, bv [KV, D]), or None."""
+        return (self.bq, self.bk, self.bv) if self.config.qkv_bias else None
 
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None,
                  unscaled=False):
@@ -175,7 +171,7 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
 
 def attend_projection(y, cos, sin, layer_cache, batch: Batch, bias=None, **options):
     """The paged way in from a fused projection y [T, KV, G + 2, D] (G queries, the key and the
-    value of each kv head, as they come; `bias` in that layout): RoPE by the tables cos/sin
+    value of each kv head, as they come; `bias` (bq, bk, bv)): RoPE by the tables cos/sin
     [T, D / 2] and the page write in one call (`kernels.rope_write_kv`), then `attend`'s
     attention call."""
     k_pages, v_pages, *scales = layer_cache

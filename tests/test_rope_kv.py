@@ -35,8 +35,9 @@ def test_rope_write_kv_matches_reference(T, KV, G, tokens, pad, bias):
     y, kp, vp, slots, cos, sin, _ = _case(T, KV, G, 32, 8, 5, pad, seed=T + G)
     kw = {}
     if bias:
-        kw["bias"] = jnp.asarray(np.random.default_rng(0).standard_normal((KV, G + 2, 32)),
-                                 jnp.bfloat16)
+        rng = np.random.default_rng(0)
+        kw["bias"] = tuple(jnp.asarray(rng.standard_normal((n, 32)), jnp.bfloat16)
+                           for n in (KV * G, KV, KV))  # bq, bk, bv
     out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=tokens, **kw)
     ref = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin, **kw)
     assert out[0].shape == (T, KV * G, 32)
@@ -84,7 +85,8 @@ def test_rope_write_kv_lowers_for_gpu():
         pages = sds((8, 64, 16, 128), dtype)
         scale = {} if dtype == jnp.bfloat16 else dict(k_scale=sds((8,), jnp.float32),
                                                       v_scale=sds((8,), jnp.float32))
-        for bias in ({}, dict(bias=sds((8, 6, 128), jnp.bfloat16))):
+        bias = tuple(sds((n, 128), jnp.bfloat16) for n in (32, 8, 8))
+        for bias in ({}, dict(bias=bias)):
             text = rope_kv.rope_write_kv.trace(
                 y, pages, sds(v_shape, dtype), sds((5,), jnp.int32), cs, cs, tokens=4, **scale,
                 **bias).lower(lowering_platforms=("cuda",)).as_text()
