@@ -1,10 +1,13 @@
 """A fused q/k/v projection's epilogue: RoPE on queries and key and the page write in one launch
 (`kernels/rope_kv.py`) against XLA's passes that it replaces (the queries' RoPE, the key's RoPE
 stacked with the value, then the KV write kernel: `PALLASITE_ROPE_KV=0`), Llama-3-8B heads
-(32 queries, 8 kv heads, head dim 128) or `--heads`, pages of 16, at 1-8192 tokens of a step.
+(32 queries, 8 kv heads, head dim 128) or `--heads` / `--head-dim`, pages of 16, at 1-8192
+tokens of a step; with `--norm` the q/k RMSNorms before RoPE (Qwen3), with `--rotary R` RoPE
+over the leading R columns of a head.
 
     python -m benchmarks.bench_rope_kv --out DIR              # GPU
     python -m benchmarks.bench_rope_kv --out DIR --heads 4,7 --bias   # Qwen2.5-7B's, with bias
+    python -m benchmarks.bench_rope_kv --out DIR --norm               # Qwen3-8B's q/k norms
     python -m benchmarks.bench_rope_kv --out DIR --tiny       # CPU, interpret mode (does it run)
 
 Each variant first runs on fresh random inputs with freed device memory poisoned and must give
@@ -27,13 +30,13 @@ import numpy as np
 from benchmarks import common
 from pallasite.kernels import reference, rope_kv, write_kv
 
-D, PAGE = 128, 16
+PAGE = 16
 
 
-def inputs(rng, T, fp8, KV, G, bias):
-    P = T // PAGE + 64
+def inputs(rng, T, fp8, KV, G, args):
+    P, D, R = T // PAGE + 64, args.head_dim, args.rotary or args.head_dim
     y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
-    angles = rng.integers(0, 2048, T)[:, None] * 500000.0 ** (-np.arange(0, D, 2) / D)
+    angles = rng.integers(0, 2048, T)[:, None] * 500000.0 ** (-np.arange(0, R, 2) / R)
     cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
     slots = rng.permutation(P * PAGE)[:T].astype(np.int32)
     if T > 1:
@@ -43,7 +46,10 @@ def inputs(rng, T, fp8, KV, G, bias):
     vp = jnp.asarray(rng.standard_normal((KV, P, D, PAGE) if fp8 else (KV, P, PAGE, D)),
                      jnp.float32).astype(dtype)
     extra = dict(k_scale=jnp.full((KV,), 0.05), v_scale=jnp.full((KV,), 0.02)) if fp8 else {}
-    if bias:
+    if args.norm:  # weights near one, as trained norms are
+        extra["norm"] = tuple(jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16)
+                              for _ in range(2))
+    if args.bias:
         extra["bias"] = tuple(jnp.asarray(rng.standard_normal((n, D)), jnp.bfloat16)
                               for n in (KV * G, KV, KV))  # bq, bk, bv
     return y, kp, vp, jnp.asarray(slots), cos, sin, extra
@@ -53,8 +59,8 @@ def variants(tiny, extra):
     """name -> fn((q, k_pages, v_pages), y, slots, cos, sin) -> (q, k_pages, v_pages): the
     first argument's q is only a buffer to donate, so each call's outputs feed the next."""
     def xla(state, y, slots, cos, sin):
-        q, k, v = reference.rope_projection(y, cos, sin, extra.get("bias"))
-        scales = {name: x for name, x in extra.items() if name != "bias"}
+        q, k, v = reference.rope_projection(y, cos, sin, extra.get("bias"), extra.get("norm"))
+        scales = {name: x for name, x in extra.items() if name.endswith("_scale")}
         return (q, *write_kv(*state[1:], k, v, slots, impl="pallas", interpret=tiny, **scales))
 
     def fused(tokens, warps):
@@ -69,8 +75,8 @@ def variants(tiny, extra):
 def run(T, fp8, args):
     rng = np.random.default_rng(T)
     KV, G = args.heads
-    y, kp, vp, slots, cos, sin, extra = inputs(rng, T, fp8, KV, G, args.bias)
-    q0 = jnp.zeros((T, KV * G, D), jnp.bfloat16)
+    y, kp, vp, slots, cos, sin, extra = inputs(rng, T, fp8, KV, G, args)
+    q0 = jnp.zeros((T, KV * G, args.head_dim), jnp.bfloat16)
     ref = jax.jit(lambda *a: reference.rope_write_kv_reference(*a, **extra))(
         y, kp, vp, slots, cos, sin)
     out = []
@@ -82,7 +88,8 @@ def run(T, fp8, args):
         del got
         rec = dict(common.run_info(device=not args.tiny), kernel="rope_write_kv", variant=name,
                    tokens=T, pages="float8_e4m3fn" if fp8 else "bfloat16", kv_heads=KV,
-                   group=G, bias=args.bias, rel_err=err)
+                   group=G, head_dim=args.head_dim, rotary=args.rotary or args.head_dim,
+                   bias=args.bias, norm=args.norm, rel_err=err)
         if err <= 1e-2:  # RoPE's float32 products may round apart by a bf16 / e4m3 step
             state = tuple(jnp.copy(a) for a in (q0, kp, vp))
             if args.tiny:  # no GPU trace: host time of the interpreted call
@@ -109,7 +116,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8, 4),
                     help="KV,G: kv heads and queries a kv head (Llama-3-8B: 8,4)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rotary", type=int, default=0, help="columns RoPE turns (0: the head)")
     ap.add_argument("--bias", action="store_true", help="a q/k/v bias (Qwen2, GPT-OSS)")
+    ap.add_argument("--norm", action="store_true", help="q/k RMSNorms (Qwen3, Gemma 3)")
     args = ap.parse_args(argv)
     print(json.dumps(common.run_info(device=not args.tiny)), flush=True)
     records = []

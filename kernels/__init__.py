@@ -346,28 +346,30 @@ def write_kv(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=None, impl=
                              interpret=interpret)
 
 
-def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=None,
-                  v_scale=None, impl=None, interpret=False, **blocks):
+def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, norm=None, eps=1e-6,
+                  plus_one=False, k_scale=None, v_scale=None, impl=None, interpret=False,
+                  **blocks):
     """A fused q/k/v projection's epilogue: y [T, KV, G + 2, D] (per kv head its G queries, key
-    and value; `bias` (bq [KV * G, D], bk [KV, D], bv [KV, D]) added first), cos/sin
-    [T, D / 2] float32 -> (q
-    [T, KV * G, D] with RoPE, the pages with the rotated keys and the values at slots). Where
-    `write_kv` takes its kernel, one launch (`rope_kv.py`); else RoPE in jnp and `write_kv`'s
-    scatter. PALLASITE_ROPE_KV=0 keeps XLA's RoPE passes before the KV write kernel (what the
-    one launch replaced, for timing it)."""
+    and value), with `bias` (bq [KV * G, D], bk [KV, D], bv [KV, D]) added first and `norm`
+    (q's and k's RMSNorm weights [D]; `eps`, `plus_one`) over each query and key head, RoPE by
+    cos/sin [T, R / 2] float32 on the leading R columns -> (q [T, KV * G, D], the pages with
+    the keys and the values at slots). Where `write_kv` takes its kernel, one launch
+    (`rope_kv.py`); else the jnp reference. PALLASITE_ROPE_KV=0 keeps XLA's passes before the
+    KV write kernel (what the one launch replaced, for timing it)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("rope_write_kv takes both k_scale and v_scale or neither")
+    kw = dict(bias=bias, norm=norm, eps=eps, plus_one=plus_one)
     if not _kv_write_kernel(impl, interpret):
-        return reference.rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin,
-                                                 bias=bias, k_scale=k_scale, v_scale=v_scale)
+        return reference.rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, **kw,
+                                                 k_scale=k_scale, v_scale=v_scale)
     if os.environ.get("PALLASITE_ROPE_KV", "1") == "0":
-        q, k, v = reference.rope_projection(y, cos, sin, bias)
+        q, k, v = reference.rope_projection(y, cos, sin, **kw)
         return q, *write_kv(k_pages, v_pages, k, v, slots, k_scale=k_scale, v_scale=v_scale,
                             impl="pallas", interpret=interpret)
     from . import rope_kv
-    kw = tuning.params("rope_kv") | blocks
-    return rope_kv.rope_write_kv(y, k_pages, v_pages, slots, cos, sin, bias=bias,
-                                 k_scale=k_scale, v_scale=v_scale, interpret=interpret, **kw)
+    return rope_kv.rope_write_kv(y, k_pages, v_pages, slots, cos, sin, **kw, k_scale=k_scale,
+                                 v_scale=v_scale, interpret=interpret,
+                                 **(tuning.params("rope_kv") | blocks))
 
 
 GROUPED_MIN_ROWS_PER_EXPERT = 16  # below this many rows per expert, XLA's ragged_dot is used

@@ -188,30 +188,46 @@ def write_kv_reference(k_pages, v_pages, k, v, slots, *, k_scale=None, v_scale=N
     return k_pages, v_pages
 
 
-def rope_projection(y, cos, sin, bias=None):
+def rms_norm(x, weight, *, eps, plus_one=False):
+    """RMSNorm over x's last axis in float32, scaled by `weight` and in x's dtype: weight times
+    the normalized x rounded first, or (`plus_one`, Gemma) by 1 + weight in float32."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * x32.astype(x.dtype)
+
+
+def rotate_halves(x, cos, sin):
+    """x [..., T, heads, D] turned by the RoPE tables cos/sin [..., T, R / 2]: the two halves of
+    its leading R columns (HF convention), the rest passed over; in float32, then x's dtype."""
+    rot = 2 * cos.shape[-1]
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
+
+
+def rope_projection(y, cos, sin, bias=None, norm=None, *, eps=1e-6, plus_one=False):
     """A fused projection y [T, KV, G + 2, D] (per kv head its G queries, key and value), plus
-    `bias` (bq [KV * G, D], bk [KV, D], bv [KV, D]) in y's dtype -> q [T, KV * G, D] and
-    k [T, KV, D] turned by the RoPE tables cos/sin [T, D / 2] (the two halves of D, HF
-    convention), and v [T, KV, D]."""
+    `bias` (bq [KV * G, D], bk [KV, D], bv [KV, D]) in y's dtype, each query and key head
+    through `rms_norm` with `norm`'s (q's, k's) weights [D] -> q [T, KV * G, D] and k [T, KV, D]
+    turned by the RoPE tables cos/sin [T, R / 2] (`rotate_halves`), and v [T, KV, D]."""
     T, KV, G2, D = y.shape
     if bias is not None:
         bq, bk, bv = (b.astype(y.dtype) for b in bias)
         y = y + jnp.concatenate([bq.reshape(KV, G2 - 2, D), bk[:, None], bv[:, None]], axis=1)
-
-    def rotate(x):  # [T, n, D]
-        c, s = cos[:, None, :], sin[:, None, :]
-        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-    return (rotate(y[:, :, :G2 - 2].reshape(T, KV * (G2 - 2), D)), rotate(y[:, :, G2 - 2]),
-            y[:, :, G2 - 1])
+    q, k = y[:, :, :G2 - 2].reshape(T, KV * (G2 - 2), D), y[:, :, G2 - 2]
+    if norm is not None:
+        q, k = (rms_norm(x, w, eps=eps, plus_one=plus_one) for x, w in zip((q, k), norm))
+    return rotate_halves(q, cos, sin), rotate_halves(k, cos, sin), y[:, :, G2 - 1]
 
 
-def rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, *, bias=None, k_scale=None,
-                            v_scale=None):
+def rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, *, bias=None, norm=None,
+                            eps=1e-6, plus_one=False, k_scale=None, v_scale=None):
     """A fused projection's epilogue (`rope_kv.py`): `rope_projection`'s q, and the pages with
     its keys and values written at slots."""
-    q, k, v = rope_projection(y, cos, sin, bias)
+    q, k, v = rope_projection(y, cos, sin, bias, norm, eps=eps, plus_one=plus_one)
     return q, *write_kv_reference(k_pages, v_pages, k, v, slots, k_scale=k_scale,
                                   v_scale=v_scale)
 

@@ -94,16 +94,20 @@ class Attention(nn.Module):
         return rope_tables(positions, inv_freq, scaling.attention_factor)
 
     def fused_epilogue(self) -> bool:
-        """Whether a paged step's RoPE and page write can be one call (`attend_projection`):
-        q, k and v are one fused product (plus its bias), with no q/k norms and RoPE over whole
-        heads."""
-        c = self.config
-        return (self.wqkv is not None and not c.qk_norm
-                and (c.rotary_dim or c.head_dim) == c.head_dim)
+        """Whether a paged step's q/k norms, RoPE and page write can be one call
+        (`attend_projection`): q, k and v are one fused product (plus its bias)."""
+        return self.wqkv is not None and not self.is_initializing()
 
-    def projection_bias(self):
-        """The q/k/v biases (bq [H, D], bk, bv [KV, D]), or None."""
-        return (self.bq, self.bk, self.bv) if self.config.qkv_bias else None
+    def epilogue_args(self) -> dict:
+        """`kernels.rope_write_kv`'s keywords for this layer: the q/k/v biases (bq [H, D],
+        bk, bv [KV, D]) and the q/k norms' weights, where the model has them."""
+        c, kw = self.config, {}
+        if c.qkv_bias:
+            kw["bias"] = (self.bq, self.bk, self.bv)
+        if c.qk_norm:
+            kw["norm"] = tuple(n.variables["params"]["scale"] for n in (self.q_norm, self.k_norm))
+            kw.update(eps=c.rms_norm_eps, plus_one=c.norm_plus_one)
+        return kw
 
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, batch: Batch | None = None,
                  unscaled=False):
@@ -116,8 +120,7 @@ class Attention(nn.Module):
         if layer_cache is not None and hooks is None and self.fused_epilogue():
             y = quant.linear(x, self.wqkv)
             o, layer_cache = attend_projection(y, *self.rope(positions, batch), layer_cache,
-                                               batch, bias=self.projection_bias(), **options,
-                                               **sinks)
+                                               batch, self.epilogue_args(), **options, **sinks)
         elif hooks is None:
             q, k, v = self.qkv(x, positions, batch)
             o, layer_cache = attend(q, k, v, segment_ids, layer_cache, batch, **options, **sinks)
@@ -169,17 +172,17 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
     return o, (k_pages, v_pages, *scales)
 
 
-def attend_projection(y, cos, sin, layer_cache, batch: Batch, bias=None, **options):
+def attend_projection(y, cos, sin, layer_cache, batch: Batch, epilogue=None, **options):
     """The paged way in from a fused projection y [T, KV, G + 2, D] (G queries, the key and the
-    value of each kv head, as they come; `bias` (bq, bk, bv)): RoPE by the tables cos/sin
-    [T, D / 2] and the page write in one call (`kernels.rope_write_kv`), then `attend`'s
-    attention call."""
+    value of each kv head, as they come): its bias, q/k norms (`epilogue`: the keywords of
+    `Attention.epilogue_args`), RoPE by the tables cos/sin [T, R / 2] and the page write in one
+    call (`kernels.rope_write_kv`), then `attend`'s attention call."""
     k_pages, v_pages, *scales = layer_cache
     scale_kw = dict(zip(("k_scale", "v_scale"), scales))
-    T, D = y.shape[-4], y.shape[-1]
+    T = y.shape[-4]
     q, k_pages, v_pages = kernels.rope_write_kv(
-        y.reshape(T, *y.shape[-3:]), k_pages, v_pages, batch.slots, cos.reshape(T, D // 2),
-        sin.reshape(T, D // 2), bias=bias, **scale_kw)
+        y.reshape(T, *y.shape[-3:]), k_pages, v_pages, batch.slots, cos.reshape(T, -1),
+        sin.reshape(T, -1), **(epilogue or {}), **scale_kw)
     o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
                                        batch.context_lens, batch.page_table, **options,
                                        **scale_kw)

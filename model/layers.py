@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
+from ..kernels.reference import rms_norm, rotate_halves as rotate
 from . import quant
 from .config import ModelConfig, RopeScaling
 from .fuse import GATE_UP
@@ -109,11 +110,7 @@ class RMSNorm(nn.Module):
                                                       out=rows8, **kw))
             return norm.reshape(*lead, self.dim), (None if total is None
                                                    else total.reshape(x.shape))
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.plus_one:
-            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
-        return scale * x32.astype(x.dtype)
+        return rms_norm(x, scale, eps=self.eps, plus_one=self.plus_one)
 
 
 def _yarn(inv, inv_scaled, dim: int, theta: float, s: RopeScaling):
@@ -166,16 +163,6 @@ def rope_tables(positions, inv_freq, attention_factor: float = 1.0):
     (YaRN, LongRoPE)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
-
-
-def rotate(x, cos, sin):
-    """x [..., T, heads, D] by the tables [..., T, rot/2]: the two halves of the leading rot
-    dims of D turn (HF convention), the rest pass through."""
-    rot = 2 * cos.shape[-1]
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    x1, x2 = jnp.split(x[..., :rot].astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
 
 
 def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0):

@@ -12,11 +12,12 @@ from pallasite.model.config import RopeScaling
 from pallasite.model.layers import apply_rope, rope_frequencies, rope_tables
 
 
-def _case(T, KV, G, D, page_size, pages, pad, seed, page_dtype=jnp.bfloat16, keys_last=False):
+def _case(T, KV, G, D, page_size, pages, pad, seed, page_dtype=jnp.bfloat16, keys_last=False,
+          rot=None):
     rng = np.random.default_rng(seed)
     y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, 4000, T), jnp.int32)
-    cos, sin = rope_tables(positions, rope_frequencies(D, 500000.0, RopeScaling()))
+    cos, sin = rope_tables(positions, rope_frequencies(rot or D, 500000.0, RopeScaling()))
     v_shape = (KV, pages, D, page_size) if keys_last else (KV, pages, page_size, D)
     kp = jnp.asarray(rng.standard_normal((KV, pages, page_size, D)), jnp.float32).astype(page_dtype)
     vp = jnp.asarray(rng.standard_normal(v_shape), jnp.float32).astype(page_dtype)
@@ -45,6 +46,30 @@ def test_rope_write_kv_matches_reference(T, KV, G, tokens, pad, bias):
         np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(r, np.float32))
     written = np.asarray(out[0 + 1] != kp).any(axis=(0, 3)).sum()
     assert written == T - len(pad)
+
+
+@pytest.mark.parametrize("D,rot,norm,plus_one", [
+    (32, 32, True, False), (32, 32, True, True), (32, 16, False, False), (24, 24, False, False),
+    (48, 20, True, False)])
+def test_rope_write_kv_norms_and_head_dims(D, rot, norm, plus_one):
+    """q/k RMSNorms (Qwen3; Gemma's plus-one weights) before RoPE, a rotary over the leading
+    `rot` columns with the rest passed over (Phi-3), and head dims whose halves are not powers
+    of two (padded lanes, masked), against the reference, which is the model's norm and RoPE."""
+    T, KV, G = 5, 2, 3
+    y, kp, vp, slots, cos, sin, _ = _case(T, KV, G, D, 4, 6, [3], seed=D + rot, rot=rot)
+    kw = {}
+    if norm:
+        rng = np.random.default_rng(D)
+        kw = dict(norm=tuple(jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16)
+                             for _ in range(2)), eps=1e-6, plus_one=plus_one)
+    out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=2, **kw)
+    ref = reference.rope_write_kv_reference(y, kp, vp, slots, cos, sin, **kw)
+    for o, r in zip(out, ref):  # the norm's mean is summed in another order: within an ulp
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(r, np.float32),
+                                   rtol=2 ** -7 if norm else 0, atol=0)
+    if rot < D and not norm:  # the columns past the rotary come through as they were made
+        q = np.asarray(out[0], np.float32).reshape(T, KV, G, D)
+        np.testing.assert_array_equal(q[..., rot:], np.asarray(y, np.float32)[:, :, :G, rot:])
 
 
 def test_reference_is_the_models_rope():
@@ -78,7 +103,8 @@ def test_rope_write_kv_float8_pages():
 
 def test_rope_write_kv_lowers_for_gpu():
     """The Triton lowering, pages aliased to the outputs, without a GPU: bf16 and float8
-    pages, with and without a bias."""
+    pages, with and without a bias; a head dim whose halves are not powers of two, a partial
+    rotary and q/k norms."""
     sds = jax.ShapeDtypeStruct
     y, cs = sds((5, 8, 6, 128), jnp.bfloat16), sds((5, 64), jnp.float32)
     for dtype, v_shape in ((jnp.bfloat16, (8, 64, 16, 128)), (jnp.float8_e4m3fn, (8, 64, 128, 16))):
@@ -91,21 +117,25 @@ def test_rope_write_kv_lowers_for_gpu():
                 y, pages, sds(v_shape, dtype), sds((5,), jnp.int32), cs, cs, tokens=4, **scale,
                 **bias).lower(lowering_platforms=("cuda",)).as_text()
             assert "pallasite_rope_write_kv" in text
+    # head dim 96 (Phi-3-mini: halves of 48 lanes), a partial rotary, q/k norms
+    y, cs = sds((5, 8, 6, 96), jnp.bfloat16), sds((5, 16), jnp.float32)
+    pages = sds((8, 64, 16, 96), jnp.bfloat16)
+    norm = tuple(sds((96,), jnp.bfloat16) for _ in range(2))
+    text = rope_kv.rope_write_kv.trace(y, pages, pages, sds((5,), jnp.int32), cs, cs, norm=norm,
+                                       tokens=4).lower(lowering_platforms=("cuda",)).as_text()
+    assert "pallasite_rope_write_kv" in text
 
 
-# family: whether its fused paged step takes the epilogue (Qwen3's q/k norms and the partial
-# rotary of this Phi-3 keep XLA's passes)
-EPILOGUE = {"llama": True, "qwen2": True, "gpt_oss": True, "llama_yarn": True, "qwen3": False,
-            "phi3_longrope": False}
-
-
+# families whose fused paged step takes the epilogue: biases (Qwen2, GPT-OSS), q/k norms (Qwen3,
+# Gemma 3's plus-one), YaRN's attention factor, a partial rotary (this Phi-3), sinks and windows
+EPILOGUE = ("llama", "qwen2", "gpt_oss", "llama_yarn", "qwen3", "gemma3", "phi3_longrope")
 @pytest.mark.parametrize("family", EPILOGUE)
 def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     """A model with its q/k/v fused (as serving holds it) runs a paged step's RoPE and page
     write through `kernels.rope_write_kv`, here the kernel in interpret mode, and gives the
     logits of the unfused model's dense forward: a chunked prefill, then decode steps. Qwen2
-    and GPT-OSS add their q/k/v bias in it, YaRN's tables carry its attention factor; Qwen3
-    (q/k norms) and a partial rotary Phi-3 keep XLA's passes."""
+    and GPT-OSS add their q/k/v bias in it, Qwen3 and Gemma 3 their q/k norms, YaRN's tables
+    carry its attention factor, and Phi-3's rotate half of each head."""
     import hf_models
     from test_model import dense_logits, paged_step, rel_err
 
@@ -114,6 +144,7 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     hf_models.save(family, tmp_path)
     config, params = load_hf(tmp_path, dtype=jnp.float32)
     assert config.qkv_bias == (family in ("qwen2", "gpt_oss"))
+    assert config.qk_norm == (family in ("qwen3", "gemma3"))
     rng = np.random.default_rng(1)
     seq = rng.integers(0, config.vocab_size, 14)
     dense = np.asarray(dense_logits(params, config, seq[None]))[0]
@@ -126,4 +157,4 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     for a, b in ((0, 9), (9, 12), (12, 13), (13, 14)):
         logits, kv = paged_step(fused, config, kv, [(0, seq[a:b], a)], table, page_size)
         assert rel_err(np.asarray(logits)[0], dense[b - 1]) <= 1e-4, (a, b)
-    assert len(calls) == (4 * config.num_layers if EPILOGUE[family] else 0)
+    assert len(calls) == 4 * config.num_layers
