@@ -71,18 +71,21 @@ def mgpu_variants(m, n, k_tiles, tiny):
 def gemv_variants(m, n, k_tiles, tiny, near=False):
     """The library's tiles (`w4a16_gemv.blocks_for`) and their neighbours: half to four times
     the split, 4 or 8 warps, 2 or 4 K tiles a step, 32 columns; the rule's tiles without the
-    fused multiply-add, and with Triton's pipeline. `near`: the rule and four neighbours."""
+    fused multiply-add, with Triton's pipeline, and with codes unpacked by a shift a code
+    (`unpack="one_plus"`). `near`: the rule, four neighbours and the shifts."""
     if tiny:
         return [dict(block_n=32, tiles_step=2, num_splits=2)]
     rule = gv.blocks_for(m, n, k_tiles)
     s = rule["num_splits"]
     if near:
         return [rule, rule | dict(tiles_step=6 - rule["tiles_step"]), rule | dict(num_warps=8),
-                rule | dict(block_n=32), rule | dict(num_splits=max(1, s // 2))]
+                rule | dict(block_n=32), rule | dict(num_splits=max(1, s // 2)),
+                rule | dict(unpack="one_plus")]
     out = [rule | dict(num_splits=sp, num_warps=w, tiles_step=t)
            for sp, w, t in itertools.product(sorted({max(1, s // 2), s, 2 * s, min(4 * s, 32)}),
                                              (4, 8), (2, 4))]
-    return out + [rule | dict(block_n=32), rule | dict(fused=False), rule | dict(num_stages=3)]
+    return out + [rule | dict(block_n=32), rule | dict(fused=False), rule | dict(num_stages=3),
+                  rule | dict(unpack="one_plus")]
 
 
 def i4_variants(m, n, k_tiles, tiny):

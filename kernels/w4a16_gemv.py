@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .w4a16_matmul import one_plus
+from .w4a16_matmul import F32_ONE, one_plus
 from .w4a16_mgpu import SLAB, tile_rows
 
 MAX_ROWS = 8  # each row costs an FMA a weight: past a few rows the MMA kernel is the faster
@@ -47,12 +47,48 @@ def fma(a, b, c, *, asm: bool):
     return out
 
 
-def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, asm):
+def lop3(a, mask: int, bits: int, *, asm: bool):
+    """(a & mask) | bits, one LOP3 by inline PTX: ptxas keeps the AND and the OR of two
+    constants as two instructions."""
+    if not asm:
+        return (a & mask) | bits
+    [out] = plgpu.elementwise_inline_asm(
+        f"lop3.b32 $0, $1, {mask}, {bits}, 0xEA;", args=[a], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return out
+
+
+def plane_place(j: int, bits: int) -> tuple[bool, int]:
+    """Where bit plane j's codes sit for `masked_plane`: in the words shifted down by
+    `high_shift` (the planes in the exponent's bits), and from which bit."""
+    p = bits * j
+    return (True, p - high_shift(bits)) if p + bits > 23 else (False, p)
+
+
+def high_shift(bits: int) -> int:
+    return bits * ((23 - bits) // bits + 1)
+
+
+def masked_plane(words, high, j: int, bits: int, *, asm: bool):
+    """Bit plane j's codes u as float32 u * 2**(p - 23): each code masked in place into the
+    mantissa under 1.0's exponent (one LOP3), less 1 (exact). Times x * 2**(23 - p), exact,
+    that is u * x. No shift a code: `high` holds the words shifted once."""
+    shifted, p = plane_place(j, bits)
+    v = lop3(high if shifted else words, ((1 << bits) - 1) << p, F32_ONE, asm=asm)
+    return lax.bitcast_convert_type(v, jnp.float32) - 1.0
+
+
+def _kernel(x_ref, xs_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, asm):
     z_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     per, tile = 32 // bits, tile_rows(bits)
     rows, t = x_ref.shape[0], tiles_step
     planes = min(per, group_size // SLAB)  # bit planes under one scale
     per_tile = group_size <= tile  # scales indexed [tile, chunk]
+    # With `xs_ref` (the sums of x a chunk; x comes float32, plane j's times 2**(23 - p)):
+    # sum (u - z) * s * x = s * (sum u * x - z * sum x), u * x from `masked_plane`. Without:
+    # v = 1 + u / 2**bits (`one_plus`, a shift a code) and the identity of the docstring.
+    mask = xs_ref is not None
+    lead = 1.0 if mask else 2.0 ** bits
 
     def group_vec(ref, t0, c):
         """A chunk's scales (or zeros), [block_n, T, 1], or [block_n, 1, 1] where one group
@@ -67,20 +103,25 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, asm
         accs, zaccs = map(list, carry)
         t0 = pl.multiple_of(i * t, t)
         words = w_ref[:, pl.ds(t0, t), :]
+        high = words >> high_shift(bits) if mask else None
         for c in range(per // planes):
             parts, xsums = [0.0] * rows, [0.0] * rows
             for j in range(c * planes, (c + 1) * planes):
-                v = one_plus(words, j, bits)
+                v = (masked_plane(words, high, j, bits, asm=asm) if mask
+                     else one_plus(words, j, bits))
                 for r in range(rows):
                     xj = x_ref[r, pl.ds(t0, t), j, :].astype(jnp.float32)
                     parts[r] = fma(v, xj[None], parts[r], asm=asm)
-                    xsums[r] = xsums[r] + xj
+                    if not mask:
+                        xsums[r] = xsums[r] + xj
             s = group_vec(s_ref, t0, c)
             z = 2.0 ** (bits - 1) if z_ref is None else group_vec(z_ref, t0, c)
-            b = (-(2.0 ** bits) - z) * s  # the zero's share, times the group's sum of x
+            b = -(z if mask else lead + z) * s  # the zero's share, times the chunk's sum of x
             for r in range(rows):
                 accs[r] = fma(parts[r], s, accs[r], asm=asm)
-                zaccs[r] = zaccs[r] + b * jnp.sum(xsums[r], axis=1)[None, :, None]
+                xsum = (xs_ref[r, pl.ds(t0, t), c] if mask
+                        else jnp.sum(xsums[r], axis=1))
+                zaccs[r] = zaccs[r] + b * xsum[None, :, None]
         return tuple(accs), tuple(zaccs)
 
     bn = w_ref.shape[0]
@@ -88,7 +129,7 @@ def _kernel(x_ref, w_ref, s_ref, *rest, bits, group_size, tiles_step, steps, asm
             tuple(jnp.zeros((bn, t, 1), jnp.float32) for _ in range(rows)))
     accs, zaccs = lax.fori_loop(0, steps, body, init)
     for r in range(rows):
-        acc = 2.0 ** bits * jnp.sum(jnp.sum(accs[r], axis=2), axis=1)
+        acc = lead * jnp.sum(jnp.sum(accs[r], axis=2), axis=1)
         o_ref[r, :] = (acc + jnp.sum(jnp.sum(zaccs[r], axis=2), axis=1)).astype(o_ref.dtype)
 
 
@@ -109,13 +150,14 @@ def plan(tiles: int, group_tiles: int, tiles_step: int, num_splits: int) -> tupl
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "tiles_step",
                                              "num_splits", "num_warps", "num_stages", "fused",
-                                             "interpret"))
+                                             "unpack", "interpret"))
 def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, block_n: int = 64,
                tiles_step: int = 4, num_splits: int = 1, num_warps: int = 4, num_stages: int = 1,
-               fused: bool = True, interpret: bool = False):
+               fused: bool = True, unpack: str = "mask", interpret: bool = False):
     """x [M, K] (M <= MAX_ROWS) times the packed weight (words_t [N, K_pad // per], scale
     [G, N] f32, zero [G, N] or None: symmetric) -> [M, N] in x's dtype. `fused`: the products'
-    multiply-adds by inline PTX (`fma`); `num_stages`: Triton's software pipeline depth."""
+    multiply-adds by inline PTX (`fma`); `num_stages`: Triton's software pipeline depth;
+    `unpack`: how codes become floats, "mask" (`masked_plane`) or "one_plus" (`one_plus`)."""
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)
@@ -127,6 +169,13 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
     splits, step = plan(tiles, group // tile, tiles_step, num_splits)
     span = tiles // splits
     x4 = jnp.pad(x, ((0, 0), (0, k_pad - k))).reshape(m, tiles, per, SLAB)
+    sums = None
+    if unpack == "mask":  # x float32, plane j's times 2**(23 - p) (exact); its chunks' sums
+        planes = min(per, group // SLAB)
+        x4 = x4.astype(jnp.float32)
+        sums = jnp.sum(x4.reshape(m, tiles, per // planes, planes * SLAB), axis=-1)
+        e = jnp.asarray([2.0 ** (23 - plane_place(j, bits)[1]) for j in range(per)])
+        x4 = x4 * e[:, None]
     chunks = max(1, tile // group)  # groups a tile
     s3 = scale.reshape(-1, chunks, n)
     if group <= tile:
@@ -136,9 +185,11 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
         s_block = (g_rows, 1, block_n)
         s_index = lambda j, s: ((s * span * tile // group) // g_rows, 0, j)
     in_specs = [pl.BlockSpec((m, span, per, SLAB), lambda j, s: (0, s, 0, 0)),
+                None if sums is None else pl.BlockSpec((m, span, sums.shape[-1]),
+                                                       lambda j, s: (0, s, 0)),
                 pl.BlockSpec((block_n, span, SLAB), lambda j, s: (j, s, 0)),
                 pl.BlockSpec(s_block, s_index)]
-    args = [x4, words_t.reshape(n, tiles, SLAB), s3]
+    args = [x4, sums, words_t.reshape(n, tiles, SLAB), s3]
     if zero is not None:
         in_specs.append(pl.BlockSpec(s_block, s_index))
         args.append(zero.reshape(-1, chunks, n))
