@@ -155,21 +155,36 @@ def attention_options(config: ModelConfig, layer: int) -> dict:
 
 
 def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = None,
-                **options):
+           **options):
     """The calls into `kernels/`: dense causal attention, or write this step's K/V into the
     layer's pages and attend over them. Works on whatever heads it is given (all, or a shard).
     `options` (sliding_window, logit_softcap, sm_scale, sinks) go to the kernel as they are. A
     layer cache of float8 pages carries their per-KV-head scales after them."""
+    D = q.shape[-1]
+    width = layer_cache[0].shape[-1] if layer_cache is not None else 1 << (D - 1).bit_length()
+    q, k, v, options = pad_heads(width, q, k, v, **options)
     if layer_cache is None:
         return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids,
-                                       **options), None
+                                       **options)[..., :D], None
     k_pages, v_pages, *scales = layer_cache
     scale_kw = dict(zip(("k_scale", "v_scale"), scales))
     k_pages, v_pages = kernels.write_kv(k_pages, v_pages, k, v, batch.slots, **scale_kw)
     o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
                                        batch.context_lens, batch.page_table, **options,
                                        **scale_kw)
-    return o, (k_pages, v_pages, *scales)
+    return o[..., :D], (k_pages, v_pages, *scales)
+
+
+def pad_heads(width, *xs, **options):
+    """xs [..., D] with zeros after D up to `width` (the pages': the kernels tile powers of
+    two), and `options` with the score scale of D, which the kernels would otherwise take from
+    the width. Zeros in the queries keep each score's value."""
+    D = xs[0].shape[-1]
+    if width == D:
+        return (*xs, options)
+    pad = [(0, 0)] * (xs[0].ndim - 1) + [(0, width - D)]
+    return (*(None if x is None else jnp.pad(x, pad) for x in xs),
+            {"sm_scale": D ** -0.5} | options)
 
 
 def attend_projection(y, cos, sin, layer_cache, batch: Batch, epilogue=None, **options):
@@ -179,11 +194,12 @@ def attend_projection(y, cos, sin, layer_cache, batch: Batch, epilogue=None, **o
     call (`kernels.rope_write_kv`), then `attend`'s attention call."""
     k_pages, v_pages, *scales = layer_cache
     scale_kw = dict(zip(("k_scale", "v_scale"), scales))
-    T = y.shape[-4]
+    T, D = y.shape[-4], y.shape[-1]
     q, k_pages, v_pages = kernels.rope_write_kv(
         y.reshape(T, *y.shape[-3:]), k_pages, v_pages, batch.slots, cos.reshape(T, -1),
         sin.reshape(T, -1), **(epilogue or {}), **scale_kw)
+    q, options = pad_heads(k_pages.shape[-1], q, **options)
     o = kernels.ragged_paged_attention(q, k_pages, v_pages, batch.query_start,
                                        batch.context_lens, batch.page_table, **options,
                                        **scale_kw)
-    return o, (k_pages, v_pages, *scales)
+    return o[..., :D], (k_pages, v_pages, *scales)

@@ -143,11 +143,18 @@ class ModelConfig:
 
     @property
     def kv_arrays(self) -> tuple[int, ...]:
-        """The last dim of each of a layer's page arrays: K and V (head_dim each), or MLA's
-        latent (kv_lora_rank) and RoPE key (qk_rope_head_dim), with num_kv_heads = 1."""
+        """The last dim of each of a layer's page arrays: K and V (`page_head_dim` each), or
+        MLA's latent (kv_lora_rank) and RoPE key (qk_rope_head_dim), with num_kv_heads = 1."""
         if self.is_mla:
             return (self.kv_lora_rank, self.qk_rope_head_dim)
-        return (self.head_dim, self.head_dim)
+        return (self.page_head_dim, self.page_head_dim)
+
+    @property
+    def page_head_dim(self) -> int:
+        """The K/V pages' last dim: head_dim, or past a head dim that is not a power of two
+        (Phi-3-mini's 96) the next power of two, the one the attention kernels tile; queries
+        and keys take zeros there, so the scores keep their values (`attention.attend`)."""
+        return 1 << (self.head_dim - 1).bit_length()
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

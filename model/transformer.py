@@ -182,7 +182,7 @@ def forward(params, config: ModelConfig, tokens, positions, kv_cache, batch: Bat
 
 
 def kv_cache_shape(config: ModelConfig, num_pages: int, page_size: int):
-    return (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    return (config.num_kv_heads, num_pages, page_size, config.page_head_dim)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype) -> int:

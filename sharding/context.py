@@ -25,6 +25,7 @@ from .. import kernels
 from ..kernels.flash_lse import flash_attention_lse
 from ..kernels.reference import gather_pages
 from ..model import Batch, ModelConfig, forward
+from ..model.attention import pad_heads
 from ..model.layers import moe_dispatch_combine, grouped_expert_mlp, route, use_device_hooks
 from .ring import ring_attention, zigzag_order
 
@@ -72,11 +73,12 @@ class ContextHooks:
         new = batch.query_start[1] - batch.query_start[0]  # real new tokens
         cached = batch.context_lens[0] - new
         prefix = ()
+        D = q.shape[-1]  # pages may be wider (`ModelConfig.page_head_dim`)
         if self.has_prefix:  # the pages before this step's writes hold only the prefix
-            kp = gather_pages(layer_cache[0], batch.page_table[:1])
-            vp = gather_pages(layer_cache[1], batch.page_table[:1])
-            prefix = (kp, vp)
-        layer_cache = kernels.write_kv(*layer_cache, k, v, batch.slots)
+            prefix = tuple(gather_pages(pages, batch.page_table[:1])[..., :D]
+                           for pages in layer_cache[:2])
+        k_w, v_w, _ = pad_heads(layer_cache[0].shape[-1], k, v)
+        layer_cache = kernels.write_kv(*layer_cache, k_w, v_w, batch.slots)
         ring = partial(self._ring_shard, n=self.n)
         specs = (P("cp"), P("cp"), P("cp"), P(), P(), (P(), P()) if prefix else ())
         o = shard_map(ring, mesh=self.mesh, in_specs=specs, out_specs=P("cp"),

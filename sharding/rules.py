@@ -84,7 +84,7 @@ def kv_cache_heads(config: ModelConfig, plan: MeshPlan) -> int:
 
 
 def kv_cache_shape(config: ModelConfig, plan: MeshPlan, num_pages: int, page_size: int):
-    return (kv_cache_heads(config, plan), num_pages, page_size, config.head_dim)
+    return (kv_cache_heads(config, plan), num_pages, page_size, config.page_head_dim)
 
 
 def kv_cache_partition_spec(config: ModelConfig, plan: MeshPlan) -> P:

@@ -129,6 +129,19 @@ def test_rope_write_kv_lowers_for_gpu():
 # families whose fused paged step takes the epilogue: biases (Qwen2, GPT-OSS), q/k norms (Qwen3,
 # Gemma 3's plus-one), YaRN's attention factor, a partial rotary (this Phi-3), sinks and windows
 EPILOGUE = ("llama", "qwen2", "gpt_oss", "llama_yarn", "qwen3", "gemma3", "phi3_longrope")
+def _paged_steps_match(params, config, dense, seq, rng, kv_dtype=jnp.float32):
+    """A chunked prefill, then decode steps, each row's logits against the dense forward's."""
+    from test_model import paged_step, rel_err
+
+    from pallasite.model import init_kv_cache
+    page_size, table = 4, [rng.permutation(16)]
+    kv = init_kv_cache(config, 16, page_size, kv_dtype)
+    for a, b in ((0, 9), (9, 12), (12, 13), (13, 14)):
+        logits, kv = paged_step(params, config, kv, [(0, seq[a:b], a)], table, page_size)
+        assert rel_err(np.asarray(logits)[0], dense[b - 1]) <= 1e-4, (a, b)
+    return kv
+
+
 @pytest.mark.parametrize("family", EPILOGUE)
 def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     """A model with its q/k/v fused (as serving holds it) runs a paged step's RoPE and page
@@ -137,9 +150,9 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     and GPT-OSS add their q/k/v bias in it, Qwen3 and Gemma 3 their q/k norms, YaRN's tables
     carry its attention factor, and Phi-3's rotate half of each head."""
     import hf_models
-    from test_model import dense_logits, paged_step, rel_err
+    from test_model import dense_logits
 
-    from pallasite.model import init_kv_cache, load_hf
+    from pallasite.model import load_hf
     from pallasite.model.fuse import fuse_params
     hf_models.save(family, tmp_path)
     config, params = load_hf(tmp_path, dtype=jnp.float32)
@@ -151,10 +164,33 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     calls, real = [], kernels.rope_write_kv
     monkeypatch.setattr(kernels, "rope_write_kv",
                         lambda *a, **k: calls.append(1) or real(*a, interpret=True, **k))
-    fused = fuse_params(jax.tree.map(lambda a: a, params))
-    page_size, table = 4, [rng.permutation(16)]
-    kv = init_kv_cache(config, 16, page_size, jnp.float32)
-    for a, b in ((0, 9), (9, 12), (12, 13), (13, 14)):
-        logits, kv = paged_step(fused, config, kv, [(0, seq[a:b], a)], table, page_size)
-        assert rel_err(np.asarray(logits)[0], dense[b - 1]) <= 1e-4, (a, b)
+    _paged_steps_match(fuse_params(jax.tree.map(lambda a: a, params)), config, dense, seq, rng)
     assert len(calls) == 4 * config.num_layers
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_head_dim_off_a_power_of_two(fused, tmp_path, monkeypatch):
+    """Phi-3-mini's head dim 96 (here 24), which the attention kernels do not tile: pages of
+    the next power of two (`page_head_dim`), queries and keys padded with zeros and scored at
+    the head dim's scale. The dense forward gives transformers' logits; the paged steps, with
+    the epilogue kernel (interpret mode) or the projections apart, the dense forward's; the
+    pages' padding stays zero."""
+    import hf_models
+    from test_model import dense_logits, rel_err, torch_logits
+
+    from pallasite.model import load_hf
+    from pallasite.model.fuse import fuse_params
+    model = hf_models.save("phi3", tmp_path, config=dict(hidden_size=96))
+    config, params = load_hf(tmp_path, dtype=jnp.float32)
+    assert (config.head_dim, config.page_head_dim) == (24, 32)
+    rng = np.random.default_rng(2)
+    seq = rng.integers(0, config.vocab_size, 14)
+    dense = np.asarray(dense_logits(params, config, seq[None]))[0]
+    assert rel_err(dense, torch_logits(model, seq[None])[0]) <= 1e-4
+    real = kernels.rope_write_kv
+    monkeypatch.setattr(kernels, "rope_write_kv",
+                        lambda *a, **k: real(*a, interpret=True, **k))
+    if fused:
+        params = fuse_params(jax.tree.map(lambda a: a, params))
+    kv = _paged_steps_match(params, config, dense, seq, rng)
+    assert kv[0][0].shape[-1] == 32 and not np.asarray(kv[0][0])[..., 24:].any()
