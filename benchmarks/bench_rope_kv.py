@@ -35,6 +35,7 @@ PAGE = 16
 
 def inputs(rng, T, fp8, KV, G, args):
     P, D, R = T // PAGE + 64, args.head_dim, args.rotary or args.head_dim
+    W = 1 << (D - 1).bit_length()  # the pages' width (`ModelConfig.page_head_dim`)
     y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
     angles = rng.integers(0, 2048, T)[:, None] * 500000.0 ** (-np.arange(0, R, 2) / R)
     cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
@@ -42,8 +43,8 @@ def inputs(rng, T, fp8, KV, G, args):
     if T > 1:
         slots[T // 2] = -1  # a padding token
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    kp = jnp.asarray(rng.standard_normal((KV, P, PAGE, D)), jnp.float32).astype(dtype)
-    vp = jnp.asarray(rng.standard_normal((KV, P, D, PAGE) if fp8 else (KV, P, PAGE, D)),
+    kp = jnp.asarray(rng.standard_normal((KV, P, PAGE, W)), jnp.float32).astype(dtype)
+    vp = jnp.asarray(rng.standard_normal((KV, P, W, PAGE) if fp8 else (KV, P, PAGE, W)),
                      jnp.float32).astype(dtype)
     extra = dict(k_scale=jnp.full((KV,), 0.05), v_scale=jnp.full((KV,), 0.02)) if fp8 else {}
     if args.norm:  # weights near one, as trained norms are
@@ -61,6 +62,7 @@ def variants(tiny, extra):
     def xla(state, y, slots, cos, sin):
         q, k, v = reference.rope_projection(y, cos, sin, extra.get("bias"), extra.get("norm"))
         scales = {name: x for name, x in extra.items() if name.endswith("_scale")}
+        k, v = (reference.pad_last(x, state[1].shape[-1]) for x in (k, v))
         return (q, *write_kv(*state[1:], k, v, slots, impl="pallas", interpret=tiny, **scales))
 
     def fused(tokens, warps):

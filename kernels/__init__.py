@@ -364,6 +364,7 @@ def rope_write_kv(y, k_pages, v_pages, slots, cos, sin, *, bias=None, norm=None,
                                                  k_scale=k_scale, v_scale=v_scale)
     if os.environ.get("PALLASITE_ROPE_KV", "1") == "0":
         q, k, v = reference.rope_projection(y, cos, sin, **kw)
+        k, v = (reference.pad_last(x, k_pages.shape[-1]) for x in (k, v))
         return q, *write_kv(k_pages, v_pages, k, v, slots, k_scale=k_scale, v_scale=v_scale,
                             impl="pallas", interpret=interpret)
     from . import rope_kv

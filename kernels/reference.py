@@ -226,10 +226,17 @@ def rope_projection(y, cos, sin, bias=None, norm=None, *, eps=1e-6, plus_one=Fal
 def rope_write_kv_reference(y, k_pages, v_pages, slots, cos, sin, *, bias=None, norm=None,
                             eps=1e-6, plus_one=False, k_scale=None, v_scale=None):
     """A fused projection's epilogue (`rope_kv.py`): `rope_projection`'s q, and the pages with
-    its keys and values written at slots."""
+    its keys and values written at slots (zeros past the head dim where pages are wider)."""
     q, k, v = rope_projection(y, cos, sin, bias, norm, eps=eps, plus_one=plus_one)
+    k, v = (pad_last(x, k_pages.shape[-1]) for x in (k, v))
     return q, *write_kv_reference(k_pages, v_pages, k, v, slots, k_scale=k_scale,
                                   v_scale=v_scale)
+
+
+def pad_last(x, width: int):
+    """x with zeros after its last dim up to `width` (pages wider than the head dim)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def silu_glu(gate, up):

@@ -9,8 +9,8 @@ bias, where a model has one (Qwen2, GPT-OSS), comes as the model holds it, (bq [
 bk [KV, D], bv [KV, D]), and is added first; q/k RMSNorm weights [D], where the model has them
 (Qwen3, Gemma 3), normalize each query and key head before RoPE. Returns q [T, KV * G, D]
 rotated, and the pages with token t's rotated key and its value at slots[t] (< 0: padding,
-nothing written). Float8 pages take them divided by their head's scale and saturated, V
-keys-last (`reference.keys_last`).
+nothing written; pages wider than D take zeros after it). Float8 pages take them divided by
+their head's scale and saturated, V keys-last (`reference.keys_last`).
 
 In XLA the same work is three passes a layer: the queries' norm and rotation, the key's
 stacked with the value (`kv_write.py` takes them stacked), and the page write. At batch 1 each
@@ -119,14 +119,20 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, bq_ref, bk_ref, bv_ref, qn_r
         k_scale, v_scale = (_load(scale_ref, (jnp.full_like(j, i), j), head_ok, 1.0)
                             for i in (0, 1))
     k = rope(norm(rows(base + G, kv_ok, bk_ref, head), kn_ref), cos[:, None, :], sin[:, None, :])
+    v = rows(base + G + 1, kv_ok, bv_ref, head)
+    W = k_out.shape[-1]
+    if W > D:  # pages wider than the head (`ModelConfig.page_head_dim`): zeros after it
+        parts.append(_lanes(D, W - D))
+        k.append(jnp.zeros(kv_ok.shape + parts[-1][0].shape, jnp.float32))
+        v.append(k[-1])
     heads = j[None, :, None]
     for (cols, ok), part in zip(parts, k):
         _store(k_out, (heads, page, offset, cols), _quantize(part.astype(jnp.float32), k_scale,
                                                              k_out.dtype), kv_ok[..., None] & ok)
-    for (cols, ok), v in zip(parts, rows(base + G + 1, kv_ok, bv_ref, head)):
+    for (cols, ok), part in zip(parts, v):
         at = ((heads, page, cols, offset) if keys_last(v_out)  # [D, page] pages: a column
               else (heads, page, offset, cols))
-        _store(v_out, at, _quantize(v, v_scale, v_out.dtype), kv_ok[..., None] & ok)
+        _store(v_out, at, _quantize(part, v_scale, v_out.dtype), kv_ok[..., None] & ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "tokens", "num_warps",

@@ -182,8 +182,7 @@ def pad_heads(width, *xs, **options):
     D = xs[0].shape[-1]
     if width == D:
         return (*xs, options)
-    pad = [(0, 0)] * (xs[0].ndim - 1) + [(0, width - D)]
-    return (*(None if x is None else jnp.pad(x, pad) for x in xs),
+    return (*(kernels.reference.pad_last(x, width) for x in xs),
             {"sm_scale": D ** -0.5} | options)
 
 

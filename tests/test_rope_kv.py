@@ -13,13 +13,14 @@ from pallasite.model.layers import apply_rope, rope_frequencies, rope_tables
 
 
 def _case(T, KV, G, D, page_size, pages, pad, seed, page_dtype=jnp.bfloat16, keys_last=False,
-          rot=None):
+          rot=None, width=None):
     rng = np.random.default_rng(seed)
     y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, 4000, T), jnp.int32)
     cos, sin = rope_tables(positions, rope_frequencies(rot or D, 500000.0, RopeScaling()))
-    v_shape = (KV, pages, D, page_size) if keys_last else (KV, pages, page_size, D)
-    kp = jnp.asarray(rng.standard_normal((KV, pages, page_size, D)), jnp.float32).astype(page_dtype)
+    W = width or D  # the pages' last dim
+    v_shape = (KV, pages, W, page_size) if keys_last else (KV, pages, page_size, W)
+    kp = jnp.asarray(rng.standard_normal((KV, pages, page_size, W)), jnp.float32).astype(page_dtype)
     vp = jnp.asarray(rng.standard_normal(v_shape), jnp.float32).astype(page_dtype)
     slots = np.asarray(rng.permutation(pages * page_size)[:T], np.int32)
     slots[pad] = -1
@@ -48,15 +49,17 @@ def test_rope_write_kv_matches_reference(T, KV, G, tokens, pad, bias):
     assert written == T - len(pad)
 
 
-@pytest.mark.parametrize("D,rot,norm,plus_one", [
-    (32, 32, True, False), (32, 32, True, True), (32, 16, False, False), (24, 24, False, False),
-    (48, 20, True, False)])
-def test_rope_write_kv_norms_and_head_dims(D, rot, norm, plus_one):
+@pytest.mark.parametrize("D,rot,norm,plus_one,width", [
+    (32, 32, True, False, 32), (32, 32, True, True, 32), (32, 16, False, False, 32),
+    (24, 24, False, False, 32), (48, 20, True, False, 64)])
+def test_rope_write_kv_norms_and_head_dims(D, rot, norm, plus_one, width):
     """q/k RMSNorms (Qwen3; Gemma's plus-one weights) before RoPE, a rotary over the leading
     `rot` columns with the rest passed over (Phi-3), and head dims whose halves are not powers
-    of two (padded lanes, masked), against the reference, which is the model's norm and RoPE."""
+    of two (padded lanes, masked) in pages of the next power of two (zeros after the head),
+    against the reference, which is the model's norm and RoPE."""
     T, KV, G = 5, 2, 3
-    y, kp, vp, slots, cos, sin, _ = _case(T, KV, G, D, 4, 6, [3], seed=D + rot, rot=rot)
+    y, kp, vp, slots, cos, sin, _ = _case(T, KV, G, D, 4, 6, [3], seed=D + rot, rot=rot,
+                                          width=width)
     kw = {}
     if norm:
         rng = np.random.default_rng(D)
@@ -117,9 +120,9 @@ def test_rope_write_kv_lowers_for_gpu():
                 y, pages, sds(v_shape, dtype), sds((5,), jnp.int32), cs, cs, tokens=4, **scale,
                 **bias).lower(lowering_platforms=("cuda",)).as_text()
             assert "pallasite_rope_write_kv" in text
-    # head dim 96 (Phi-3-mini: halves of 48 lanes), a partial rotary, q/k norms
+    # head dim 96 (Phi-3-mini: halves of 48 lanes) in pages 128 wide, a partial rotary, norms
     y, cs = sds((5, 8, 6, 96), jnp.bfloat16), sds((5, 16), jnp.float32)
-    pages = sds((8, 64, 16, 96), jnp.bfloat16)
+    pages = sds((8, 64, 16, 128), jnp.bfloat16)
     norm = tuple(sds((96,), jnp.bfloat16) for _ in range(2))
     text = rope_kv.rope_write_kv.trace(y, pages, pages, sds((5,), jnp.int32), cs, cs, norm=norm,
                                        tokens=4).lower(lowering_platforms=("cuda",)).as_text()
@@ -168,13 +171,13 @@ def test_paged_steps_take_the_epilogue(family, tmp_path, monkeypatch):
     assert len(calls) == 4 * config.num_layers
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_head_dim_off_a_power_of_two(fused, tmp_path, monkeypatch):
+@pytest.mark.parametrize("way", ["kernel", "reference", "apart"])
+def test_head_dim_off_a_power_of_two(way, tmp_path, monkeypatch):
     """Phi-3-mini's head dim 96 (here 24), which the attention kernels do not tile: pages of
     the next power of two (`page_head_dim`), queries and keys padded with zeros and scored at
     the head dim's scale. The dense forward gives transformers' logits; the paged steps, with
-    the epilogue kernel (interpret mode) or the projections apart, the dense forward's; the
-    pages' padding stays zero."""
+    the epilogue kernel (interpret mode), its jnp reference or the projections apart, the
+    dense forward's; the pages' padding stays zero."""
     import hf_models
     from test_model import dense_logits, rel_err, torch_logits
 
@@ -188,9 +191,10 @@ def test_head_dim_off_a_power_of_two(fused, tmp_path, monkeypatch):
     dense = np.asarray(dense_logits(params, config, seq[None]))[0]
     assert rel_err(dense, torch_logits(model, seq[None])[0]) <= 1e-4
     real = kernels.rope_write_kv
-    monkeypatch.setattr(kernels, "rope_write_kv",
-                        lambda *a, **k: real(*a, interpret=True, **k))
-    if fused:
+    if way == "kernel":
+        monkeypatch.setattr(kernels, "rope_write_kv",
+                            lambda *a, **k: real(*a, interpret=True, **k))
+    if way != "apart":
         params = fuse_params(jax.tree.map(lambda a: a, params))
     kv = _paged_steps_match(params, config, dense, seq, rng)
     assert kv[0][0].shape[-1] == 32 and not np.asarray(kv[0][0])[..., 24:].any()
