@@ -1,7 +1,8 @@
 """The paged step of real head shapes on the GPU against the dense forward: Llama-3-8B's heads,
 Qwen3-8B's (q/k norms in the projection's epilogue), Phi-3-mini's (head dim 96: pages 128
-wide, queries and keys padded with zeros) and Gemma-3-4B's (norms with plus-one weights, head
-dim 256), two layers each, random bf16 weights fused as serving holds them.
+wide, queries and keys padded with zeros), Gemma-3-4B's (norms with plus-one weights, head dim
+256: smaller tiles) and Gemma-2-2B's (head dim 256, a soft cap on the scores), two layers each,
+random bf16 weights fused as serving holds them.
 
     python -m benchmarks.families_gpu --out $OUT      # GPU
     python -m benchmarks.families_gpu --tiny          # CPU (does it run)
@@ -36,6 +37,10 @@ SHAPES = {  # HF config fields over a two-layer model
                       num_key_value_heads=4, head_dim=256, intermediate_size=10240,
                       query_pre_attn_scalar=256, sliding_window=512,
                       layer_types=["sliding_attention", "full_attention"]),
+    "gemma2_2b": dict(model_type="gemma2", hidden_size=2304, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, intermediate_size=9216,
+                      query_pre_attn_scalar=256, sliding_window=4096,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
 }
 TINY = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
 

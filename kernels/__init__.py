@@ -116,7 +116,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None,
                                           interpret=interpret,
                                           **{k: opts[k] for k in used}, **kw)
     from . import flash
-    kw = tuning.params("flash" if q.shape[-1] > 64 else "flash_d64") | blocks
+    kw = tuning.params("flash" if q.shape[-1] > 64 else "flash_d64",
+                       head_dim=q.shape[-1]) | blocks
     return flash.flash_attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale,
                                  interpret=interpret, **{k: opts[k] for k in used}, **kw)
 
@@ -193,7 +194,7 @@ def paged_attention(q, k_pages, v_pages, context_lens, page_table, *, sm_scale=N
             interpret=interpret, **opts, **_mosaic_decode_params(q, k_pages, page_table, blocks))
     from . import paged
     kw = tuning.params(_paged_params("decode", k_pages), k_pages.shape[2],
-                       page_table.shape[1] * k_pages.shape[2]) | blocks
+                       page_table.shape[1] * k_pages.shape[2], q.shape[-1]) | blocks
     if "num_splits" not in kw:
         tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window)
         kw["num_splits"] = tuning.num_splits(q.shape[0] * k_pages.shape[0], tiles)
@@ -240,7 +241,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, context_lens, page_
                                                  page_table, sm_scale=sm_scale,
                                                  interpret=interpret, **opts, **mosaic)
     kw = tuning.params(_paged_params("ragged" if mixed else "decode", k_pages),
-                       k_pages.shape[2], page_table.shape[1] * k_pages.shape[2]) | blocks
+                       k_pages.shape[2], page_table.shape[1] * k_pages.shape[2],
+                       q.shape[-1]) | blocks
     tiles = _key_tiles(page_table, k_pages.shape[2], kw["pages_per_block"], sliding_window,
                        T if mixed else 1)
     if "num_splits" not in kw and tuning.invariant():

@@ -35,13 +35,23 @@ from .reference import head_scale, keys_last
 
 
 def _lanes(start, n):
-    """Columns start .. start + n - 1 on a power-of-two range (Triton's), and which are real."""
+    """Columns start .. start + n - 1 on a power-of-two range (Triton's), and which are real
+    (True: all, a power of two)."""
     c = jnp.arange(pl.next_power_of_2(n))
+    if pl.next_power_of_2(n) == n:
+        return start + c, True
     return start + jnp.minimum(c, n - 1), c < n
+
+
+def _both(a, b):
+    """a & b, where either may be True (nothing masked: no instruction)."""
+    return a if b is True else b if a is True else a & b
 
 
 def _load(ref, idx, mask, other=0.0):
     idx = _gather(*idx)
+    if mask is True:
+        return plgpu.load(ref.at[idx])
     return plgpu.load(ref.at[idx], mask=jnp.broadcast_to(mask, idx[0].shape), other=other)
 
 
@@ -68,13 +78,13 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, bq_ref, bk_ref, bv_ref, qn_r
     s = jnp.arange(pl.next_power_of_2(G))  # queries of a head
     head_ok = j < KV
     lo, lo_ok = parts[0]
-    cos, sin = (_load(r, (t[:, None], lo[None, :]), live_t[:, None] & lo_ok)
+    cos, sin = (_load(r, (t[:, None], lo[None, :]), _both(live_t[:, None], lo_ok))
                 for r in (cos_ref, sin_ref))  # [n, half]
 
-    def rows(row, mask, b_ref, b_row):  # y's rows by part, bias added in y's dtype; float32
+    def rows(row, mask, b_ref, b_row, parts=parts):  # y's rows by part, bias added; float32
         out = []
         for cols, ok in parts:
-            x = _load(y_ref, (row[..., None], cols), mask[..., None] & ok)
+            x = _load(y_ref, (row[..., None], cols), _both(mask[..., None], ok))
             if b_ref is not None:  # b_row: in bounds
                 b = _load(b_ref, (b_row[..., None], cols), ok)
                 x = (x.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
@@ -107,7 +117,7 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, bq_ref, bk_ref, bv_ref, qn_r
              cos[:, None, None, :], sin[:, None, None, :])
     q_row = ((t[:, None, None] * KV + j[None, :, None]) * G + s[None, None, :])[..., None]
     for (cols, ok), part in zip(parts, q):
-        _store(q_out, (q_row, cols), part, q_ok[..., None] & ok)
+        _store(q_out, (q_row, cols), part, _both(q_ok[..., None], ok))
 
     slot = plgpu.load(slots_ref.at[t], mask=live_t, other=-1)
     kv_ok = (slot >= 0)[:, None] & head_ok[None, :]  # [n, kvp]; padding writes nothing
@@ -119,20 +129,22 @@ def _kernel(slots_ref, cos_ref, sin_ref, scale_ref, bq_ref, bk_ref, bv_ref, qn_r
         k_scale, v_scale = (_load(scale_ref, (jnp.full_like(j, i), j), head_ok, 1.0)
                             for i in (0, 1))
     k = rope(norm(rows(base + G, kv_ok, bk_ref, head), kn_ref), cos[:, None, :], sin[:, None, :])
-    v = rows(base + G + 1, kv_ok, bv_ref, head)
+    v_parts = [_lanes(0, D)]  # the value whole: no rotation
+    v = rows(base + G + 1, kv_ok, bv_ref, head, v_parts)
     W = k_out.shape[-1]
     if W > D:  # pages wider than the head (`ModelConfig.page_head_dim`): zeros after it
-        parts.append(_lanes(D, W - D))
-        k.append(jnp.zeros(kv_ok.shape + parts[-1][0].shape, jnp.float32))
-        v.append(k[-1])
+        pad = _lanes(D, W - D)
+        zeros = jnp.zeros(kv_ok.shape + pad[0].shape, jnp.float32)
+        parts, v_parts, k, v = parts + [pad], v_parts + [pad], k + [zeros], v + [zeros]
     heads = j[None, :, None]
     for (cols, ok), part in zip(parts, k):
         _store(k_out, (heads, page, offset, cols), _quantize(part.astype(jnp.float32), k_scale,
-                                                             k_out.dtype), kv_ok[..., None] & ok)
-    for (cols, ok), part in zip(parts, v):
+                                                             k_out.dtype),
+               _both(kv_ok[..., None], ok))
+    for (cols, ok), part in zip(v_parts, v):
         at = ((heads, page, cols, offset) if keys_last(v_out)  # [D, page] pages: a column
               else (heads, page, offset, cols))
-        _store(v_out, at, _quantize(part, v_scale, v_out.dtype), kv_ok[..., None] & ok)
+        _store(v_out, at, _quantize(part, v_scale, v_out.dtype), _both(kv_ok[..., None], ok))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "tokens", "num_warps",

@@ -510,3 +510,17 @@ def test_bench_table_rows():
     out = table([decode, kv], 3.0)
     assert "| B=1 ctx=32768 page=64 | triton | 0.0627 | 2.14 | 71% | - | - | 0.0703 |" in out
     assert "| T=64 tokens | 0.0034 | 0.0049 | True |" in out
+
+
+def test_heads_past_128_take_tiles_of_the_same_bytes():
+    """Gemma's head dim 256: the flash, ragged and decode tiles shrink so a pipeline stage holds
+    what it holds at 128 (the 128-dim tiles asked 448 KB of shared memory on an H200); heads of
+    128 and below keep the table's tiles."""
+    from pallasite.kernels import tuning
+    for name, page_size in (("flash", None), ("ragged", 16), ("decode", 16), ("decode_fp8", 16)):
+        narrow = tuning.params(name, page_size, 256, head_dim=128)
+        wide = tuning.params(name, page_size, 256, head_dim=256)
+        assert narrow == tuning.params(name, page_size, 256)
+        size = lambda p: (p.get("block_q", 1) * p.get("block_k", 1)
+                          * p.get("pages_per_block", 1) * p.get("block_rows", 1))
+        assert 2 * size(wide) <= size(narrow), (name, wide, narrow)
