@@ -45,13 +45,15 @@ def record(kernel, **kw):
     r = dict(kernel=kernel, **run_info(), l2_flush=FLUSH_MODE["mode"])
     tuned = {"flash_attention": "flash", "paged_attention": "decode",
              "ragged_paged_attention": "ragged"}.get(kernel)
-    r["params"] = tuning.params(tuned, kw.get("page_size")) if tuned else {}
+    r["params"] = (tuning.params(tuned, kw.get("page_size"), head_dim=kw.get("head_dim"))
+                   if tuned else {})
     r.update(kw)
     return r
 
 
 def bench_prefill(args, records):
-    B, H, KV, D, dtype = 4, 32, 8, 128, jnp.bfloat16
+    (H, KV), D, dtype = args.heads, args.head_dim, jnp.bfloat16
+    B = 4 * 32 // H  # the same query rows a head band at every head count
     seqs = [1024, 4096] if args.quick else [1024, 4096, 16384]
     key = jax.random.PRNGKey(1)
     for S in seqs:
@@ -410,6 +412,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=(32, 8),
+                    help="prefill: query heads and kv heads (Gemma-3-4B: 8,4)")
+    ap.add_argument("--head-dim", type=int, default=128, help="prefill: head dim (Gemma: 256)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-parts", default="flash,decode",
                     help="what --sweep tunes: flash (Triton and Mosaic), mosaic, decode")
