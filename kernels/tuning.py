@@ -323,12 +323,13 @@ def gpu_key() -> str:
     return next((k for k in TABLE if k != "default" and k in kind), "default")
 
 
-# Head dims past 128 (Gemma's 256): tiles of a stage's bytes at 128, so that shared memory stays
-# within an SM's 227 KB. Gemma 3's dense forward asked 448 KB of it with the 128-dim tiles (H200,
-# 2026-11-29); offline sm_90a compiles (profiling/triton_offline.py) of these at 256 take 131,
-# 98 and 109 KB for flash, ragged and decode, against the 128-dim tiles' 131, 147 and 106 KB.
-WIDE_HEADS = {"flash": dict(block_q=64, block_k=32, num_warps=4), "ragged": dict(block_k=32),
-              "decode": dict(block_k=64)}
+# Head dims past 128 (Gemma's 256): fewer keys a tile, so that shared memory stays within an
+# SM's 227 KB. Gemma 3's dense forward asked 448 KB of it with the 128-dim tiles (H200,
+# 2026-11-29); offline sm_90a compiles (profiling/triton_offline.py) of these at 256 take 160,
+# 98 and 109 KB for flash, ragged and decode. Flash's tile is the fastest of seven at 256
+# (benchmarks/sweep_flash_wide.py: 2.89 ms at 4k causal, 1.24x 64 x 32 in four warps; cuDNN
+# 1.70 ms).
+WIDE_HEADS = {"flash": dict(block_k=32), "ragged": dict(block_k=32), "decode": dict(block_k=64)}
 
 
 def params(kernel: str, page_size: int | None = None, keys: int | None = None,
@@ -342,7 +343,7 @@ def params(kernel: str, page_size: int | None = None, keys: int | None = None,
         p |= {k: v for k, v in long.items() if k != "min_keys"}
     wide = WIDE_HEADS.get(kernel.split("_")[0]) if head_dim and head_dim > 128 else None
     if wide:
-        p |= {k: min(v, p.get(k, v)) if k != "num_warps" else v for k, v in wide.items()}
+        p |= {k: min(v, p.get(k, v)) for k, v in wide.items()}
     if page_size is not None and "block_k" in p:
         p["pages_per_block"] = max(1, p.pop("block_k") // page_size)
     return p
