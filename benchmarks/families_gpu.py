@@ -58,7 +58,8 @@ def batch_of(lens, new, page_size, pages_each):
 
 
 def check(name, fields, args):
-    from pallasite.model import config_from_dict, forward, forward_logits, init_kv_cache, init_params
+    from pallasite.model import (config_from_dict, forward, forward_logits, init_kv_cache,
+                                 init_params)
     from pallasite.model.fuse import fuse_params
     config = config_from_dict(dict(vocab_size=32000, num_hidden_layers=2, rms_norm_eps=1e-6,
                                    max_position_embeddings=8192,

@@ -4,15 +4,20 @@ A decode step of a few rows is a matrix-vector product: all it must do is read t
 at the speed HBM gives it. Here the words of `w4a16_mgpu.pack_t` ([N, K_pad // per] int32; a K
 tile is SLAB words of a column, bit plane j of them holding the tile's rows j * SLAB ...) are
 read along K: each of a program's block_n columns is one contiguous run of words a step, T tiles
-long. A code becomes the float v = 1 + u / 2**bits with a shift, an AND and an OR (no integer
-conversion, a quarter-rate instruction on Hopper), and one FMA a weight and row adds v * x. The
-scale and zero come once per group and column, from the identity
+long. A code at bit p of its word becomes a float without an integer conversion (a quarter-rate
+instruction on Hopper) and without a shift: one LOP3 masks it in place into the mantissa under
+1.0's exponent, 1 + u * 2**(p - 23), and subtracting 1 leaves u * 2**(p - 23) exactly. x comes
+float32, each bit plane's scaled by 2**(23 - p) (exact), so one FMA a weight and row adds u * x.
+The scale and zero come once per group and column,
 
-    sum (u - z) * s * x  =  s * (2**bits * sum v * x  -  (2**bits + z) * sum x),
+    sum (u - z) * s * x  =  s * (sum u * x  -  z * sum x),
 
-with the group's sum of x made from the same loads of x. No MMA: each row has its own float32
-accumulator, [block_n, T, SLAB], summed once after the loop. With `num_splits` > 1 that many
-programs share a column block's K tiles and write float32 partial sums that XLA adds.
+with the groups' sums of x made before the kernel. The planes past the mantissa's bits take
+the word shifted once. (`unpack="one_plus"`: the code shifted under the exponent's bits, v =
+1 + u / 2**bits, with 2**bits * sum v * x - (2**bits + z) * sum x; a shift, an AND and an OR a
+code.) No MMA: each row has its own float32 accumulator, [block_n, T, SLAB], summed once after
+the loop. With `num_splits` > 1 that many programs share a column block's K tiles and write
+float32 partial sums that XLA adds.
 
 The reference is `w4a16_mgpu.dequantize_t` (the same codes through `w4a16_matmul`'s); measured
 against the Hopper MMA kernel, bf16 and torch's tinygemm in `benchmarks/bench_w4a16_mgpu.py`.
@@ -158,6 +163,8 @@ def int_gemv_t(x, words_t, scale, zero=None, *, bits: int, group_size: int, bloc
     [G, N] f32, zero [G, N] or None: symmetric) -> [M, N] in x's dtype. `fused`: the products'
     multiply-adds by inline PTX (`fma`); `num_stages`: Triton's software pipeline depth;
     `unpack`: how codes become floats, "mask" (`masked_plane`) or "one_plus" (`one_plus`)."""
+    if unpack not in ("mask", "one_plus"):
+        raise ValueError(f"w4a16_gemv: unpack {unpack!r} is not 'mask' or 'one_plus'")
     m, k = x.shape
     n, kw = words_t.shape
     per, tile = 32 // bits, tile_rows(bits)

@@ -28,8 +28,10 @@ CASES = [  # m, k, n, bits, group_size, asym, blocks
 ]
 
 
+@pytest.mark.parametrize("unpack", ["mask", "one_plus"])
 @pytest.mark.parametrize("m,k,n,bits,group_size,asym,blocks", CASES)
-def test_matches_numpy(m, k, n, bits, group_size, asym, blocks):
+def test_matches_numpy(m, k, n, bits, group_size, asym, blocks, unpack):
+    """Both ways codes become floats: masked in place (the default) and a shift a code."""
     rng = np.random.default_rng(m + k + bits)
     codes, scale, zero = random_weight(rng, k, n, bits, group_size, asym)
     _, s, z, g = im.pack_weight(codes, scale, zero, bits=bits, group_size=group_size)
@@ -37,7 +39,7 @@ def test_matches_numpy(m, k, n, bits, group_size, asym, blocks):
     want = x.astype(jnp.bfloat16).astype(np.float32) @ numpy_dequant(codes, scale, zero, bits,
                                                                      group_size)
     got = gv.int_gemv_t(jnp.asarray(x, jnp.bfloat16), mg.pack_t(codes, bits), s, z, bits=bits,
-                        group_size=g, interpret=True, **blocks)
+                        group_size=g, unpack=unpack, interpret=True, **blocks)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
     assert err < 4e-3  # float32 sums of exact weights: only the output's bf16 rounding
@@ -101,10 +103,12 @@ def test_library_takes_it_for_one_row_in_the_forms_run_on_the_gpu(monkeypatch):
 @pytest.mark.parametrize("fused", [True, False])
 def test_gpu_lowering_carries_the_fused_multiply_add(fused):
     """Lowered for the GPU (here on any machine): the products' multiply-adds are inline PTX
-    fma.rn.f32 with `fused`, plain float arithmetic without."""
+    fma.rn.f32 with `fused`, plain float arithmetic without; so are the codes' masks, one
+    lop3.b32 each."""
     k, n = 512, 128
     w = mg.pack_t(np.random.default_rng(0).integers(0, 16, (k, n)), 4)
     args = (jnp.ones((1, k), jnp.bfloat16), w, jnp.ones((k // 128, n), jnp.float32))
     f = jax.jit(lambda x, w, s: gv.int_gemv_t(x, w, s, bits=4, group_size=128, fused=fused))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert ("fma.rn.f32" in text) == fused
+    assert ("lop3.b32" in text) == fused
