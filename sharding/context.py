@@ -65,36 +65,45 @@ class ContextHooks:
         fn = lambda xs, sizes: grouped_expert_mlp(xs, sizes, w_gate, w_up, w_down)
         return moe_dispatch_combine(x, weights, experts, c.num_experts, fn)
 
-    def attention(self, attend, q, k, v, segment_ids=None, layer_cache=None, batch=None):
+    def attention(self, attend, q, k, v, segment_ids=None, layer_cache=None, batch=None,
+                  **sinks):
         """q [T, H, D] (zig-zag order), k/v [T, KV, D]; writes K/V into the pages, then the
-        ring (plus the cached prefix) gives o [T, H, D]."""
+        ring (plus the cached prefix) gives o [T, H, D]. The ring runs plain causal attention
+        at the model's score scale (`attend`'s keywords): a layer with a window, a soft cap or
+        sinks is refused, not computed without them."""
         if layer_cache is None or batch is None:
             raise ValueError("context-parallel prefill runs through the paged forward")
+        options = dict(getattr(attend, "keywords", {}))
+        extra = sorted({k for k, x in options.items() if x is not None} - {"sm_scale"}
+                       | set(sinks))
+        if extra:
+            raise ValueError(f"context-parallel prefill runs plain causal attention; this "
+                             f"model's layer also takes {extra}")
         new = batch.query_start[1] - batch.query_start[0]  # real new tokens
         cached = batch.context_lens[0] - new
+        D = q.shape[-1]  # pages may be wider (`ModelConfig.page_head_dim`): pad to them
+        q, k, v, options = pad_heads(layer_cache[0].shape[-1], q, k, v, **options)
         prefix = ()
-        D = q.shape[-1]  # pages may be wider (`ModelConfig.page_head_dim`)
         if self.has_prefix:  # the pages before this step's writes hold only the prefix
-            prefix = tuple(gather_pages(pages, batch.page_table[:1])[..., :D]
-                           for pages in layer_cache[:2])
-        k_w, v_w, _ = pad_heads(layer_cache[0].shape[-1], k, v)
-        layer_cache = kernels.write_kv(*layer_cache, k_w, v_w, batch.slots)
-        ring = partial(self._ring_shard, n=self.n)
+            prefix = tuple(gather_pages(pages, batch.page_table[:1]) for pages in layer_cache[:2])
+        layer_cache = kernels.write_kv(*layer_cache, k, v, batch.slots)
+        ring = partial(self._ring_shard, n=self.n, sm_scale=options.get("sm_scale"))
         specs = (P("cp"), P("cp"), P("cp"), P(), P(), (P(), P()) if prefix else ())
         o = shard_map(ring, mesh=self.mesh, in_specs=specs, out_specs=P("cp"),
                       check_vma=False)(q, k, v, new, cached, prefix)
-        return o.astype(q.dtype), layer_cache
+        return o[..., :D].astype(q.dtype), layer_cache
 
-    def _ring_shard(self, q, k, v, new, cached, prefix, *, n):
+    def _ring_shard(self, q, k, v, new, cached, prefix, *, n, sm_scale):
         q, k, v = q[None], k[None], v[None]
         part = None
         if prefix:  # every local query sees the whole cached prefix
             kp, vp = prefix
             pos = jnp.arange(kp.shape[1], dtype=jnp.int32)
             part = self.attend(q, kp, vp, jnp.full(q.shape[1], kp.shape[1], jnp.int32),
-                               jnp.where(pos < cached, pos, -1), causal=False)
+                               jnp.where(pos < cached, pos, -1), causal=False,
+                               sm_scale=sm_scale)
         o, _ = ring_attention(q, k, v, axis="cp", n=n, causal=True, kv_len=new,
-                              attend=self.attend, prefix=part)
+                              sm_scale=sm_scale, attend=self.attend, prefix=part)
         return o[0]
 
 

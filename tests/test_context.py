@@ -209,3 +209,50 @@ def test_cp_prefill_equals_one_device(model, n):
             np.testing.assert_allclose(v, v_ref, atol=1e-5)
         kv = jax.device_put(jax.tree.map(np.asarray, kv))
         assert greedy(step, params, kv, logits, len(prompt), table) == want
+
+
+def small_model(**fields):
+    from pallasite.model import config_from_dict, init_params
+    config = config_from_dict(dict(vocab_size=256, hidden_size=96, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128,
+                                   **fields))
+    return config, jax.jit(lambda: jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x + 0.1,
+                                                init_params(config, seed=5)))()
+
+
+@mesh_test
+def test_cp_prefill_takes_the_models_scale_and_head_dim():
+    """Gemma 3's heads as the ring must take them: head dim 24 (pages 32 wide, zeros after the
+    head) and a score scale from query_pre_attn_scalar, not from the head dim. The prompt's
+    logits and pages over cp are one device's."""
+    from pallasite.model import init_kv_cache
+    from pallasite.sharding.context import ContextParallel, cp_mesh
+    config, params = small_model(model_type="gemma3_text", head_dim=24,
+                                 query_pre_attn_scalar=40,
+                                 layer_types=["full_attention", "full_attention"])
+    assert config.page_head_dim == 32 and config.sm_scale != 24 ** -0.5
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, config.vocab_size, 21).astype(np.int32)
+    table = rng.permutation(np.arange(1, NUM_PAGES))[:8].astype(np.int32)
+    kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE, jnp.float32)
+    ref, kv_ref = one_device_prefill(one_device_step(config), params, kv, prompt, table)
+    cp = ContextParallel(config, cp_mesh(2), PAGE_SIZE)
+    logits, kv = cp.prefill(cp.place(params), cp.place(kv), prompt, table)
+    np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+    for (k, v), (k_ref, v_ref) in zip(kv, kv_ref):
+        np.testing.assert_allclose(k, k_ref, atol=1e-5)
+        np.testing.assert_allclose(v, v_ref, atol=1e-5)
+
+
+@mesh_test
+def test_cp_prefill_refuses_a_window():
+    """A sliding window is not in the ring's attention: a clear error, not other logits."""
+    from pallasite.model import init_kv_cache
+    from pallasite.sharding.context import ContextParallel, cp_mesh
+    config, params = small_model(model_type="mistral", sliding_window=8)
+    kv = init_kv_cache(config, NUM_PAGES, PAGE_SIZE, jnp.float32)
+    cp = ContextParallel(config, cp_mesh(2), PAGE_SIZE)
+    with pytest.raises(ValueError, match="sliding_window"):
+        cp.prefill(cp.place(params), cp.place(kv), np.arange(12, dtype=np.int32),
+                   np.arange(1, 5, dtype=np.int32))
