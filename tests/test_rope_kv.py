@@ -90,11 +90,13 @@ def test_reference_is_the_models_rope():
     np.testing.assert_array_equal(got, np.asarray(jnp.swapaxes(k_model, 0, 1), np.float32))
 
 
-def test_rope_write_kv_float8_pages():
+@pytest.mark.parametrize("D,width", [(32, 32), (24, 32)])
+def test_rope_write_kv_float8_pages(D, width):
     """Float8 pages: K and V divided by their head's scale and saturated, V keys-last, as the
-    reference stores them."""
-    y, kp, vp, slots, cos, sin, _ = _case(9, 2, 4, 32, 8, 4, [3], seed=2,
-                                          page_dtype=jnp.float8_e4m3fn, keys_last=True)
+    reference stores them; in pages wider than the head, zeros after it."""
+    y, kp, vp, slots, cos, sin, _ = _case(9, 2, 4, D, 8, 4, [3], seed=2,
+                                          page_dtype=jnp.float8_e4m3fn, keys_last=True,
+                                          width=width)
     y = y.at[0, 1, 4, 0].set(3e4)  # the key of token 0, head 1: saturates
     scales = dict(k_scale=jnp.asarray([0.5, 2.0]), v_scale=jnp.asarray([0.01, 0.1]))
     out = kernels.rope_write_kv(y, kp, vp, slots, cos, sin, interpret=True, tokens=2, **scales)
