@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from pallasite.kernels import reference, rope_kv, write_kv
+from pallasite.kernels import pl_next_power_of_2, reference, rope_kv, write_kv
 
 PAGE = 16
 
 
 def inputs(rng, T, fp8, KV, G, args):
     P, D, R = T // PAGE + 64, args.head_dim, args.rotary or args.head_dim
-    W = 1 << (D - 1).bit_length()  # the pages' width (`ModelConfig.page_head_dim`)
+    W = pl_next_power_of_2(D)  # the pages' width (`ModelConfig.page_head_dim`)
     y = jnp.asarray(rng.standard_normal((T, KV, G + 2, D)), jnp.bfloat16)
     angles = rng.integers(0, 2048, T)[:, None] * 500000.0 ** (-np.arange(0, R, 2) / R)
     cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))

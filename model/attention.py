@@ -161,7 +161,8 @@ def attend(q, k, v, segment_ids=None, layer_cache=None, batch: Batch | None = No
     `options` (sliding_window, logit_softcap, sm_scale, sinks) go to the kernel as they are. A
     layer cache of float8 pages carries their per-KV-head scales after them."""
     D = q.shape[-1]
-    width = layer_cache[0].shape[-1] if layer_cache is not None else 1 << (D - 1).bit_length()
+    width = (layer_cache[0].shape[-1] if layer_cache is not None
+             else kernels.pl_next_power_of_2(D))
     q, k, v, options = pad_heads(width, q, k, v, **options)
     if layer_cache is None:
         return kernels.flash_attention(q, k, v, causal=True, segment_ids=segment_ids,
