@@ -1,6 +1,8 @@
 """Profilers and probes (not installed), run from the repository root:
 `python -m profiling.profile_step --out DIR`."""
 
+import benchmarks  # noqa: F401  (puts the root behind site-packages, as benchmarks/ runs)
+
 
 def profile_each(calls):
     """Run each (fn, args) of `calls` once to compile it, then once more each between

@@ -11,6 +11,10 @@ import shutil
 import sys
 import tempfile
 
+# Before anything imports transformers: the root's folders (kernels/, model/, ...) go behind
+# site-packages, so they hide no installed package of the same name (Hugging Face's `kernels`).
+import benchmarks  # noqa: F401
+
 _OWNER = "PALLASITE_TEST_CACHE_OWNER"
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
