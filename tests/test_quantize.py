@@ -1,7 +1,8 @@
 """`pallasite quantize` on a tiny model: the compressed-tensors folder it writes reads back as
 the weights it reports, AWQ and GPTQ reconstruct the calibration activations' outputs better
-than round-to-nearest, and SmoothQuant's W8A8 folder (llm-compressor's `int-quantized` form)
-beats INT8 W8A8 without smoothing and serves."""
+than round-to-nearest (GPTQ better still in activation order, AWQ with its clipping search),
+sequential calibration sees the quantized layers, and SmoothQuant's W8A8 folder
+(llm-compressor's `int-quantized` form) beats INT8 W8A8 without smoothing and serves."""
 
 import json
 
@@ -46,6 +47,96 @@ def test_awq_and_gptq_beat_rtn(model_dir, tmp_path):
     err = {m: np.mean([r["rel_err"] for r in run(model_dir, tmp_path / m, m)["linears"]])
            for m in ("rtn", "awq", "gptq")}
     assert err["awq"] < 0.95 * err["rtn"] and err["gptq"] < 0.9 * err["rtn"], err
+
+
+def test_gptq_act_order_keeps_the_groups_and_lowers_the_error():
+    """In activation order GPTQ keeps every row on its own group's grid (parameters fixed from
+    the weight as given) and leaves far less Hessian-weighted error than in order where the
+    loudest inputs come last: in order, their rounding falls on no row left to absorb it."""
+    import jax.numpy as jnp
+    from pallasite.tools import calibration as cal
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 32)) @ rng.normal(size=(32, 128)) + 0.3 * rng.normal(
+        size=(512, 128))  # correlated inputs, for the compensation to use
+    x[:, -8:] *= 10
+    w = rng.normal(size=(128, 48)).astype(np.float32)
+    h = jnp.asarray(x.T @ x, jnp.float32)
+    kw = dict(bits=4, group_size=32, symmetric=False)
+    err = {}
+    for act in (False, True):
+        deq, scale, zero = cal.gptq(jnp.asarray(w), h, act_order=act, **kw)
+        rows = np.arange(128) // 32
+        np.testing.assert_allclose(cal.fake_quant(deq, scale[rows], zero[rows], 4), deq,
+                                   atol=1e-5)
+        e = np.asarray(deq) - w
+        err[act] = float(np.trace(e.T @ np.asarray(h) @ e))
+    fixed = cal.rtn(jnp.asarray(w), **kw)  # act order: the plain weight's group parameters
+    np.testing.assert_array_equal(scale, fixed[1])
+    assert err[True] < 0.1 * err[False], err
+
+
+def test_act_order_and_clipping_lower_the_error(model_dir, tmp_path):
+    """On the calibration activations GPTQ in activation order beats it in order, and AWQ's
+    clipping search beats AWQ's scales alone; the act-order folder keeps the in-order form
+    (compressed-tensors' actorder "weight", no g_idx) and reads back as reported."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.numpy import load_file
+    err = lambda r: np.mean([x["rel_err"] for x in r["linears"]])
+    gptq = {a: err(run(model_dir, tmp_path / f"g{a}", "gptq", act_order=a)) for a in (0, 1)}
+    awq = {c: err(run(model_dir, tmp_path / f"a{c}", "awq", clip=c)) for c in (0, 1)}
+    assert gptq[1] < 0.9 * gptq[0] and awq[1] < 0.9 * awq[0], (gptq, awq)
+    cfg = json.loads((tmp_path / "g1" / "config.json").read_text())["quantization_config"]
+    assert QuantizationConfig.model_validate(cfg).config_groups["group_0"].weights.actorder \
+        == "weight"
+    tensors = load_file(tmp_path / "g1" / "model.safetensors")
+    assert not [k for k in tensors if k.endswith("g_idx")]
+    with pytest.raises(ValueError, match="act order is GPTQ's, not awq's"):
+        run(model_dir, tmp_path / "x", "awq", act_order=True)
+
+
+def test_cli_writes_gptq_in_act_order_and_names_a_flag_that_does_not_apply(model_dir,
+                                                                           tmp_path, capsys):
+    from pallasite.cli import main
+    args = ["quantize", str(model_dir), str(tmp_path / "cli"), "--group-size", "32",
+            "--samples", "2", "--seq-len", "32"]
+    assert main(args + ["--method", "gptq"]) == 0
+    assert "gptq W4A16 group 32, mean relative output error" in capsys.readouterr().err
+    cfg = json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
+    assert cfg["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    with pytest.raises(SystemExit, match="act order is GPTQ's, not rtn's"):
+        main(args + ["--method", "rtn", "--act-order"])
+
+
+def test_sequential_calibration_takes_the_quantized_layers_outputs(tmp_path, monkeypatch):
+    """Sequential calibration feeds each layer the outputs of the layers before it as the
+    folder holds them: the params it builds are the written folder's, dequantized, and the
+    second layer's inputs differ from the float model's."""
+    import jax
+    import jax.numpy as jnp
+    import hf_models
+    from pallasite.model import load_hf
+    from pallasite.model.quant_int import PackedInt
+    tok = tok_fixtures.byte_level(400)
+    hf_models.build("llama", config=dict(vocab_size=tok.get_vocab_size())).save_pretrained(
+        tmp_path / "fp")
+    tok_fixtures.save(tok, tmp_path / "fp")
+    built, seen = [], []
+    layer, inputs = q.quantized_layer, q.layer_inputs
+    monkeypatch.setattr(q, "quantized_layer", lambda *a: built.append(layer(*a)) or built[-1])
+    monkeypatch.setattr(q, "layer_inputs", lambda c, lp, x, pos: seen.append(x) or inputs(
+        c, lp, x, pos))
+    for sequential in (True, False):
+        run(tmp_path / "fp", tmp_path / f"s{sequential}", "awq", sequential=sequential)
+    assert len(built) == 2 and len(seen) == 4
+    assert not np.allclose(seen[1], seen[3], rtol=1e-3, atol=1e-3)  # layer 1: quantized input
+    np.testing.assert_array_equal(seen[0], seen[2])
+    _, qp = load_hf(tmp_path / "sTrue", dtype=jnp.float32)
+    got, want = jax.tree.leaves_with_path(built[0]), jax.tree.leaves_with_path(
+        qp["layers_0"], is_leaf=lambda a: isinstance(a, PackedInt))
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(got, want):
+        b = b.dequantize() if isinstance(b, PackedInt) else b
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(path))
 
 
 def test_folder_reads_back(model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """Calibrated integer weight quantization (jnp, any backend): group-wise fake quantization,
-AWQ's per-input-channel scale search, GPTQ's column-wise error compensation and SmoothQuant's
-smoothing factors.
+AWQ's per-input-channel scale search and clipping search, GPTQ's column-wise error compensation
+(in order or in activation order) and SmoothQuant's smoothing factors.
 
 Weights are [K, N] (inputs by outputs, as the params hold them); calibration activations X are
 [n, K], the inputs those weights see.
@@ -68,11 +68,44 @@ def awq_search(x, ws, *, bits: int, group_size: int, symmetric: bool, grid: int 
     return s[best], float(errors[best]), float(errors[0])
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "symmetric"))
-def gptq(w, h, *, bits: int, group_size: int, symmetric: bool, damp: float = 0.01):
-    """GPTQ: quantize the rows of w [K, N] in order, each row's rounding error spread over the
-    rows not yet quantized through the inverse Hessian H = X^T X (its Cholesky factor), group
-    parameters taken from the already-updated rows when a group starts.
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "grid"))
+def awq_clip(w, h, *, bits: int, group_size: int, symmetric: bool, grid: int = 20):
+    """AWQ's clipping search: for each group of input rows and output column, the bound on |w|
+    (a fraction 1, 1 - 1/grid, ... > 1/2 of the group's largest |w|) whose Q(clip(w)) leaves
+    the least output error of that group's rows, e^T H_g e with e = Q(clip(w)) - w and H_g the
+    group's block of H = X^T X. Clipping a few large weights buys a finer grid for the rest.
+    Returns w [K, N] clipped (to be rounded with `rtn`)."""
+    k, n = w.shape
+    groups = k // group_size
+    wg = w.astype(jnp.float32).reshape(groups, group_size, n)
+    hg = jnp.moveaxis(jnp.diagonal(h.reshape(groups, group_size, groups, group_size),
+                                   axis1=0, axis2=2), -1, 0)  # [groups, G, G]
+    top = jnp.max(jnp.abs(wg), axis=1, keepdims=True)
+
+    def clipped(r):
+        return jnp.clip(wg, -top * r, top * r)
+
+    def error(r):
+        c = clipped(r)
+        scale, zero = jax.vmap(lambda g: group_params(g, bits, symmetric))(c)
+        e = jax.vmap(lambda g, s, z: fake_quant(g, s, z, bits))(c, scale, zero) - wg
+        return jnp.einsum("gin,gij,gjn->gn", e, hg, e)
+
+    ratios = 1.0 - jnp.arange(grid // 2) / grid
+    best = ratios[jnp.argmin(lax.map(error, ratios), axis=0)]  # [groups, N]
+    return clipped(best[:, None, :]).reshape(k, n)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "symmetric", "act_order"))
+def gptq(w, h, *, bits: int, group_size: int, symmetric: bool, act_order: bool = False,
+         damp: float = 0.01):
+    """GPTQ: quantize the rows of w [K, N] one at a time, each row's rounding error spread over
+    the rows not yet quantized through the inverse Hessian H = X^T X (its Cholesky factor).
+    In order, a group's parameters come from its already-updated rows when the group starts.
+    With `act_order` the rows go in order of falling H diagonal (the inputs that carry the most
+    energy first, while the most rows are left to absorb their error) and the groups keep
+    their rows, with parameters fixed up front from the weight as given, so the stored form is
+    the in-order one (compressed-tensors' actorder "weight").
     Returns (dequantized weight, scale [K/G, N], zero [K/G, N])."""
     k, n = w.shape
     w = w.astype(jnp.float32)
@@ -80,30 +113,41 @@ def gptq(w, h, *, bits: int, group_size: int, symmetric: bool, damp: float = 0.0
     h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
     w = jnp.where(dead[:, None], 0.0, w)
     h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(k)
+    groups = k // group_size
+    fixed = jax.vmap(lambda g: group_params(g, bits, symmetric))(
+        w.reshape(groups, group_size, n))
+    perm = jnp.argsort(-jnp.diag(h), stable=True) if act_order else jnp.arange(k)
+    w, h = w[perm], h[perm][:, perm]
     # Upper Cholesky factor of H^-1: row i holds the update weights for rows after i.
     hinv = jnp.linalg.cholesky(jnp.linalg.inv(h), upper=True)
     rows = jnp.arange(k)
 
-    def group(g, carry):
+    def block(b, carry):
         w, q, scales, zeros = carry
-        scale, zero = group_params(lax.dynamic_slice_in_dim(w, g * group_size, group_size),
-                                   bits, symmetric)
+        if act_order:  # each row its own group's fixed parameters
+            g = lax.dynamic_slice_in_dim(perm, b * group_size, group_size) // group_size
+            scale, zero = fixed[0][g], fixed[1][g]
+        else:  # one group's parameters, from its rows as updated so far
+            scale, zero = group_params(lax.dynamic_slice_in_dim(w, b * group_size, group_size),
+                                       bits, symmetric)
+            scale, zero = (jnp.broadcast_to(a, (group_size, n)) for a in (scale, zero))
 
         def row(j, carry):
             w, q = carry
-            i = g * group_size + j
+            i = b * group_size + j
             wi = w[i]
-            qi = fake_quant(wi, scale, zero, bits)
+            qi = fake_quant(wi, scale[j], zero[j], bits)
             err = (wi - qi) / hinv[i, i]
             later = jnp.where(rows > i, hinv[i], 0.0)
             return w - later[:, None] * err[None, :], q.at[i].set(qi)
 
         w, q = lax.fori_loop(0, group_size, row, (w, q))
-        return w, q, scales.at[g].set(scale), zeros.at[g].set(zero)
+        return w, q, scales.at[b].set(scale[0]), zeros.at[b].set(zero[0])
 
-    groups = k // group_size
     init = (w, jnp.zeros_like(w), jnp.zeros((groups, n)), jnp.zeros((groups, n)))
-    _, q, scales, zeros = lax.fori_loop(0, groups, group, init)
+    _, q, scales, zeros = lax.fori_loop(0, groups, block, init)
+    if act_order:
+        return q[jnp.argsort(perm)], fixed[0], fixed[1]
     return q, scales, zeros
 
 

@@ -4,17 +4,22 @@
 
     pallasite quantize MODEL OUT [--method rtn|awq|gptq|smoothquant] [--bits 4|8]
                       [--group-size 128] [--asymmetric] [--alpha 0.5] [--calibration FILE]
-                      [--samples 16] [--seq-len 512]
+                      [--samples 16] [--seq-len 512] [--no-act-order] [--no-clip]
+                      [--no-sequential]
 
 Calibration runs the model's own layers (JAX, any backend) on a small text (a bundled one, or
-a file given) and takes each linear's input activations, from the float model:
+a file given) and takes each linear's input activations. Layer by layer: each layer sees the
+outputs of the layers before it as quantized (`--no-sequential`: as float), and its own
+linears' inputs from its float weights:
 - rtn: round to nearest, no calibration;
 - awq: per input channel, the scale s = mean|x|**alpha (alpha searched on a grid) that
   minimizes the output error of (x / s) @ Q(w * s); 1 / s is folded into the norm before q/k/v
   and gate/up, into v for o (only when there is one kv head per query head, as in AutoAWQ) and
-  into up for down;
+  into up for down; then, but for q and k, each group's clipping bound searched the same way;
 - gptq: each weight row (input channel) quantized in turn, its rounding error spread over the
-  rows not yet quantized through the Cholesky factor of the inverse Hessian X^T X;
+  rows not yet quantized through the Cholesky factor of the inverse Hessian X^T X; the rows in
+  activation order (falling X^T X diagonal), the groups' parameters fixed from the weight, so
+  the folder keeps the in-order form (actorder "weight");
 - smoothquant: W8A8, symmetric INT8 weights per output channel with INT8 activations quantized
   per token at run time; before that, per input channel s = max|x|**alpha / max|w|**(1-alpha)
   with 1 / s folded into the norm before q/k/v and gate/up and into up for down (llm-compressor's
@@ -62,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="a text file to calibrate on (default: a bundled English text)")
     p.add_argument("--samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="gptq: quantize rows in activation order (default on); the groups and "
+                        "the stored form stay in order")
+    p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="awq: search each group's clipping bound (default on)")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate each layer on the quantized layers' outputs (default on), "
+                        "not the float model's")
 
 
 def run(args) -> int:
@@ -76,7 +89,9 @@ def run(args) -> int:
         report = quantize(args.model, args.out, method=args.method, bits=bits,
                           group_size=-1 if w8a8 else args.group_size,
                           symmetric=w8a8 or not args.asymmetric, text=text,
-                          samples=args.samples, seq_len=args.seq_len, alpha=args.alpha)
+                          samples=args.samples, seq_len=args.seq_len, alpha=args.alpha,
+                          act_order=args.act_order, clip=args.clip,
+                          sequential=args.sequential)
     except (CheckpointError, ConfigError, ValueError) as e:
         raise SystemExit(f"pallasite quantize: {e}") from None
     err = np.mean([r["rel_err"] for r in report["linears"]])
@@ -129,18 +144,25 @@ def layer_inputs(config, lp, x, positions):
     return {k: np.asarray(a) if k == "routed" else flat(a) for k, a in acts.items()}, out
 
 
-def _quantize_set(method, x, ws, bits, g, symmetric):
+def _quantize_set(method, x, ws, names, bits, g, symmetric, act_order, clip):
     """Quantize weights [K, N] sharing input x (already multiplied by AWQ's s, if any):
     per weight (dequantized, scale, zero). GPTQ with no input rows (an expert no calibration
-    token reached) rounds to nearest."""
+    token reached) rounds to nearest; AWQ clips each weight first, but q and k, whose errors
+    the attention scores multiply rather than add (as AutoAWQ leaves them)."""
     from pallasite.tools import calibration as cal
     kw = dict(bits=bits, group_size=g, symmetric=symmetric)
-    if method == "gptq" and len(x):
-        xs = jnp.asarray(x)
-        h = xs.T @ xs
-        out = [cal.gptq(jnp.asarray(w), h, **kw) for w in ws]
-    else:
-        out = [cal.rtn(jnp.asarray(w), **kw) for w in ws]
+    xs = jnp.asarray(x)
+    h = xs.T @ xs if len(x) and method in ("awq", "gptq") else None
+    out = []
+    for w, name in zip(ws, names):
+        w = jnp.asarray(w)
+        if method == "gptq" and h is not None:
+            out.append(cal.gptq(w, h, act_order=act_order, **kw))
+            continue
+        scores = name.endswith(("q_proj", "k_proj"))
+        if clip and method == "awq" and h is not None and not scores:
+            w = cal.awq_clip(w, h, **kw)
+        out.append(cal.rtn(w, **kw))
     return [tuple(np.asarray(a, np.float32) for a in o) for o in out]
 
 
@@ -197,10 +219,17 @@ def expert_sets(config, hf, p, acts) -> tuple[dict, dict]:
 
 
 def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmetric=True,
-             text=None, samples=16, seq_len=512, progress=True, alpha=0.5) -> dict:
+             text=None, samples=16, seq_len=512, progress=True, alpha=0.5, act_order=None,
+             clip=True, sequential=True) -> dict:
     """Quantize every decoder linear; write the folder; return per-linear errors (for
-    smoothquant, with the activations quantized per token as they will be)."""
+    smoothquant, with the activations quantized per token as they will be).
+    `act_order` (GPTQ; on by default): rows in activation order. `clip` (AWQ): the clipping
+    search. `sequential`: each layer calibrates on the outputs of the layers before it as
+    quantized, not as float."""
     w8a8 = method == "smoothquant"
+    if act_order and method != "gptq":
+        raise ValueError(f"quantize: act order is GPTQ's, not {method}'s")
+    act_order = method == "gptq" if act_order is None else act_order
     if w8a8 and (bits, group_size, symmetric) != (8, -1, True):
         raise ValueError("quantize: smoothquant is 8-bit symmetric per output channel")
     from pallasite.model import load_hf
@@ -226,7 +255,7 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
         from rich.progress import track
         layers = track(layers, description=f"{method} W{bits}", transient=True)
     for i in layers:
-        acts, x = layer_inputs(config, params[f"layers_{i}"], x, positions)
+        acts, out = layer_inputs(config, params[f"layers_{i}"], x, positions)
         p = f"model.layers.{i}."
         sets = None
         if "routed" in acts:
@@ -247,7 +276,7 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
             s = scales.get("gate_up" if key.startswith("gate_up.") else key)
             xin = acts[key] if s is None else acts[key] / s
             outs = _quantize_set(method, xin, ws if s is None else [w * s[:, None] for w in ws],
-                                 bits, g, symmetric)
+                                 names, bits, g, symmetric, act_order, clip)
             x_run = per_token_int8(xin) if w8a8 else xin
             for n, w, (deq, scale, zero) in zip(names, ws, outs):
                 quantized[p + n] = (deq, scale, zero, g)
@@ -257,10 +286,32 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
                 err = float(np.linalg.norm(x_run @ deq - want) /
                             max(np.linalg.norm(want), 1e-30))
                 report.append(dict(linear=p + n, rel_err=err))
+        x = _layer_inputs(config, quantized_layer(config, i, hf, quantized), x, positions)[1] \
+            if sequential else out
     ignore = ["lm_head"] + ([EXPERTS[config.model_type][2]] if config.is_moe else [])
     write_folder(model_dir, out_dir, config, hf, quantized, bits=bits, symmetric=symmetric,
-                 group_size=group_size, w8a8=w8a8, ignore=ignore)
+                 group_size=group_size, w8a8=w8a8, ignore=ignore, act_order=act_order)
     return dict(linears=report, method=method, bits=bits, group_size=group_size)
+
+
+def quantized_layer(config, i, hf, quantized) -> dict:
+    """Layer i's params as the written folder will hold them: the folds in `hf`, and each
+    quantized linear at its dequantized weight (the next layer's calibration input)."""
+    from pallasite.model import hf_sources
+    def weight(name):
+        module = name.removesuffix(".weight")
+        return quantized[module][0].T if module in quantized else hf[name]
+
+    lp = {}
+    for path, (names, build) in hf_sources(config).items():
+        if path[0] == f"layers_{i}":
+            parts = [weight(n) for n in names]
+            value = parts[0] if build is None else build(*parts)
+            tree = lp
+            for key in path[1:-1]:
+                tree = tree.setdefault(key, {})
+            tree[path[-1]] = jnp.asarray(value, jnp.float32)
+    return lp
 
 
 def fold_scales(hf, p, key, s, names=()):
@@ -322,7 +373,8 @@ def int_quantized(deq, scale) -> dict:
             "weight_scale": np.ascontiguousarray(scale.T, np.float32)}
 
 
-def quantization_config(bits, group_size, symmetric, w8a8=False, ignore=("lm_head",)) -> dict:
+def quantization_config(bits, group_size, symmetric, w8a8=False, ignore=("lm_head",),
+                        act_order=False) -> dict:
     try:
         from compressed_tensors import __version__ as version
     except ImportError:
@@ -330,7 +382,8 @@ def quantization_config(bits, group_size, symmetric, w8a8=False, ignore=("lm_hea
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
                "strategy": "channel" if group_size == -1 else "group",
                "group_size": None if group_size == -1 else group_size, "dynamic": False,
-               "actorder": None, "observer": "minmax", "block_structure": None}
+               "actorder": "weight" if act_order else None, "observer": "minmax",
+               "block_structure": None}
     acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
             "dynamic": True, "group_size": None, "observer": None,
             "block_structure": None, "actorder": None} if w8a8 else None
@@ -344,7 +397,7 @@ def quantization_config(bits, group_size, symmetric, w8a8=False, ignore=("lm_hea
 
 
 def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, group_size,
-                 w8a8=False, ignore=("lm_head",)):
+                 w8a8=False, ignore=("lm_head",), act_order=False):
     from safetensors.flax import save_file
     raw = json.loads((model_dir / "config.json").read_text())
     dtype = {"float16": jnp.float16, "float32": jnp.float32}.get(
@@ -358,7 +411,8 @@ def write_folder(model_dir, out_dir, config, hf, quantized, *, bits, symmetric, 
             tensors[f"{module}.{key}"] = jnp.asarray(a)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    raw["quantization_config"] = quantization_config(bits, group_size, symmetric, w8a8, ignore)
+    raw["quantization_config"] = quantization_config(bits, group_size, symmetric, w8a8, ignore,
+                                                     act_order)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "special_tokens_map.json", "chat_template.jinja"):
