@@ -6,12 +6,12 @@ register, never in the corpus) and, further from it, numpy's function docstrings
 document (up to --tokens tokens) the script scores every next token with
 the checkpoint's weights (bf16 values, computed in float32) and with FP8 weights, both through
 W8A16 (bf16-style activations, FP8 weights: the decode path) and W8A8 (activations quantized
-per token too: the prefill path on FP8 tensor cores), and reports perplexity, its change and
-top-1 agreement with the reference. Then greedy samples with and without FP8 weights.
+per token too: the prefill path on FP8 tensor cores), and reports perplexity, its change, the
+mean KL divergence from the reference's next-token distribution and top-1 agreement with it. Then greedy samples with and without FP8 weights.
 
-With `--int4 rtn,awq,gptq` the same scores for INT4 weights (group 128) written by
-`pallasite quantize` with each method, calibrated on the model's own training text (CPython's
-help topics: in its domain, and not the held-out text).
+With `--int4 rtn,awq,gptq` the same scores for INT4 weights (group 128, or `--group-size`)
+written by `pallasite quantize` with each method, calibrated on the model's own training text
+(CPython's help topics: in its domain, and not the held-out text).
 
     python -m benchmarks.quant_quality --out /tmp/quant_quality   # CPU, about 2 minutes
     python -m benchmarks.quant_quality --out /tmp/q --int4 rtn,awq,gptq   # CPU, some minutes more
@@ -79,14 +79,15 @@ SOURCES = {"cpython-tests": cpython_test_docstrings, "numpy": numpy_docstrings}
 
 
 def score(fn, params, windows):
-    """Per document: (summed next-token log-likelihood, tokens, argmax per position)."""
+    """Per document: (summed next-token log-likelihood, tokens, argmax per position, the top
+    token's probability per position, log-probabilities [positions, vocab])."""
     out = []
     for ids in windows:
         logits = fn(params, ids[None, :-1])[0]
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         ll = jnp.take_along_axis(logp, ids[1:, None], axis=-1).sum()
         out.append((float(ll), len(ids) - 1, np.asarray(jnp.argmax(logits, -1)),
-                    np.asarray(jnp.exp(jnp.max(logp, -1)))))
+                    np.asarray(jnp.exp(jnp.max(logp, -1))), np.asarray(logp)))
     return out
 
 
@@ -102,21 +103,29 @@ def summary(scores, ref=None) -> dict:
             int((a[2] == b[2])[m].sum()) for a, b, m in zip(scores, ref, sure)) / max(
             1, sum(int(m.sum()) for m in sure))
         row["perplexity_change"] = row["perplexity"] / summary(ref)["perplexity"] - 1
+        # KL(reference || this) per token: the whole distribution's change, which the
+        # perplexity of a text averages away
+        row["kl_divergence"] = sum(float(np.sum(np.exp(b[4]) * (b[4] - a[4])))
+                                   for a, b in zip(scores, ref)) / n
     return row
 
 
-def int4_params(folder, methods, workdir: Path, samples: int = 16, seq_len: int = 512) -> dict:
-    """method -> params of the INT4 (group 128) folder `pallasite quantize` writes with it,
-    calibrated on the model's own help topics."""
+def int4_params(folder, methods, workdir: Path, samples: int = 16, seq_len: int = 512,
+                group_size: int = 128) -> dict:
+    """method -> params of the INT4 folder `pallasite quantize` writes with it, calibrated on
+    the model's own help topics. A method may name options to turn off after a colon, joined
+    by `+` (`gptq:no-act-order+no-sequential`)."""
     from pallasite.model import load_hf
     from pallasite.tools import quantize as q
     from pallasite.train.default_model import help_topics
     text = "\n\n".join(help_topics())
     out = {}
-    for method in methods:
-        q.quantize(folder, workdir / method, method=method, bits=4, group_size=128, text=text,
-                   samples=samples, seq_len=seq_len, progress=False)
-        out[method] = load_hf(workdir / method, dtype=jnp.float32)[1]
+    for spec in methods:
+        method, _, off = spec.partition(":")
+        options = {o.removeprefix("no-").replace("-", "_"): False for o in off.split("+") if o}
+        q.quantize(folder, workdir / spec, method=method, bits=4, group_size=group_size,
+                   text=text, samples=samples, seq_len=seq_len, progress=False, **options)
+        out[spec] = load_hf(workdir / spec, dtype=jnp.float32)[1]
     return out
 
 
@@ -137,8 +146,10 @@ def main(argv=None):
     p.add_argument("--sources", default="cpython-tests,numpy", help=", ".join(SOURCES))
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--sample-tokens", type=int, default=40)
-    p.add_argument("--int4", default="", help="also INT4 g128 weights by these `pallasite "
-                   "quantize` methods (comma-separated: rtn, awq, gptq)")
+    p.add_argument("--int4", default="", help="also INT4 weights by these `pallasite "
+                   "quantize` methods (comma-separated: rtn, awq, gptq; options turned off "
+                   "after a colon, joined by +: gptq:no-act-order+no-sequential)")
+    p.add_argument("--group-size", type=int, default=128, help="INT4 rows a scale (-1: channel)")
     args = p.parse_args(argv)
     from pallasite.model import default_model_path, forward_logits, load_hf, quant
     from pallasite.model.tokenizer import Tokenizer
@@ -157,10 +168,11 @@ def main(argv=None):
         return call
 
     t0 = time.time()
-    int4 = int4_params(folder, args.int4.split(","), Path(args.out) / "int4") if args.int4 \
-        else {}
+    int4 = int4_params(folder, args.int4.split(","), Path(args.out) / "int4",
+                       group_size=args.group_size) if args.int4 else {}
     fns = {mode: forward(mode) for mode in ("w8a16", "w8a8")}
     results, sources = {}, {}
+    group = "channel" if args.group_size == -1 else f"g{args.group_size}"
     for key in args.sources.split(","):
         texts, sources[key] = SOURCES[key]()
         windows = [np.asarray(tokenizer.encode(t)[:args.tokens], np.int32) for t in texts]
@@ -177,7 +189,7 @@ def main(argv=None):
             results[key][f"fp8 weights, {mode}"] = summary(score(fns[mode], qparams, windows),
                                                            ref)
         for method, p4 in int4.items():
-            results[key][f"int4 g128 weights, {method}"] = summary(
+            results[key][f"int4 {group} weights, {method}"] = summary(
                 score(fns["w8a16"], p4, windows), ref)
     os.environ.pop("PALLASITE_QUANT_MATMUL")
     samples = []
@@ -193,14 +205,14 @@ def main(argv=None):
                                "fp8": quant.weight_bytes(qparams),
                                **{f"int4_{m}": quant.weight_bytes(p4) for m, p4 in int4.items()}},
               "int4_calibration": "CPython's help topics (the training text), 16 x 512 tokens"
-              if int4 else None,
+              if int4 else None, "int4_group_size": args.group_size if int4 else None,
               "jax_version": jax.__version__, "backend": jax.default_backend(),
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_quality.json").write_text(json.dumps(record, indent=1))
-    print(f"{'text':14s} {'weights':36s} {'perplexity':>10s} {'change':>8s} {'top-1 agree':>11s}"
-          f" {'(ref p>=.5)':>11s}")
+    print(f"{'text':14s} {'weights':40s} {'perplexity':>10s} {'change':>8s} {'KL':>7s}"
+          f" {'top-1 agree':>11s} {'(ref p>=.5)':>11s}")
     for key, rows in results.items():
         for name, r in rows.items():
             if name == "documents":
@@ -208,8 +220,9 @@ def main(argv=None):
             change = f"{r['perplexity_change']:+.2%}" if "perplexity_change" in r else ""
             agree = f"{r['top1_agreement']:.2%}" if "top1_agreement" in r else ""
             sure = f"{r['top1_agreement_where_ref_p_ge_0.5']:.2%}" if agree else ""
-            print(f"{key:14s} {name:36s} {r['perplexity']:10.3f} {change:>8s} {agree:>11s}"
-                  f" {sure:>11s}")
+            kl = f"{r['kl_divergence']:.4f}" if agree else ""
+            print(f"{key:14s} {name:40s} {r['perplexity']:10.3f} {change:>8s} {kl:>7s}"
+                  f" {agree:>11s} {sure:>11s}")
     for s in samples:
         print(f"\n--- {s['prompt']!r}\nreference: {s['reference']!r}\nfp8:       {s['fp8_w8a16']!r}")
     print(f"\nwrote {out / 'quant_quality.json'}")
