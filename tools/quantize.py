@@ -115,10 +115,16 @@ def calibration_tokens(model_dir: Path, text: str | None, samples: int, seq_len:
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def layer_output(config, lp, x, positions):
+    """One decoder layer's output (the next layer's input)."""
+    from pallasite.model.transformer import Block, residual_sum
+    return residual_sum(*Block(config, x.dtype).apply({"params": lp}, x, positions)[:2])
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _layer_inputs(config, lp, x, positions):
     from pallasite.model.attention import Attention, attend
     from pallasite.model.layers import RMSNorm
-    from pallasite.model.transformer import Block, residual_sum
     c, dt = config, x.dtype
     norm = lambda p, v: RMSNorm(c.hidden_size, c.rms_norm_eps, dt).apply({"params": p}, v)
     xn = norm(lp["attn_norm"], x)
@@ -127,7 +133,7 @@ def _layer_inputs(config, lp, x, positions):
     o_in = attend(q, k, v)[0]
     h = x + jnp.einsum("...hk,hkd->...d", o_in, lp["attn"]["wo"])
     xm = norm(lp["mlp_norm"], h)
-    out = residual_sum(*Block(c, dt).apply({"params": lp}, x, positions)[:2])
+    out = layer_output(c, lp, x, positions)
     if "moe" in lp:  # the experts' input and each token's routed experts
         from pallasite.model.layers import route_tokens
         experts = route_tokens(c, xm.reshape(-1, xm.shape[-1]), lp["moe"]["router"])[1]
@@ -286,7 +292,7 @@ def quantize(model_dir, out_dir, *, method="awq", bits=4, group_size=128, symmet
                 err = float(np.linalg.norm(x_run @ deq - want) /
                             max(np.linalg.norm(want), 1e-30))
                 report.append(dict(linear=p + n, rel_err=err))
-        x = _layer_inputs(config, quantized_layer(config, i, hf, quantized), x, positions)[1] \
+        x = layer_output(config, quantized_layer(config, i, hf, quantized), x, positions) \
             if sequential else out
     ignore = ["lm_head"] + ([EXPERTS[config.model_type][2]] if config.is_moe else [])
     write_folder(model_dir, out_dir, config, hf, quantized, bits=bits, symmetric=symmetric,
@@ -298,6 +304,8 @@ def quantized_layer(config, i, hf, quantized) -> dict:
     """Layer i's params as the written folder will hold them: the folds in `hf`, and each
     quantized linear at its dequantized weight (the next layer's calibration input)."""
     from pallasite.model import hf_sources
+    from pallasite.model.loader import _set
+
     def weight(name):
         module = name.removesuffix(".weight")
         return quantized[module][0].T if module in quantized else hf[name]
@@ -307,10 +315,7 @@ def quantized_layer(config, i, hf, quantized) -> dict:
         if path[0] == f"layers_{i}":
             parts = [weight(n) for n in names]
             value = parts[0] if build is None else build(*parts)
-            tree = lp
-            for key in path[1:-1]:
-                tree = tree.setdefault(key, {})
-            tree[path[-1]] = jnp.asarray(value, jnp.float32)
+            _set(lp, path[1:], jnp.asarray(value, jnp.float32))
     return lp
 
 
